@@ -1,0 +1,6 @@
+"""Consumer-group runner that applies request_id-keyed callbacks to result records."""
+
+from consumer.handlers import HandlerRegistry, load_handler
+from consumer.runner import ConsumerRunner
+
+__all__ = ["ConsumerRunner", "HandlerRegistry", "load_handler"]

@@ -1,0 +1,257 @@
+"""The consumer-group runner: apply callbacks to records, at least once, skipping duplicates.
+
+Ack after the callback returns; a failed callback's entry is handed back and retried (by this
+or another consumer) until ``max_deliveries``, then dead-lettered. Entries left pending by a
+dead consumer are reclaimed after ``claim_idle``. Request_ids the group already applied are
+remembered in expiring time buckets (``{ns}:applied:<group>:<bucket>``) and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.asyncio import Redis
+
+from consumer.handlers import Handler, HandlerRegistry
+from shared.codec import ValidationError, decode_record
+from shared.connection import connect
+from shared.keys import Keys
+from shared.retention import trim_acked
+from shared.scripts import DeadLetter, Scripts
+from shared.settings import Settings
+from shared.streams import ensure_group, text, unique_consumer_name
+from shared.types import CompletionRecord
+
+log = logging.getLogger("redroll.consumer")
+
+
+@dataclass
+class ConsumerStats:
+    applied: int = 0
+    duplicates_skipped: int = 0
+    failures: int = 0
+    dead_lettered: int = 0
+    reclaimed: int = 0
+    trimmed: int = 0
+
+
+@dataclass
+class _Item:
+    entry_id: str
+    fields: dict
+    deliveries: int
+    record: CompletionRecord | None = None
+
+
+class ConsumerRunner:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        group: str,
+        handlers: dict[str, Handler] | None = None,
+        default_handler: Handler | None = None,
+        stream: str | None = None,
+        name: str | None = None,
+        redis_client: Redis | None = None,
+        batch: int = 128,
+        block_ms: int = 1000,
+        trim_interval_s: float = 5.0,
+        reclaim_interval_s: float | None = None,
+    ):
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.group = group
+        self.stream = stream or self.keys.results
+        self.registry = HandlerRegistry(handlers, default_handler)
+        self.name = name or unique_consumer_name(f"consumer-{group}")
+        self.batch = batch
+        self.block_ms = block_ms
+        self.trim_interval_s = trim_interval_s
+        self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
+        self.stats = ConsumerStats()
+        self._redis = redis_client
+        self._owns_redis = redis_client is None
+        self._stopping = asyncio.Event()
+        self._cursor = "0-0"
+        self._last_errors: dict[str, str] = {}
+
+    @property
+    def redis(self) -> Redis:
+        assert self._redis is not None, "consumer not started"
+        return self._redis
+
+    def register(self, name: str, fn: Handler) -> None:
+        self.registry.register(name, fn)
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        if self._redis is None:
+            self._redis = connect(self.settings)
+        self.scripts = Scripts(self.redis)
+        await ensure_group(self.redis, self.stream, self.group)
+        log.info("consumer %s on %s group %s: handlers %s", self.name, self.stream, self.group,
+                 self.registry.names())
+        tasks = [asyncio.create_task(self._guard(fn)) for fn in (self._read_loop, self._reclaim_loop, self._trim_loop)]
+        try:
+            await self._stopping.wait()
+        finally:
+            # The read loop finishes its current batch (acks included) before it stops.
+            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._owns_redis:
+                await self.redis.aclose()
+            log.info("consumer %s stopped: %s", self.name, self.stats)
+
+    async def _guard(self, loop_fn: Any) -> None:
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                await loop_fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await ensure_group(self.redis, self.stream, self.group)
+                    continue
+                log.exception("%s: redis error", loop_fn.__name__)
+            except Exception:
+                log.exception("%s crashed; restarting it", loop_fn.__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    # ------------------------------------------------------------------ loops
+
+    async def _read_loop(self) -> None:
+        while not self._stopping.is_set():
+            resp = await self.redis.xreadgroup(self.group, self.name, {self.stream: ">"}, count=self.batch,
+                                               block=self.block_ms)
+            items = [_Item(text(i), f or {}, 1) for _s, es in (resp or []) for i, f in es]
+            if items:
+                await self.process(items)
+
+    async def _reclaim_loop(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.reclaim_interval_s)
+            next_cursor, entries, *_ = await self.redis.xautoclaim(
+                self.stream, self.group, self.name, self.settings.claim_idle_ms,
+                start_id=self._cursor, count=self.batch)
+            self._cursor = text(next_cursor)
+            entries = [(text(i), f) for i, f in entries if f]
+            if not entries:
+                continue
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i, _ in entries:
+                    pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1)
+                pend = await pipe.execute()
+            items = [_Item(i, f, int(p[0]["times_delivered"]) if p else 1) for (i, f), p in zip(entries, pend)]
+            self.stats.reclaimed += len(items)
+            await self.process(items)
+
+    async def _trim_loop(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.trim_interval_s)
+            self.stats.trimmed += await trim_acked(self.redis, self.stream)
+
+    # ------------------------------------------------------------------ one batch
+
+    async def process(self, items: list[_Item]) -> None:
+        """Apply one batch: dead-letter what cannot be applied, skip duplicates, ack what succeeded."""
+        runnable: list[_Item] = []
+        for item in items:
+            try:
+                item.record = decode_record(item.fields)
+            except ValidationError as exc:
+                await self._dead_letter(item, exc.reason)
+                continue
+            if item.deliveries > self.settings.max_deliveries:
+                last = self._last_errors.pop(item.entry_id, None)
+                reason = f"callback failed: delivered {item.deliveries} times (max_deliveries=" \
+                         f"{self.settings.max_deliveries})" + (f"; last error: {last}" if last else "")
+                await self._dead_letter(item, reason)
+                continue
+            if self.registry.resolve(item.record) is None:
+                name = item.record.callback
+                reason = (f"no handler registered under {name!r}" if name is not None
+                          else "record names no callback and this consumer has no default handler")
+                await self._dead_letter(item, reason)
+                continue
+            runnable.append(item)
+        if not runnable:
+            return
+        already = await self._applied_already([i.record.request_id for i in runnable])  # type: ignore[union-attr]
+        to_apply = [i for i in runnable if i.record.request_id not in already]  # type: ignore[union-attr]
+        skipped = [i for i in runnable if i.record.request_id in already]  # type: ignore[union-attr]
+        self.stats.duplicates_skipped += len(skipped)
+        results = await asyncio.gather(*(self._apply(i) for i in to_apply), return_exceptions=True)
+        succeeded = [i for i, r in zip(to_apply, results) if r is None]
+        failed = [(i, r) for i, r in zip(to_apply, results) if r is not None]
+        await self._ack(succeeded, skipped)
+        for item, exc in failed:
+            self.stats.failures += 1
+            self._last_errors[item.entry_id] = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning("callback for request %s failed (delivery %d): %s", item.record.request_id,  # type: ignore[union-attr]
+                        item.deliveries, exc)
+        if failed:
+            # Hand back at once: the next reclaim pass retries it (and counts the delivery).
+            await self.scripts.renew(self.stream, self.group, self.name, [i.entry_id for i, _ in failed],
+                                     idle_ms=self.settings.claim_idle_ms)
+
+    async def _apply(self, item: _Item) -> BaseException | None:
+        fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
+        try:
+            await HandlerRegistry.call(fn, item.record)  # type: ignore[arg-type]
+        except Exception as exc:
+            return exc
+        return None
+
+    async def _applied_already(self, request_ids: list[str]) -> set[str]:
+        buckets = self.keys.applied_buckets(self.group, self.settings.dedup_window_s)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for b in buckets:
+                pipe.smismember(b, request_ids)
+            replies = await pipe.execute()
+        seen: set[str] = set()
+        for flags in replies:
+            seen.update(rid for rid, f in zip(request_ids, flags) if int(f))
+        return seen
+
+    async def _ack(self, applied: list[_Item], skipped: list[_Item]) -> None:
+        if not applied and not skipped:
+            return
+        window = self.settings.dedup_window_s
+        now = time.time()
+        bucket_key = self.keys.applied(self.group, int(now // window))
+        expire_at = (int(now // window) + 2) * window
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if applied:
+                pipe.sadd(bucket_key, *[i.record.request_id for i in applied])  # type: ignore[union-attr]
+                pipe.expireat(bucket_key, int(expire_at))
+            pipe.xack(self.stream, self.group, *[i.entry_id for i in applied + skipped])
+            await pipe.execute()
+        self.stats.applied += len(applied)
+        for i in applied:
+            self._last_errors.pop(i.entry_id, None)
+
+    async def _dead_letter(self, item: _Item, reason: str) -> None:
+        letter = DeadLetter(stream=self.stream, entry_id=item.entry_id, reason=reason,
+                            source=f"consumer:{self.group}", fields=item.fields, deliveries=item.deliveries,
+                            delete_entry=False)
+        done = await self.scripts.dead_letter_in(self.redis, dead_key=self.keys.dead, group=self.group,
+                                                 consumer=self.name, letter=letter)
+        if int(done):
+            self.stats.dead_lettered += 1
+            rid = item.record.request_id if item.record else text(item.fields.get(b"rid", b"?"))
+            log.warning("record %s (entry %s) dead-lettered: %s", rid, item.entry_id, reason)

@@ -1,0 +1,1 @@
+"""Engine workers: claim requests from ``{ns}:requests``, generate, publish fenced records."""

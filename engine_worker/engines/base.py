@@ -1,0 +1,87 @@
+"""The small protocol every engine adapter implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from shared.types import GenerationRequest
+
+
+@dataclass
+class SampleOutput:
+    """One sample of one request."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+    """"stop", "length", "abort", or None when it never started."""
+
+
+@dataclass
+class EngineOutput:
+    samples: list[SampleOutput]
+    prompt_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.finish_reason == "abort" for s in self.samples)
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    model: str
+    vocab_size: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    weight_version: str | None = None
+    max_context: int | None = None
+    logprob_mode: str = "temperature-scaled, before top-k/top-p"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs from an engine.
+
+    ``generate`` is called concurrently for up to ``max_inflight`` requests; the engine batches
+    them as it sees fit. ``abort(handle)`` stops one generation (queued inside the engine or
+    running): its ``generate`` then returns what was produced so far with finish reason "abort".
+    Unknown handles are ignored.
+    """
+
+    info: EngineInfo
+
+    async def start(self) -> None: ...
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise :class:`shared.codec.ValidationError` for requests this engine cannot serve."""
+
+    async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput: ...
+
+    def abort(self, handle: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:
+    """Common engine-side checks: ids inside the vocabulary and the context window."""
+    from shared.codec import ValidationError
+
+    if vocab_size is not None:
+        for field_name, ids in (("input_ids", request.input_ids or []),
+                                ("sampling_params.stop_token_ids", request.sampling_params.stop_token_ids)):
+            for i, t in enumerate(ids):
+                if t >= vocab_size:
+                    raise ValidationError(f"{field_name}[{i}]", f"token id {t} is outside the vocabulary of {vocab_size}")
+    if max_context is not None and request.input_ids is not None:
+        total = len(request.input_ids) + request.sampling_params.max_new_tokens
+        if total > max_context:
+            raise ValidationError(
+                "sampling_params.max_new_tokens",
+                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.sampling_params.max_new_tokens}) "
+                f"exceeds the model context of {max_context}",
+            )

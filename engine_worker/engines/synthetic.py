@@ -1,0 +1,91 @@
+"""A model-free engine: deterministic tokens at a fixed per-token time.
+
+For measuring the queue itself and for fault tests. Tokens are derived from the request's
+input and ``sampling_seed`` (or its request_id when no seed is given), so a replay produces
+the same output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+
+from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from shared.types import GenerationRequest
+
+
+class SyntheticEngine:
+    def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
+                 model: str = "synthetic", max_context: int | None = None, **_ignored: object):
+        self.token_ms = float(token_ms)
+        self.info = EngineInfo(name="synthetic", model=model, vocab_size=vocab_size, eos_token_id=None,
+                               pad_token_id=None, weight_version=weight_version, max_context=max_context)
+        self._abort_events: dict[str, asyncio.Event] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for ev in self._abort_events.values():
+            ev.set()
+
+    def validate(self, request: GenerationRequest) -> None:
+        check_token_ids(request, self.info.vocab_size, self.info.max_context)
+
+    def abort(self, handle: str) -> None:
+        ev = self._abort_events.get(handle)
+        if ev is not None:
+            ev.set()
+
+    def tokens_for(self, request: GenerationRequest, sample: int) -> tuple[list[int], list[float]]:
+        """The full (unaborted) output of one sample: ids and logprobs."""
+        sp = request.sampling_params
+        h = hashlib.blake2b(digest_size=8)
+        if request.input_ids is not None:
+            h.update(b"ids:" + ",".join(map(str, request.input_ids)).encode())
+        else:
+            h.update(b"prompt:" + (request.prompt or "").encode())
+        h.update(f"|seed:{sp.sampling_seed if sp.sampling_seed is not None else request.request_id}|{sample}".encode())
+        rng = random.Random(int.from_bytes(h.digest(), "big"))
+        vocab = self.info.vocab_size or 32000
+        ids = [rng.randrange(vocab) for _ in range(sp.max_new_tokens)]
+        logprobs = [-rng.random() * 4.0 for _ in ids]
+        return ids, logprobs
+
+    async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
+        sp = request.sampling_params
+        prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
+        abort_ev = asyncio.Event()
+        self._abort_events[handle] = abort_ev
+        started = time.monotonic()
+        try:
+            budget = sp.max_new_tokens * self.token_ms / 1000.0
+            if budget > 0:
+                try:
+                    await asyncio.wait_for(abort_ev.wait(), timeout=budget)
+                except asyncio.TimeoutError:
+                    pass
+            elif abort_ev.is_set():
+                pass
+            aborted = abort_ev.is_set()
+            elapsed_ms = (time.monotonic() - started) * 1000.0
+            produced = sp.max_new_tokens
+            if aborted:
+                produced = min(sp.max_new_tokens, int(elapsed_ms / self.token_ms)) if self.token_ms > 0 else 0
+            samples = []
+            for i in range(sp.n):
+                ids, lps = self.tokens_for(request, i)
+                reason = "length"
+                for j, t in enumerate(ids):
+                    if t in sp.stop_token_ids:
+                        ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
+                        break
+                if aborted and produced < len(ids):
+                    ids, lps, reason = ids[:produced], lps[:produced], "abort"
+                samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
+            return EngineOutput(samples=samples, prompt_tokens=prompt_tokens,
+                                weight_version=self.info.weight_version)
+        finally:
+            self._abort_events.pop(handle, None)

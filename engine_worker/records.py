@@ -1,0 +1,64 @@
+"""Turn an engine's output into the wire record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_worker.engines.base import EngineInfo, EngineOutput
+from shared.types import CompletionRecord, GenerationRequest, RecordStatus
+
+
+def build_record(
+    request: GenerationRequest,
+    output: EngineOutput,
+    *,
+    status: RecordStatus,
+    worker: str,
+    info: EngineInfo,
+    attempt: int,
+    queue_ms: float,
+    engine_ms: float,
+) -> CompletionRecord:
+    """The record for a generation that ran (finished, aborted or expired mid-way).
+
+    An aborted or expired request without ``collect_unfinished`` reports no output and
+    ``finish_reasons == [None] * n`` (ROLL's convention); with it, the partial tokens and
+    logprobs of every sample.
+    """
+    keep_output = status is RecordStatus.FINISHED or request.collect_unfinished
+    n = max(len(output.samples), request.n)
+    if keep_output:
+        ids = [list(s.token_ids) for s in output.samples]
+        reasons: list[str | None] = [s.finish_reason for s in output.samples]
+        logprobs = [list(s.logprobs or []) for s in output.samples] if request.return_logprob else None
+    else:
+        ids = [[] for _ in range(n)]
+        reasons = [None] * n
+        logprobs = None
+    meta: dict[str, Any] = dict(request.meta_info)
+    meta.update(
+        prompt_tokens=output.prompt_tokens,
+        completion_tokens=sum(len(s.token_ids) for s in output.samples),
+        cached_tokens=output.cached_tokens,
+        weight_version=output.weight_version if output.weight_version is not None else info.weight_version,
+        worker=worker,
+        attempt=attempt,
+        queue_ms=round(queue_ms, 3),
+        engine_ms=round(engine_ms, 3),
+        eos_token_id=info.eos_token_id,
+        pad_token_id=info.pad_token_id,
+        logprob_mode=info.logprob_mode,
+    )
+    meta.update(output.extra)
+    return CompletionRecord(
+        request_id=request.request_id,
+        status=status,
+        output_token_ids=ids,
+        finish_reasons=reasons,
+        output_logprobs=logprobs,
+        meta_info=meta,
+        error=None,
+        worker=worker,
+        callback=request.callback,
+        group_id=request.group_id,
+    )

@@ -1,0 +1,468 @@
+"""The engine worker loop: claim, lease, generate, finish, abort, drain.
+
+One asyncio task per claimed request, at most ``max_inflight`` at once, so the engine sees
+enough concurrent work to batch. Every record is published by the fenced finish script: a
+worker that lost its lease (paused, cut off, reclaimed by another) cannot publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.asyncio import Redis
+
+from engine_worker.engines.base import Engine, EngineOutput
+from engine_worker.records import build_record
+from shared.codec import NewerSchemaError, ValidationError, decode_request
+from shared.connection import connect
+from shared.control import ControlCommand, aborted_member
+from shared.keys import WORKERS_GROUP, Keys
+from shared.scripts import DeadLetter, Scripts
+from shared.settings import Settings
+from shared.streams import ensure_group, text, unique_consumer_name
+from shared.types import CompletionRecord, GenerationRequest, RecordStatus
+
+log = logging.getLogger("redroll.worker")
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    reclaimed: int = 0
+    published: int = 0
+    fenced: int = 0
+    lease_losses: int = 0
+    dead_lettered: int = 0
+    handed_back: int = 0
+    engine_errors: int = 0
+    tokens: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class InFlight:
+    entry_id: str
+    handle: str
+    deliveries: int
+    claimed_at: float
+    request: GenerationRequest | None = None
+    task: asyncio.Task | None = None
+    stop_status: RecordStatus | None = None
+    """Set when the worker stops the generation: ABORTED (user abort) or EXPIRED (deadline)."""
+    handed_back: bool = False
+    lease_lost: bool = False
+    deadline_timer: asyncio.TimerHandle | None = None
+
+
+class Worker:
+    """Consumes ``{ns}:requests`` through group ``workers`` and publishes one record per request."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        *,
+        redis_client: Redis | None = None,
+        max_inflight: int = 32,
+        name: str | None = None,
+        block_ms: int = 1000,
+        reclaim_interval_s: float | None = None,
+    ):
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.engine = engine
+        self.max_inflight = max(1, int(max_inflight))
+        self.name = name or unique_consumer_name("worker")
+        self.block_ms = block_ms
+        self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
+        self.lease_interval_s = max(0.05, min(settings.heartbeat_s, settings.claim_idle_ms / 3000.0))
+        self.stats = WorkerStats()
+        self._redis = redis_client
+        self._owns_redis = redis_client is None
+        self._inflight: dict[str, InFlight] = {}
+        self._slot_free = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._started_at = time.time()
+        self._autoclaim_cursor = "0-0"
+        self._control_last_id = "0-0"
+        self._last_errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def redis(self) -> Redis:
+        assert self._redis is not None, "worker not started"
+        return self._redis
+
+    @property
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    def request_stop(self) -> None:
+        """Begin a graceful drain: stop claiming, finish in-flight work up to the drain timeout."""
+        self._stopping.set()
+        self._slot_free.set()
+
+    async def run(self) -> None:
+        """Run until :meth:`request_stop`, then drain and deregister."""
+        if self._redis is None:
+            self._redis = connect(self.settings)
+        self.scripts = Scripts(self.redis)
+        await self.engine.start()
+        await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
+        last = await self.redis.xrevrange(self.keys.control, count=1)
+        self._control_last_id = text(last[0][0]) if last else "0-0"
+        await self._heartbeat()
+        log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
+                 self.engine.info.name, self.engine.info.model, self.max_inflight)
+        loops = [
+            asyncio.create_task(self._guard(self._claim_loop), name="claim"),
+            asyncio.create_task(self._guard(self._reclaim_loop), name="reclaim"),
+        ]
+        background = [
+            asyncio.create_task(self._guard(self._control_loop), name="control"),
+            asyncio.create_task(self._guard(self._lease_loop), name="lease"),
+        ]
+        try:
+            await self._stopping.wait()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self._drain()
+        finally:
+            for t in background + loops:
+                t.cancel()
+            await asyncio.gather(*background, *loops, return_exceptions=True)
+            try:
+                await self.redis.hdel(self.keys.workers, self.name)
+            except redis.RedisError as exc:
+                log.warning("could not deregister heartbeat: %s", exc)
+            await self.engine.close()
+            if self._owns_redis:
+                await self.redis.aclose()
+            self._stopped.set()
+            log.info("worker %s stopped: %s", self.name, self.stats)
+
+    async def _guard(self, loop_fn: Any) -> None:
+        """Run a loop; on Redis errors back off and resume, so an outage never kills the worker."""
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                await loop_fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
+                    continue
+                log.exception("%s: redis error", loop_fn.__name__)
+            except Exception:
+                log.exception("%s crashed; restarting it", loop_fn.__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _drain(self) -> None:
+        if self._inflight:
+            log.info("draining %d in-flight request(s) for up to %.1fs", len(self._inflight),
+                     self.settings.drain_timeout_s)
+            tasks = [f.task for f in self._inflight.values() if f.task is not None]
+            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+        rest = list(self._inflight.values())
+        if rest:
+            for f in rest:
+                f.handed_back = True
+                self.engine.abort(f.handle)
+            await asyncio.gather(*(f.task for f in rest if f.task is not None), return_exceptions=True)
+            ids = [f.entry_id for f in rest]
+            lost = await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name, ids,
+                                            idle_ms=self.settings.claim_idle_ms)
+            self.stats.handed_back += len(ids) - len(lost)
+            log.info("handed back %d request(s) to the fleet", len(ids) - len(lost))
+
+    # ------------------------------------------------------------------ claiming
+
+    async def _wait_for_slot(self) -> None:
+        while len(self._inflight) >= self.max_inflight and not self._stopping.is_set():
+            self._slot_free.clear()
+            await self._slot_free.wait()
+
+    async def _claim_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self._wait_for_slot()
+            if self._stopping.is_set():
+                return
+            free = self.max_inflight - len(self._inflight)
+            resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.keys.requests: ">"},
+                                               count=free, block=self.block_ms)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.stats.claimed += 1
+                    self._start(text(entry_id), fields or {}, deliveries=1)
+
+    async def _reclaim_loop(self) -> None:
+        """Take over entries idle past ``claim_idle`` (dead workers, hand-backs)."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.reclaim_interval_s)
+            free = self.max_inflight - len(self._inflight)
+            if free <= 0 or self._stopping.is_set():
+                continue
+            next_cursor, entries, *_deleted = await self.redis.xautoclaim(
+                self.keys.requests, WORKERS_GROUP, self.name, self.settings.claim_idle_ms,
+                start_id=self._autoclaim_cursor, count=free)
+            self._autoclaim_cursor = text(next_cursor)
+            entries = [(text(i), f) for i, f in entries if f]
+            if not entries:
+                continue
+            counts = await self._delivery_counts([i for i, _ in entries])
+            for entry_id, fields in entries:
+                if entry_id in self._inflight:
+                    continue
+                self.stats.reclaimed += 1
+                self._start(entry_id, fields, deliveries=counts.get(entry_id, 1))
+
+    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in entry_ids:
+                pipe.xpending_range(self.keys.requests, WORKERS_GROUP, min=i, max=i, count=1)
+            replies = await pipe.execute()
+        out: dict[str, int] = {}
+        for i, rep in zip(entry_ids, replies):
+            if rep:
+                out[i] = int(rep[0]["times_delivered"])
+        return out
+
+    def _start(self, entry_id: str, fields: dict, deliveries: int) -> None:
+        flight = InFlight(entry_id=entry_id, handle=f"{entry_id}.{deliveries}", deliveries=deliveries,
+                          claimed_at=time.time())
+        self._inflight[entry_id] = flight
+        flight.task = asyncio.create_task(self._handle(flight, fields))
+
+    # ------------------------------------------------------------------ one request
+
+    async def _handle(self, flight: InFlight, fields: dict) -> None:
+        try:
+            await self._process(flight, fields)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # engine or redis failure: retry elsewhere, never a hung request
+            self.stats.engine_errors += 1
+            rid = flight.request.request_id if flight.request else "?"
+            log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc)
+            self._last_errors[flight.entry_id] = f"{type(exc).__name__}: {exc}"[:500]
+            await self._hand_back(flight)
+        finally:
+            if flight.deadline_timer is not None:
+                flight.deadline_timer.cancel()
+            self._inflight.pop(flight.entry_id, None)
+            self._slot_free.set()
+
+    async def _process(self, flight: InFlight, fields: dict) -> None:
+        max_deliveries = self.settings.max_deliveries
+        if flight.deliveries > max_deliveries:
+            last = self._last_errors.pop(flight.entry_id, None)
+            reason = f"delivered {flight.deliveries} times (max_deliveries={max_deliveries})"
+            if last:
+                reason += f"; last error: {last}"
+            await self._dead_letter(flight, fields, reason, request=self._try_decode(fields))
+            return
+        try:
+            request = decode_request(fields, self.settings.limits)
+            self._check_served(request)
+            self.engine.validate(request)
+        except NewerSchemaError as exc:
+            log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc)
+            await self._hand_back(flight)
+            return
+        except ValidationError as exc:
+            await self._dead_letter(flight, fields, exc.reason, error=exc)
+            return
+        flight.request = request
+        claimed_at = flight.claimed_at
+        queue_ms = max(0.0, (claimed_at - request.submitted_at) * 1000.0)
+
+        if flight.stop_status is None and await self._is_aborted(request):
+            flight.stop_status = RecordStatus.ABORTED
+        if flight.stop_status is None and request.deadline is not None and request.deadline <= time.time():
+            flight.stop_status = RecordStatus.EXPIRED
+        if flight.stop_status is not None:
+            record = CompletionRecord.failed(
+                request, request_id=request.request_id, status=flight.stop_status,
+                error=None if flight.stop_status is RecordStatus.ABORTED else "deadline passed before start",
+                worker=self.name, n=request.n,
+                meta_info={"worker": self.name, "attempt": flight.deliveries, "queue_ms": round(queue_ms, 3),
+                           "weight_version": self.engine.info.weight_version})
+            await self._finish(flight, request, record)
+            return
+
+        if request.deadline is not None:
+            delay = max(0.0, request.deadline - time.time())
+            flight.deadline_timer = asyncio.get_running_loop().call_later(
+                delay, self._stop_generation, flight, RecordStatus.EXPIRED)
+        started = time.monotonic()
+        output: EngineOutput = await self.engine.generate(request, flight.handle)
+        engine_ms = (time.monotonic() - started) * 1000.0
+        if flight.handed_back:
+            return  # drained: the entry goes back to the fleet, this partial output is dropped
+        status = flight.stop_status or (RecordStatus.ABORTED if output.aborted else RecordStatus.FINISHED)
+        record = build_record(request, output, status=status, worker=self.name, info=self.engine.info,
+                              attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
+        self.stats.tokens += record.meta_info.get("completion_tokens", 0)
+        await self._finish(flight, request, record)
+
+    def _check_served(self, request: GenerationRequest) -> None:
+        if request.reply_to is not None and not self.keys.is_reply_key(request.reply_to):
+            raise ValidationError("reply_to", f"{request.reply_to!r} is not a result or reply stream of this pipeline")
+        if request.model is not None and request.model != self.engine.info.model:
+            raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves "
+                                           f"{self.engine.info.model!r})")
+
+    async def _is_aborted(self, request: GenerationRequest) -> bool:
+        members = [aborted_member(request_id=request.request_id)]
+        if request.group_id is not None:
+            members.append(aborted_member(group_id=request.group_id))
+        scores = await self.redis.zmscore(self.keys.aborted, members)
+        return any(s is not None for s in scores)
+
+    def _stop_generation(self, flight: InFlight, status: RecordStatus) -> None:
+        if flight.stop_status is None:
+            flight.stop_status = status
+        self.engine.abort(flight.handle)
+
+    def _try_decode(self, fields: dict) -> GenerationRequest | None:
+        try:
+            return decode_request(fields, self.settings.limits)
+        except ValidationError:
+            return None
+
+    # ------------------------------------------------------------------ publishing
+
+    async def _finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
+        reply_key = request.reply_to or self.keys.results
+        cap = self.settings.results_max_len if reply_key == self.keys.results else 0
+        published = await self._retrying(lambda: self.scripts.finish_in(
+            self.redis, requests_key=self.keys.requests, reply_key=reply_key,
+            rid_key=self.keys.rid(request.request_id), group=WORKERS_GROUP, consumer=self.name,
+            entry_id=flight.entry_id, record=record, reply_cap=cap))
+        if int(published) == 1:
+            self.stats.published += 1
+            self.stats.by_status[record.status.value] = self.stats.by_status.get(record.status.value, 0) + 1
+            self._last_errors.pop(flight.entry_id, None)
+            log.debug("request %s %s", request.request_id, record.status.value)
+        else:
+            self.stats.fenced += 1
+            log.warning("request %s: lease lost (entry %s now owned elsewhere); output dropped",
+                        request.request_id, flight.entry_id)
+
+    async def _dead_letter(self, flight: InFlight, fields: dict, reason: str, *,
+                           error: ValidationError | None = None, request: GenerationRequest | None = None) -> None:
+        request_id = request.request_id if request else (error.request_id if error else None)
+        reply_to = request.reply_to if request else (error.reply_to if error else None)
+        if request_id is not None and reply_to is None:
+            reply_to = self.keys.results
+        if reply_to is not None and not self.keys.is_reply_key(reply_to):
+            reply_to = None  # never write outside the pipeline's own streams
+        record = None
+        if request_id is not None and reply_to is not None:
+            record = CompletionRecord.failed(request, request_id=request_id, status=RecordStatus.ERROR,
+                                             error=reason, worker=self.name,
+                                             n=request.n if request else 1,
+                                             meta_info={"worker": self.name, "attempt": flight.deliveries})
+        letter = DeadLetter(stream=self.keys.requests, entry_id=flight.entry_id, reason=reason, source="worker",
+                            fields=fields, deliveries=flight.deliveries, delete_entry=True,
+                            reply_to=reply_to if record else None, error_record=record,
+                            rid_key=self.keys.rid(request_id) if request_id else None)
+        done = await self._retrying(lambda: self.scripts.dead_letter_in(
+            self.redis, dead_key=self.keys.dead, group=WORKERS_GROUP, consumer=self.name, letter=letter))
+        if int(done) == 1:
+            self.stats.dead_lettered += 1
+            log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason)
+        else:
+            self.stats.fenced += 1
+
+    async def _hand_back(self, flight: InFlight) -> None:
+        """Give an entry back to the fleet now (owner-checked; the delivery count is not raised)."""
+        try:
+            lost = await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name, [flight.entry_id],
+                                            idle_ms=self.settings.claim_idle_ms)
+            if not lost:
+                self.stats.handed_back += 1
+        except redis.RedisError as exc:
+            log.warning("hand-back of %s failed (%s); it will be reclaimed after claim_idle", flight.entry_id, exc)
+
+    async def _retrying(self, call: Any, attempts: int = 8) -> Any:
+        """Retry a Redis call through short outages while the lease is still ours."""
+        delay = 0.1
+        for i in range(attempts):
+            try:
+                return await call()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                if i == attempts - 1:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # ------------------------------------------------------------------ control, leases, heartbeat
+
+    async def _control_loop(self) -> None:
+        while not self._stopping.is_set():
+            resp = await self.redis.xread({self.keys.control: self._control_last_id}, count=100, block=self.block_ms)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self._control_last_id = text(entry_id)
+                    cmd = ControlCommand.from_fields(fields)
+                    if cmd is not None:
+                        self.apply_control(cmd)
+
+    def apply_control(self, cmd: ControlCommand) -> None:
+        if cmd.target not in (None, "*", self.name):
+            return
+        if cmd.kind == "abort":
+            rids, gids = set(cmd.request_ids), set(cmd.group_ids)
+            for flight in list(self._inflight.values()):
+                req = flight.request
+                if req is not None and (req.request_id in rids or (req.group_id is not None and req.group_id in gids)):
+                    log.info("request %s: abort", req.request_id)
+                    self._stop_generation(flight, RecordStatus.ABORTED)
+        elif cmd.kind == "drain":
+            log.info("drain requested through the control stream")
+            self.request_stop()
+
+    async def _lease_loop(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.lease_interval_s)
+            await self.renew_leases()
+            await self._heartbeat()
+
+    async def renew_leases(self) -> None:
+        flights = [f for f in self._inflight.values() if not f.handed_back]
+        if not flights:
+            return
+        lost = set(await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name,
+                                            [f.entry_id for f in flights]))
+        for f in flights:
+            if f.entry_id in lost and not f.lease_lost:
+                f.lease_lost = True
+                self.stats.lease_losses += 1
+                log.warning("lease on entry %s lost; stopping its generation", f.entry_id)
+                self.engine.abort(f.handle)
+
+    async def _heartbeat(self) -> None:
+        info = self.engine.info
+        beat = {
+            "host": socket.gethostname(), "pid": os.getpid(), "engine": info.name, "model": info.model,
+            "weight_version": info.weight_version, "inflight": len(self._inflight),
+            "max_inflight": self.max_inflight, "started": round(self._started_at, 3), "seen": round(time.time(), 3),
+            "published": self.stats.published, "tokens": self.stats.tokens,
+            "state": "draining" if self._stopping.is_set() else "running",
+        }
+        await self.redis.hset(self.keys.workers, self.name, json.dumps(beat, separators=(",", ":")))

@@ -1,0 +1,361 @@
+"""The async producer client: submit requests, await or call back on their records.
+
+A producer reads its own reply stream ``{ns}:reply:<name>`` through consumer group
+``producer`` (consumer ``<name>``), so two producers never take each other's results, and a
+restarted producer with the same name finds the records it had not yet handled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+
+import redis
+from redis.asyncio import Redis
+
+from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
+from shared.connection import connect
+from shared.control import send_abort
+from shared.keys import PRODUCER_GROUP, Keys
+from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
+from shared.settings import Settings
+from shared.streams import ensure_group, text, unique_consumer_name
+from shared.types import CompletionRecord, GenerationRequest, SamplingParams
+
+log = logging.getLogger("redroll.producer")
+
+Callback = Callable[[CompletionRecord], Any]
+
+
+def make_request(
+    *,
+    request_id: str | None = None,
+    prompt: str | None = None,
+    input_ids: list[int] | None = None,
+    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    **fields: Any,
+) -> GenerationRequest:
+    """Build a request from plain values; ``sampling_params`` may be a dict (validated here)."""
+    if not isinstance(sampling_params, SamplingParams):
+        sampling_params = decode_sampling_params(dict(sampling_params or {}))
+    return GenerationRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt=prompt,
+        input_ids=list(input_ids) if input_ids is not None else None,
+        sampling_params=sampling_params,
+        **fields,
+    )
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    callback: Callback | None
+
+
+class Producer:
+    """Submit generation requests and receive their records.
+
+    Use as ``async with Producer(settings) as p: rec = await (await p.submit(prompt="hi"))``.
+    """
+
+    RECENT_LIMIT = 100_000
+    """How many applied request_ids are remembered to skip duplicate records."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        redis_client: Redis | None = None,
+        name: str | None = None,
+        block_ms: int = 1000,
+        read_count: int = 256,
+    ):
+        self.settings = settings or Settings.from_env()
+        self.keys: Keys = self.settings.keys
+        self.name = name or unique_consumer_name("producer")
+        check_request_id(self.name, "producer name")
+        self.reply_to = self.keys.reply(self.name)
+        self.block_ms = block_ms
+        self.read_count = read_count
+        self._redis = redis_client
+        self._owns_redis = redis_client is None
+        self._waiters: dict[str, _Waiter] = {}
+        self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
+        self._unclaimed_event = asyncio.Event()
+        self._recent: dict[str, None] = {}
+        self._reader: asyncio.Task | None = None
+        self._closed = False
+        self._last_expire = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            raise RuntimeError("producer not started: use 'async with Producer(...)' or 'await start()'")
+        return self._redis
+
+    async def start(self) -> "Producer":
+        if self._redis is None:
+            self._redis = connect(self.settings)
+        self.scripts = Scripts(self._redis)
+        await ensure_group(self._redis, self.reply_to, PRODUCER_GROUP)
+        await self._redis.expire(self.reply_to, self.settings.reply_ttl_s)
+        self._reader = asyncio.create_task(self._read_loop(), name=f"producer-reader-{self.name}")
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for w in self._waiters.values():
+            if not w.future.done():
+                w.future.cancel()
+        if self._owns_redis and self._redis is not None:
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> "Producer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ submitting
+
+    async def submit(
+        self,
+        request: GenerationRequest | None = None,
+        *,
+        callback: Callback | None = None,
+        **fields: Any,
+    ) -> asyncio.Future:
+        """Queue one request; returns a future resolved with its record.
+
+        ``callback(record)`` (sync or async) runs once when the record arrives, then is dropped.
+        Raises :class:`DuplicateRequestError` if another live submit holds the request_id, and
+        :class:`ValidationError` for a request no worker would accept.
+        """
+        futures = await self.submit_many([request or make_request(**fields)], callback=callback)
+        return futures[0]
+
+    async def submit_many(
+        self,
+        requests: Iterable[GenerationRequest | Mapping[str, Any]],
+        *,
+        callback: Callback | None = None,
+    ) -> list[asyncio.Future]:
+        """Queue many requests in one pipelined round trip; one future per request, in order."""
+        prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
+        for item in requests:
+            req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
+            req.reply_to = self.reply_to
+            fields = encode_request(req, self.settings.limits)
+            prepared.append((req, fields, f"{self.name}:{secrets.token_hex(8)}"))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future] = []
+        for req, _, _ in prepared:
+            if req.request_id in self._waiters:
+                raise DuplicateRequestError(req.request_id)
+        for req, _, _ in prepared:
+            fut = loop.create_future()
+            self._waiters[req.request_id] = _Waiter(fut, callback)
+            futures.append(fut)
+        try:
+            replies = await self._submit_with_retry(prepared)
+        except BaseException:
+            for req, _, _ in prepared:
+                self._waiters.pop(req.request_id, None)
+            raise
+        failed: Exception | None = None
+        for (req, _, _), reply, fut in zip(prepared, replies, futures):
+            try:
+                Scripts.submit_outcome(req.request_id, reply)
+            except DuplicateRequestError as exc:
+                self._waiters.pop(req.request_id, None)
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved; the error is raised below
+                failed = failed or exc
+        if failed is not None and len(prepared) == 1:
+            raise failed
+        return futures
+
+    async def _submit_with_retry(self, prepared: list, attempts: int = 8) -> list:
+        """Send the submit scripts; a retry after a dropped connection reuses each submit's token,
+        so a request the server already took is reported as submitted, not refused."""
+        delay = 0.1
+        for attempt in range(attempts):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for req, fields, token in prepared:
+                        self.scripts.submit_in(pipe, self.keys.requests, self.keys.rid(req.request_id), token,
+                                               req.request_id, req.reply_to, fields["data"],
+                                               self.settings.rid_ttl_s)
+                    return await pipe.execute(raise_on_error=True)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("submit failed (%s); retrying in %.1fs with the same tokens", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ receiving
+
+    async def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
+        """The record of ``request_id``: one submitted here, or (after a restart) before."""
+        waiter = self._waiters.get(request_id)
+        if waiter is None:
+            held = self._unclaimed.pop(request_id, None)
+            if held is not None:
+                await self._ack([held[0]])
+                return held[1]
+            waiter = _Waiter(asyncio.get_running_loop().create_future(), None)
+            self._waiters[request_id] = waiter
+        return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+
+    async def as_completed(self, futures: Iterable[asyncio.Future]) -> AsyncIterator[CompletionRecord]:
+        """Yield records in the order they complete."""
+        for fut in asyncio.as_completed(list(futures)):
+            yield await fut
+
+    async def unclaimed(self) -> AsyncIterator[CompletionRecord]:
+        """Records nobody in this process waits for (e.g. submitted before a restart), as they arrive."""
+        while not self._closed:
+            while self._unclaimed:
+                rid, (entry_id, rec) = next(iter(self._unclaimed.items()))
+                del self._unclaimed[rid]
+                await self._ack([entry_id])
+                yield rec
+            self._unclaimed_event.clear()
+            await self._unclaimed_event.wait()
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted here whose record has not arrived yet."""
+        return len(self._waiters)
+
+    async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> None:
+        """Abort by request_id or group_id: queued ones are skipped, in-flight ones stopped."""
+        await send_abort(self.redis, self.keys, list(request_ids), [group_id] if group_id else [])
+
+    async def _read_loop(self) -> None:
+        last_id = "0"  # first our own pending entries (a restart resumes them), then new ones
+        delay = 0.1
+        while not self._closed:
+            try:
+                resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {self.reply_to: last_id},
+                                                   count=self.read_count,
+                                                   block=self.block_ms if last_id == ">" else None)
+                entries = [e for _s, es in (resp or []) for e in es]
+                if last_id != ">":  # paging through our pending history
+                    last_id = ">" if len(entries) < self.read_count else text(entries[-1][0])
+                await self._deliver(entries)
+                await self._refresh_ttl()
+                delay = 0.1
+            except asyncio.CancelledError:
+                raise
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await ensure_group(self.redis, self.reply_to, PRODUCER_GROUP)
+                    continue
+                log.exception("reply reader failed")
+                await asyncio.sleep(delay)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _deliver(self, entries: list) -> None:
+        done: list[str] = []
+        for raw_id, fields in entries:
+            entry_id = text(raw_id)
+            if not fields:
+                done.append(entry_id)
+                continue
+            try:
+                record = decode_record(fields)
+            except ValidationError as exc:
+                await self._dead_letter(entry_id, fields, exc.reason)
+                continue
+            waiter = self._waiters.pop(record.request_id, None)
+            if waiter is None:
+                if record.request_id in self._recent or record.request_id in self._unclaimed:
+                    done.append(entry_id)  # a duplicate of a record not yet handed out
+                else:
+                    self._unclaimed[record.request_id] = (entry_id, record)
+                    self._unclaimed_event.set()
+                continue
+            if waiter.callback is not None:
+                try:
+                    res = waiter.callback(record)
+                    if inspect.isawaitable(res):
+                        await res
+                except Exception:
+                    log.exception("callback for request %s raised", record.request_id)
+            if not waiter.future.done():
+                waiter.future.set_result(record)
+            self._remember(record.request_id)
+            done.append(entry_id)
+        await self._ack(done)
+
+    def _remember(self, request_id: str) -> None:
+        """Remember applied request_ids for a while so a duplicate record is skipped, not re-applied."""
+        self._recent[request_id] = None
+        if len(self._recent) > self.RECENT_LIMIT:
+            self._recent.pop(next(iter(self._recent)))
+
+    async def _ack(self, entry_ids: list[str]) -> None:
+        if not entry_ids:
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.reply_to, PRODUCER_GROUP, *entry_ids)
+            pipe.xdel(self.reply_to, *entry_ids)
+            await pipe.execute()
+
+    async def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+        letter = DeadLetter(stream=self.reply_to, entry_id=entry_id, reason=reason, source="producer",
+                            fields=fields, delete_entry=True)
+        await self.scripts.dead_letter_in(self.redis, dead_key=self.keys.dead, group=PRODUCER_GROUP,
+                                          consumer=self.name, letter=letter)
+        log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, self.reply_to, reason)
+
+    async def _refresh_ttl(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expire > min(60.0, self.settings.reply_ttl_s / 4):
+            self._last_expire = now
+            await self.redis.expire(self.reply_to, self.settings.reply_ttl_s)
+
+
+async def send(
+    settings: Settings,
+    redis_client: Redis,
+    requests: Iterable[GenerationRequest],
+    *,
+    reply_to: str | None = None,
+) -> list[str]:
+    """Fire-and-forget: queue requests whose records go to ``reply_to`` (default ``{ns}:results``),
+    for consumer groups to handle. Returns the request entry ids."""
+    keys = settings.keys
+    scripts = Scripts(redis_client)
+    target = reply_to or keys.results
+    if not keys.is_reply_key(target):
+        raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this pipeline")
+    prepared = []
+    for req in requests:
+        req.reply_to = target
+        prepared.append((req, encode_request(req, settings.limits)))
+    token_base = secrets.token_hex(8)
+    async with redis_client.pipeline(transaction=False) as pipe:
+        for i, (req, fields) in enumerate(prepared):
+            scripts.submit_in(pipe, keys.requests, keys.rid(req.request_id), f"send:{token_base}:{i}",
+                              req.request_id, target, fields["data"], settings.rid_ttl_s)
+        replies = await pipe.execute()
+    return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]

@@ -1,0 +1,83 @@
+"""A thin synchronous facade over :class:`producer.client.Producer` for non-async callers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from typing import Any, Iterable
+
+from producer.client import Callback, Producer
+from shared.settings import Settings
+from shared.types import CompletionRecord, GenerationRequest
+
+
+class SyncProducer:
+    """Runs an async producer on a private event loop thread.
+
+    ``with SyncProducer(settings) as p: record = p.generate(prompt="hi")``
+    """
+
+    def __init__(self, settings: Settings | None = None, *, name: str | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="redroll-producer", daemon=True)
+        self._thread.start()
+        self._producer = Producer(settings, name=name)
+        self._call(self._producer.start())
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def name(self) -> str:
+        return self._producer.name
+
+    def submit(self, request: GenerationRequest | None = None, *, callback: Callback | None = None,
+               **fields: Any) -> Future:
+        """Queue one request; returns a concurrent future of its record."""
+        async def go() -> asyncio.Future:
+            return await self._producer.submit(request, callback=callback, **fields)
+
+        return self._wrap(self._call(go()))
+
+    def submit_many(self, requests: Iterable[GenerationRequest | dict], *, callback: Callback | None = None) -> list[Future]:
+        futs = self._call(self._producer.submit_many(list(requests), callback=callback))
+        return [self._wrap(f) for f in futs]
+
+    def generate(self, request: GenerationRequest | None = None, *, timeout: float | None = None,
+                 **fields: Any) -> CompletionRecord:
+        """Submit and wait for the record."""
+        return self.submit(request, **fields).result(timeout)
+
+    def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
+        return self._call(self._producer.result(request_id, timeout))
+
+    def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> None:
+        self._call(self._producer.abort(list(request_ids), group_id=group_id))
+
+    def _wrap(self, afut: asyncio.Future) -> Future:
+        cf: Future = Future()
+
+        def copy(f: asyncio.Future) -> None:
+            if f.cancelled():
+                cf.cancel()
+            elif f.exception() is not None:
+                cf.set_exception(f.exception())
+            else:
+                cf.set_result(f.result())
+
+        self._loop.call_soon_threadsafe(afut.add_done_callback, copy)
+        return cf
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._producer.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> "SyncProducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

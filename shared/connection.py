@@ -1,0 +1,82 @@
+"""Redis connections from a URL: redis://, rediss:// (TLS), unix://, with ACL user and password."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from shared.settings import Settings
+
+
+class RedisConfigError(RuntimeError):
+    """The Redis settings cannot work (bad URL, unreadable password file, ...)."""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    netloc = f"{user}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connection_kwargs(settings: Settings) -> dict[str, Any]:
+    url = settings.redis_url
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise RedisConfigError(f"redis URL {redact(url)!r} must start with redis://, rediss:// or unix://")
+    kw: dict[str, Any] = {"decode_responses": False, "health_check_interval": 30}
+    if settings.redis_username:
+        kw["username"] = settings.redis_username
+    password = settings.redis_password
+    if settings.redis_password_file:
+        try:
+            password = Path(settings.redis_password_file).read_text().strip()
+        except OSError as exc:
+            raise RedisConfigError(f"cannot read redis password file {settings.redis_password_file}: {exc}") from None
+    if password:
+        kw["password"] = password
+    if scheme == "rediss":
+        if settings.tls_ca_file:
+            kw["ssl_ca_certs"] = settings.tls_ca_file
+        if settings.tls_cert_file:
+            kw["ssl_certfile"] = settings.tls_cert_file
+        if settings.tls_key_file:
+            kw["ssl_keyfile"] = settings.tls_key_file
+    return kw
+
+
+def connect(settings: Settings) -> redis.asyncio.Redis:
+    """An asyncio client (hiredis parser when installed) that retries transient errors with backoff."""
+    kw = connection_kwargs(settings)
+    retry = AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    return redis.asyncio.Redis.from_url(settings.redis_url, retry=retry, **kw)
+
+
+def connect_sync(settings: Settings) -> redis.Redis:
+    kw = connection_kwargs(settings)
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    return redis.Redis.from_url(settings.redis_url, retry=retry, **kw)
+
+
+def describe_error(exc: BaseException, settings: Settings) -> str:
+    """One line an operator can act on."""
+    url = redact(settings.redis_url)
+    if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
+        return f"redis at {url} refused authentication: check REDROLL_REDIS_USERNAME / REDROLL_REDIS_PASSWORD ({exc})"
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
+        return f"redis at {url}: the ACL user lacks a permission: {exc}"
+    if isinstance(exc, (redis.ConnectionError, OSError)):
+        return f"cannot reach redis at {url}: {exc}"
+    if isinstance(exc, RedisConfigError):
+        return str(exc)
+    return f"redis error at {url}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,72 @@
+"""Control-stream commands (abort, drain, ...) broadcast to every worker."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+from redis.asyncio import Redis
+
+from shared.codec import check_request_id
+from shared.keys import Keys
+
+CONTROL_MAXLEN = 10_000
+ABORTED_RETENTION_S = 24 * 3600
+
+
+@dataclass
+class ControlCommand:
+    kind: str  # "abort" | "drain" | ...
+    request_ids: list[str] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    target: str | None = None  # a worker name, or None for all
+    args: dict[str, Any] = field(default_factory=dict)
+    sent_at: float = field(default_factory=time.time)
+
+    def to_fields(self) -> dict[str, bytes]:
+        data = msgpack.packb(
+            {"kind": self.kind, "request_ids": self.request_ids, "group_ids": self.group_ids,
+             "target": self.target, "args": self.args, "sent_at": self.sent_at},
+            use_bin_type=True,
+        )
+        return {"kind": self.kind.encode(), "target": (self.target or "*").encode(), "data": data}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> "ControlCommand | None":
+        try:
+            obj = msgpack.unpackb(fields[b"data"], raw=False)
+            return cls(kind=str(obj["kind"]), request_ids=list(obj.get("request_ids") or []),
+                       group_ids=list(obj.get("group_ids") or []), target=obj.get("target"),
+                       args=dict(obj.get("args") or {}), sent_at=float(obj.get("sent_at") or 0))
+        except Exception:
+            return None
+
+
+def aborted_member(request_id: str | None = None, group_id: str | None = None) -> str:
+    return f"g:{group_id}" if group_id is not None else f"r:{request_id}"
+
+
+async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), group_ids: Sequence[str] = ()) -> None:
+    """Mark ids aborted (so queued entries are skipped) and tell live workers (so in-flight ones stop)."""
+    for rid in request_ids:
+        check_request_id(rid)
+    for gid in group_ids:
+        check_request_id(gid, "group_id")
+    now = time.time()
+    members = {aborted_member(request_id=x): now for x in request_ids}
+    members.update({aborted_member(group_id=g): now for g in group_ids})
+    if not members:
+        return
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.zadd(keys.aborted, members)
+        pipe.zremrangebyscore(keys.aborted, "-inf", now - ABORTED_RETENTION_S)
+        pipe.xadd(keys.control, ControlCommand("abort", list(request_ids), list(group_ids)).to_fields(),
+                  maxlen=CONTROL_MAXLEN, approximate=True)
+        await pipe.execute()
+
+
+async def send_command(r: Redis, keys: Keys, command: ControlCommand) -> str:
+    entry = await r.xadd(keys.control, command.to_fields(), maxlen=CONTROL_MAXLEN, approximate=True)
+    return entry.decode() if isinstance(entry, bytes) else entry

@@ -1,0 +1,95 @@
+"""Key names of one pipeline (see DESIGN.md "Keys").
+
+Every key that one request touches carries the same hash tag, so Lua scripts and MULTI stay
+inside one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+WORKERS_GROUP = "workers"
+"""Consumer group on the request stream."""
+
+PRODUCER_GROUP = "producer"
+"""Consumer group a producer uses on its private reply stream."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """All key names of a pipeline in namespace ``namespace``.
+
+    ``partition`` is None for the plain single-partition layout (tag ``{ns}``).
+    """
+
+    namespace: str = "redroll"
+    partition: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "{}: \t\r\n"):
+            raise ValueError(
+                f"namespace {self.namespace!r} must be non-empty without braces, colons or whitespace"
+            )
+
+    @property
+    def tag(self) -> str:
+        if self.partition is None:
+            return "{" + self.namespace + "}"
+        return "{" + f"{self.namespace}:{self.partition}" + "}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.tag}:requests"
+
+    @property
+    def results(self) -> str:
+        return f"{self.tag}:results"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.tag}:dead"
+
+    @property
+    def control(self) -> str:
+        return f"{self.tag}:control"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.tag}:weights"
+
+    @property
+    def aborted(self) -> str:
+        return f"{self.tag}:aborted"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.tag}:workers"
+
+    @property
+    def reply_prefix(self) -> str:
+        return f"{self.tag}:reply:"
+
+    def reply(self, producer: str) -> str:
+        return self.reply_prefix + producer
+
+    def rid(self, request_id: str) -> str:
+        return f"{self.tag}:rid:{request_id}"
+
+    def applied(self, group: str, bucket: int) -> str:
+        return f"{self.tag}:applied:{group}:{bucket}"
+
+    def applied_buckets(self, group: str, window_s: float, now: float | None = None) -> list[str]:
+        """The current and previous de-duplication bucket keys (together they cover the window)."""
+        now = time.time() if now is None else now
+        bucket = int(now // window_s)
+        return [self.applied(group, bucket), self.applied(group, bucket - 1)]
+
+    def is_reply_key(self, key: str) -> bool:
+        """True when ``key`` is a stream this pipeline may write results to."""
+        if key == self.results:
+            return True
+        if key.startswith(self.reply_prefix):
+            name = key[len(self.reply_prefix):]
+            return 0 < len(name) <= 128 and all(0x21 <= ord(c) <= 0x7E and c not in "{}" for c in name)
+        return False

@@ -1,0 +1,17 @@
+-- Owner-checked lease renewal (or hand-back) of pending entries.
+-- A bare XCLAIM takes an entry from whoever holds it; this one only touches entries that
+-- XPENDING shows as owned by ARGV[2], and uses JUSTID so the delivery count is not raised.
+-- KEYS[1] stream   ARGV[1] group  ARGV[2] consumer  ARGV[3] idle ms to set (0 = renew now)
+-- ARGV[4..] entry ids
+-- Returns the ids this consumer no longer owns.
+local lost = {}
+for i = 4, #ARGV do
+  local id = ARGV[i]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    table.insert(lost, id)
+  else
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', tonumber(ARGV[3]), 'JUSTID')
+  end
+end
+return lost

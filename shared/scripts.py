@@ -1,0 +1,139 @@
+"""The Lua scripts of the delivery promise, with typed async wrappers.
+
+Each script touches only keys of one hash tag, so it runs unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Mapping, Sequence
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+
+from shared.codec import encode_record
+from shared.types import CompletionRecord
+
+
+def _load(name: str) -> str:
+    return resources.files("shared").joinpath("lua", name).read_text()
+
+
+SUBMIT_LUA = _load("submit.lua")
+FINISH_LUA = _load("finish.lua")
+DEAD_LETTER_LUA = _load("dead_letter.lua")
+RENEW_LUA = _load("renew.lua")
+
+
+class DuplicateRequestError(RuntimeError):
+    """A different submit already holds this request_id and it has not finished yet."""
+
+    def __init__(self, request_id: str):
+        super().__init__(
+            f"request_id {request_id!r} is already queued or in flight (submitted by another caller); "
+            "pick a new request_id or wait for its record"
+        )
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class SubmitOutcome:
+    entry_id: str
+    retried: bool
+    """True when the same token had already added this request (a retried submit)."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """What to write to the dead-letter stream for one pending entry."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    source: str
+    fields: Mapping[Any, Any]
+    deliveries: int = 1
+    delete_entry: bool = True
+    reply_to: str | None = None
+    error_record: CompletionRecord | None = None
+    rid_key: str | None = None
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _run(script: Any, keys: list, args: list, client: Any) -> Any:
+    """Run ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None)."""
+    if isinstance(client, Pipeline):
+        client.scripts.add(script)  # the pipeline loads it before executing if the server lacks it
+        client.evalsha(script.sha, len(keys), *keys, *args)
+        return None
+    return script(keys=keys, args=args, client=client)
+
+
+class Scripts:
+    """Registered scripts on one client. Calls accept a pipeline as ``client`` to batch them."""
+
+    def __init__(self, redis: Redis):
+        self.redis = redis
+        self._submit = redis.register_script(SUBMIT_LUA)
+        self._finish = redis.register_script(FINISH_LUA)
+        self._dead = redis.register_script(DEAD_LETTER_LUA)
+        self._renew = redis.register_script(RENEW_LUA)
+
+    # -- submit
+    def submit_args(self, requests_key: str, rid_key: str, token: str, request_id: str,
+                    reply_to: str | None, data: bytes, rid_ttl_s: int) -> tuple[list, list]:
+        return [requests_key, rid_key], [token, request_id, reply_to or "", data, rid_ttl_s]
+
+    @staticmethod
+    def submit_outcome(request_id: str, reply: Sequence[Any]) -> SubmitOutcome:
+        code, value = int(reply[0]), _s(reply[1])
+        if code == 0:
+            raise DuplicateRequestError(request_id)
+        return SubmitOutcome(entry_id=value, retried=(code == 2))
+
+    def submit_in(self, client: Any, *a: Any) -> Any:
+        """Run (awaitable) or queue on a pipeline the submit script; see :meth:`submit_outcome`."""
+        keys, args = self.submit_args(*a)
+        return _run(self._submit, keys, args, client)
+
+    # -- finish
+    def finish_in(self, client: Any, *, requests_key: str, reply_key: str, rid_key: str, group: str,
+                  consumer: str, entry_id: str, record: CompletionRecord, reply_cap: int = 0) -> Any:
+        """Queue (on a pipeline) or run the fenced finish; result 1 = published, 0 = fenced."""
+        f = encode_record(record)
+        return _run(self._finish, [requests_key, reply_key, rid_key],
+                    [group, consumer, entry_id, f["rid"], f["status"], f["worker"], f["data"], reply_cap], client)
+
+    # -- dead letter
+    def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:
+        keys = [letter.stream, dead_key]
+        reply_idx = rid_idx = 0
+        rec_args: list[Any] = ["", "", "", ""]
+        if letter.reply_to and letter.error_record is not None:
+            keys.append(letter.reply_to)
+            reply_idx = len(keys)
+            f = encode_record(letter.error_record)
+            rec_args = [f["rid"], f["status"], f["worker"], f["data"]]
+        if letter.rid_key:
+            keys.append(letter.rid_key)
+            rid_idx = len(keys)
+        pairs: list[Any] = []
+        for k, v in letter.fields.items():
+            pairs += [k, v]
+        args = [group, consumer, letter.entry_id, letter.reason, letter.source,
+                "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
+                letter.deliveries, len(pairs) // 2, *pairs]
+        return _run(self._dead, keys, args, client)
+
+    # -- leases
+    async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],
+                    idle_ms: int = 0) -> list[str]:
+        """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost."""
+        if not entry_ids:
+            return []
+        lost = await _run(self._renew, [stream], [group, consumer, idle_ms, *entry_ids], self.redis)
+        return [_s(x) for x in lost]

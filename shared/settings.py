@@ -1,0 +1,86 @@
+"""Settings shared by every process: defaults, ``REDROLL_*`` environment variables, flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+from shared.codec import Limits
+from shared.keys import Keys
+
+ENV_PREFIX = "REDROLL_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a process needs to join a pipeline. Each field ``x`` reads ``REDROLL_X``."""
+
+    redis_url: str = "redis://localhost:6379/0"
+    namespace: str = "redroll"
+    redis_username: str | None = None
+    redis_password: str | None = None
+    redis_password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    claim_idle_ms: int = 30_000
+    """Entries idle longer than this in a dead process's pending list are reclaimed."""
+    max_deliveries: int = 5
+    """An entry delivered more often than this is dead-lettered."""
+    heartbeat_s: float = 2.0
+    drain_timeout_s: float = 30.0
+
+    max_payload_bytes: int = 4 * 1024 * 1024
+    max_new_tokens: int = 32768
+    max_n: int = 64
+
+    dedup_window_s: int = 3600
+    """How long a consumer group remembers which request_ids it applied."""
+    results_max_len: int = 1_000_000
+    """Safety cap on the results stream when no consumer group trims it."""
+    reply_ttl_s: int = 86_400
+    """Reply streams of producers that never come back expire after this long idle."""
+    rid_ttl_s: int = 7 * 86_400
+    """Submit de-duplication keys expire after this long even if no finish deleted them."""
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.namespace)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_payload_bytes=self.max_payload_bytes,
+            max_new_tokens=self.max_new_tokens,
+            max_n=self.max_n,
+        )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then ``REDROLL_*`` variables, then explicit overrides (flags) that are not None."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _convert(f.name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> "Settings":
+        return replace(self, **changes)
+
+
+def _convert(name: str, type_: Any, raw: str) -> Any:
+    t = str(type_)
+    try:
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t.split()[0]}") from None
+    return raw
