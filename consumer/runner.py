@@ -104,7 +104,7 @@ class ConsumerRunner:
             await self._stopping.wait()
         finally:
             # The read loop finishes its current batch (acks included) before it stops.
-            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+            await asyncio.wait(tasks[:1], timeout=self.settings.drain_timeout_s)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -171,6 +171,13 @@ class Worker:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when a stop is requested."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def _drain(self) -> None:
         if self._inflight:
             log.info("draining %d in-flight request(s) for up to %.1fs", len(self._inflight),
@@ -212,7 +219,7 @@ class Worker:
     async def _reclaim_loop(self) -> None:
         """Take over entries idle past ``claim_idle`` (dead workers, hand-backs)."""
         while not self._stopping.is_set():
-            await asyncio.sleep(self.reclaim_interval_s)
+            await self._pause(self.reclaim_interval_s)
             free = self.max_inflight - len(self._inflight)
             if free <= 0 or self._stopping.is_set():
                 continue
@@ -439,7 +446,7 @@ class Worker:
 
     async def _lease_loop(self) -> None:
         while not self._stopping.is_set():
-            await asyncio.sleep(self.lease_interval_s)
+            await self._pause(self.lease_interval_s)
             await self.renew_leases()
             await self._heartbeat()
 

@@ -1,0 +1,239 @@
+"""The ``redroll`` command line (argparse: no dependency, sub-commands, env defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from typing import Any, Sequence
+
+import redis
+
+from shared.connection import RedisConfigError, connect, describe_error
+from shared.settings import Settings
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (also REDROLL_* environment variables)")
+    g.add_argument("--redis-url", default=argparse.SUPPRESS,
+                   help="redis://, rediss:// or unix:// URL (env REDROLL_REDIS_URL)")
+    g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
+    g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
+    g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
+                   help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
+    g.add_argument("--tls-ca-file", default=argparse.SUPPRESS)
+    g.add_argument("--tls-cert-file", default=argparse.SUPPRESS)
+    g.add_argument("--tls-key-file", default=argparse.SUPPRESS)
+    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redroll", description="Queue-driven LLM generation on Redis Streams.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="run the whole pipeline once on the embedded default")
+    _common(p)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--engine", choices=["transformers", "synthetic"], default=None)
+
+    p = sub.add_parser("worker", help="run an engine worker")
+    _common(p)
+    p.add_argument("--engine", choices=["sglang", "transformers", "synthetic"], default=os.environ.get("REDROLL_ENGINE", "synthetic"))
+    p.add_argument("--model-path", default=os.environ.get("REDROLL_MODEL_PATH", "tiny-random"),
+                   help="local model directory, or 'tiny-random' for the built-in tiny model")
+    p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")))
+    p.add_argument("--token-ms", type=float, default=0.0, help="synthetic engine: milliseconds per token")
+    p.add_argument("--vocab-size", type=int, default=32000, help="synthetic engine: vocabulary size")
+    p.add_argument("--device", default="cpu", help="transformers engine: torch device")
+    p.add_argument("--dtype", default="float32", help="transformers engine: torch dtype")
+    p.add_argument("--max-batch-size", type=int, default=32, help="transformers engine: rows per batch")
+    p.add_argument("--weight-version", default=None)
+    p.add_argument("--claim-idle-ms", type=int, default=None)
+    p.add_argument("--max-deliveries", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--name", default=None, help="consumer name (default: host-pid-random, unique per start)")
+
+    p = sub.add_parser("consume", help="apply callbacks to records through a consumer group")
+    _common(p)
+    p.add_argument("--group", required=True)
+    p.add_argument("--handler", action="append", default=[], metavar="NAME=module:function",
+                   help="register a handler (repeatable); records select one by their callback name")
+    p.add_argument("--default-handler", default=None, metavar="module:function",
+                   help="handler for records that name no callback")
+    p.add_argument("--stream", default=None, help="reply stream to consume (default {ns}:results)")
+    p.add_argument("--claim-idle-ms", type=int, default=None)
+    p.add_argument("--max-deliveries", type=int, default=None)
+    p.add_argument("--batch", type=int, default=128)
+
+    p = sub.add_parser("submit", help="submit requests from a JSONL file (one request per line)")
+    _common(p)
+    p.add_argument("file", help="JSONL file, or - for standard input")
+    p.add_argument("--wait", action="store_true", help="wait for every record (through a private reply stream)")
+    p.add_argument("--out", default=None, help="with --wait: write records here as JSONL (default stdout)")
+    p.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("status", help="depth, pending, lag, workers, dead letters")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="stable JSON for scripts")
+    p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
+    p.add_argument("--interval", type=float, default=2.0)
+
+    p = sub.add_parser("abort", help="abort requests by request_id or group_id")
+    _common(p)
+    p.add_argument("request_ids", nargs="*")
+    p.add_argument("--group", action="append", default=[], help="abort every request of this group_id")
+    return parser
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
+    keys = ("redis_url", "namespace", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
+            "tls_key_file")
+    overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    overrides.update({k: v for k, v in extra.items() if v is not None})
+    return Settings.from_env(**overrides)
+
+
+def _install_signals(stop: Any) -> None:
+    """First SIGTERM/SIGINT: graceful drain. Second: exit at once."""
+    loop = asyncio.get_running_loop()
+    hits = {"n": 0}
+
+    def handler(signum: int) -> None:
+        hits["n"] += 1
+        if hits["n"] > 1:
+            print("second signal: exiting now", file=sys.stderr)
+            os._exit(128 + signum)
+        stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handler, sig)
+
+
+async def _run_worker(args: argparse.Namespace) -> int:
+    from engine_worker.engines import create_engine
+    from engine_worker.worker import Worker
+
+    settings = _settings(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
+                         drain_timeout_s=args.drain_timeout)
+    options: dict[str, Any] = {}
+    if args.engine == "synthetic":
+        options = {"token_ms": args.token_ms, "vocab_size": args.vocab_size}
+    elif args.engine == "transformers":
+        options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype,
+                   "max_batch_size": args.max_batch_size}
+    elif args.engine == "sglang":
+        options = {"model_path": args.model_path}
+    if args.weight_version is not None:
+        options["weight_version"] = args.weight_version
+    engine = create_engine(args.engine, **options)
+    worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name)
+    _install_signals(worker.request_stop)
+    await worker.run()
+    return 0
+
+
+async def _run_consume(args: argparse.Namespace) -> int:
+    from consumer.handlers import load_handler, parse_handler_flag
+    from consumer.runner import ConsumerRunner
+
+    settings = _settings(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries)
+    handlers = dict(parse_handler_flag(h) for h in args.handler)
+    default = load_handler(args.default_handler) if args.default_handler else None
+    if not handlers and default is None:
+        print("redroll consume: give at least one --handler NAME=module:function or --default-handler",
+              file=sys.stderr)
+        return 2
+    runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
+                            stream=args.stream, batch=args.batch)
+    _install_signals(runner.request_stop)
+    await runner.run()
+    return 0
+
+
+async def _run_status(args: argparse.Namespace) -> int:
+    from redroll.status import collect_status, render_status
+
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        if args.json and not args.watch:
+            print(json.dumps(await collect_status(r, settings.keys), indent=2, sort_keys=True))
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+
+        if not args.watch:
+            Console().print(render_status(await collect_status(r, settings.keys)))
+            return 0
+        with Live(render_status(await collect_status(r, settings.keys)), refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(args.interval)
+                snap = await collect_status(r, settings.keys)
+                if args.json:
+                    print(json.dumps(snap, sort_keys=True), flush=True)
+                else:
+                    live.update(render_status(snap))
+    finally:
+        await r.aclose()
+
+
+async def _run_abort(args: argparse.Namespace) -> int:
+    from shared.control import send_abort
+
+    if not args.request_ids and not args.group:
+        print("redroll abort: name request ids or --group G", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        await send_abort(r, settings.keys, args.request_ids, args.group)
+    finally:
+        await r.aclose()
+    print(f"abort sent for {len(args.request_ids)} request(s) and {len(args.group)} group(s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from redroll.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(getattr(args, "log_level", os.environ.get("REDROLL_LOG_LEVEL", "info")),
+                  getattr(args, "log_format", os.environ.get("REDROLL_LOG_FORMAT", "text")))
+    settings_for_errors = Settings.from_env(redis_url=getattr(args, "redis_url", None))
+    try:
+        if args.command == "demo":
+            from redroll.demo import main_demo
+
+            ns = getattr(args, "namespace", None) or os.environ.get("REDROLL_NAMESPACE") or "redroll-demo"
+            return main_demo(ns, args.prompts, args.engine, getattr(args, "redis_url", None))
+        if args.command == "submit":
+            from redroll.submit import InputError, submit_file
+
+            try:
+                return asyncio.run(submit_file(_settings(args), args.file, wait=args.wait, out=args.out,
+                                               progress=not args.no_progress, timeout=args.timeout))
+            except InputError as exc:
+                print(f"redroll submit: {exc}", file=sys.stderr)
+                return 2
+        runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort}
+        return asyncio.run(runner[args.command](args))
+    except KeyboardInterrupt:
+        return 130
+    except (redis.RedisError, RedisConfigError) as exc:
+        print(f"redroll {args.command}: {describe_error(exc, settings_for_errors)}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"redroll {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, ImportError) as exc:
+        print(f"redroll {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

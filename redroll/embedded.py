@@ -1,0 +1,97 @@
+"""A Redis to run against with no setup: a private redis-server, else in-process fakeredis."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process on a loopback port, owned by this process."""
+
+    port: int
+    process: subprocess.Popen
+    directory: str
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_redis_server(*extra: str, port: int | None = None, directory: str | None = None,
+                       executable: str | None = None, timeout: float = 10.0) -> RedisServer:
+    """Start ``redis-server`` (no persistence unless ``extra`` asks for it) and wait until it answers."""
+    exe = executable or shutil.which("redis-server") or shutil.which("valkey-server")
+    if exe is None:
+        raise FileNotFoundError("redis-server is not installed")
+    port = port or free_port()
+    directory = directory or tempfile.mkdtemp(prefix="redroll-redis-")
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {proc.returncode}: {' '.join(args)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith(b"+PONG"):
+                    return RedisServer(port, proc, directory)
+        except OSError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout}s")
+
+
+@contextlib.contextmanager
+def embedded_redis() -> Iterator[tuple[str, str]]:
+    """Yield (url, description): REDROLL_REDIS_URL if set, else a private redis-server, else fakeredis."""
+    url = os.environ.get("REDROLL_REDIS_URL")
+    if url:
+        yield url, "REDROLL_REDIS_URL"
+        return
+    if shutil.which("redis-server"):
+        server = start_redis_server()
+        try:
+            yield server.url, f"private redis-server on port {server.port}"
+        finally:
+            server.stop()
+            shutil.rmtree(server.directory, ignore_errors=True)
+        return
+    from fakeredis import TcpFakeServer
+
+    port = free_port()
+    fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    thread = threading.Thread(target=fake.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"redis://127.0.0.1:{port}/0", f"in-process fakeredis on port {port} (no redis-server installed)"
+    finally:
+        fake.shutdown()
+        fake.server_close()

@@ -1,0 +1,127 @@
+"""What the pipeline is doing, from Redis alone: depth, backlog, pending, workers, dead letters."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+from redis.asyncio import Redis
+
+from shared.keys import WORKERS_GROUP, Keys
+from shared.streams import id_tuple, text
+
+STALE_AFTER_S = 10.0
+"""A worker whose heartbeat is older than this is reported stale."""
+
+
+async def _groups(r: Redis, stream: str, length: int) -> list[dict[str, Any]]:
+    try:
+        raw = await r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return []
+    now_ms = time.time() * 1000
+    out = []
+    for g in raw:
+        name = text(g["name"])
+        pending = int(g["pending"])
+        lag = g.get("lag")
+        # XINFO lag is nil once undelivered entries were deleted; processed entries are deleted,
+        # so what is in the stream and not pending is the backlog.
+        backlog = int(lag) if lag is not None else max(0, length - pending)
+        oldest_idle_ms = oldest_age_ms = None
+        if pending:
+            first = await r.xpending_range(stream, name, min="-", max="+", count=1)
+            if first:
+                oldest_idle_ms = int(first[0]["time_since_delivered"])
+                oldest_age_ms = int(now_ms - id_tuple(text(first[0]["message_id"]))[0])
+        out.append({
+            "group": name,
+            "consumers": int(g["consumers"]),
+            "pending": pending,
+            "backlog": backlog,
+            "lag": int(lag) if lag is not None else None,
+            "last_delivered_id": text(g["last-delivered-id"]),
+            "oldest_pending_idle_ms": oldest_idle_ms,
+            "oldest_pending_age_ms": oldest_age_ms,
+        })
+    return out
+
+
+async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
+    """A stable JSON-able snapshot of one pipeline."""
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.requests)
+        pipe.xlen(keys.results)
+        pipe.xlen(keys.dead)
+        pipe.hgetall(keys.workers)
+        pipe.zcard(keys.aborted)
+        req_len, res_len, dead_len, beats, aborted = await pipe.execute()
+    req_groups = await _groups(r, keys.requests, req_len)
+    res_groups = await _groups(r, keys.results, res_len)
+    workers_group = next((g for g in req_groups if g["group"] == WORKERS_GROUP), None)
+    now = time.time()
+    workers = []
+    for name, raw in sorted(beats.items()):
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            beat = {}
+        seen = float(beat.get("seen", 0))
+        beat.update(name=text(name), age_s=round(now - seen, 3), alive=(now - seen) <= STALE_AFTER_S)
+        workers.append(beat)
+    warnings = []
+    if res_len and not res_groups:
+        warnings.append(f"{keys.results} has {res_len} records and no consumer group: nothing trims it "
+                        "below the safety cap")
+    return {
+        "namespace": keys.namespace,
+        "time": round(now, 3),
+        "requests": {
+            "stream": keys.requests,
+            "length": req_len,
+            "pending": workers_group["pending"] if workers_group else 0,
+            "backlog": workers_group["backlog"] if workers_group else req_len,
+            "oldest_pending_idle_ms": workers_group["oldest_pending_idle_ms"] if workers_group else None,
+            "oldest_pending_age_ms": workers_group["oldest_pending_age_ms"] if workers_group else None,
+            "groups": req_groups,
+        },
+        "results": {"stream": keys.results, "length": res_len, "groups": res_groups},
+        "dead_letters": dead_len,
+        "aborted_ids": aborted,
+        "workers": workers,
+        "workers_alive": sum(1 for w in workers if w["alive"]),
+        "workers_stale": sum(1 for w in workers if not w["alive"]),
+        "warnings": warnings,
+    }
+
+
+def render_status(status: dict[str, Any]) -> Any:
+    """A rich renderable for a terminal."""
+    from rich.console import Group
+    from rich.table import Table
+
+    req = status["requests"]
+    summary = Table(title=f"redroll pipeline '{status['namespace']}'", show_header=False)
+    summary.add_row("queued (backlog)", str(req["backlog"]))
+    summary.add_row("in flight (pending)", str(req["pending"]))
+    summary.add_row("oldest pending idle", f"{req['oldest_pending_idle_ms']} ms" if req["oldest_pending_idle_ms"] is not None else "-")
+    summary.add_row("results stream length", str(status["results"]["length"]))
+    summary.add_row("dead letters", str(status["dead_letters"]))
+    summary.add_row("workers alive / stale", f"{status['workers_alive']} / {status['workers_stale']}")
+    workers = Table(title="workers")
+    for col in ("name", "state", "engine", "model", "weight", "inflight", "published", "age s"):
+        workers.add_column(col)
+    for w in status["workers"]:
+        workers.add_row(w["name"], w.get("state", "?") if w["alive"] else "STALE", str(w.get("engine")),
+                        str(w.get("model")), str(w.get("weight_version")), str(w.get("inflight")),
+                        str(w.get("published")), str(w["age_s"]))
+    groups = Table(title="result consumer groups")
+    for col in ("group", "consumers", "pending", "backlog"):
+        groups.add_column(col)
+    for g in status["results"]["groups"]:
+        groups.add_row(g["group"], str(g["consumers"]), str(g["pending"]), str(g["backlog"]))
+    parts: list[Any] = [summary, workers, groups]
+    parts += [f"[yellow]warning:[/] {w}" for w in status["warnings"]]
+    return Group(*parts)

@@ -1,0 +1,133 @@
+"""``redroll submit FILE.jsonl``: a batch run from JSON lines, with a progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+from typing import IO, Any, Iterable
+
+from producer.client import Producer, make_request, send
+from shared.codec import ValidationError, encode_request
+from shared.connection import connect
+from shared.settings import Settings
+from shared.types import CompletionRecord, GenerationRequest
+
+ACCEPTED_FIELDS = {
+    "request_id", "prompt", "input_ids", "sampling_params", "return_logprob", "collect_unfinished",
+    "meta_info", "callback", "group_id", "deadline", "lora_path", "model",
+}
+
+
+class InputError(ValueError):
+    """A line of the input file is not a valid request (line number and reason in the message)."""
+
+
+def read_requests(lines: Iterable[str], settings: Settings, source: str = "input") -> list[GenerationRequest]:
+    """Parse and validate every line before anything is sent: a bad file sends nothing."""
+    out: list[GenerationRequest] = []
+    seen: set[str] = set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{source}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{source}:{n}: each line must be a JSON object")
+        unknown = set(obj) - ACCEPTED_FIELDS
+        if unknown:
+            raise InputError(f"{source}:{n}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            req = make_request(**obj)
+            encode_request(req, settings.limits)
+        except ValidationError as exc:
+            raise InputError(f"{source}:{n}: {exc.reason}") from None
+        except TypeError as exc:
+            raise InputError(f"{source}:{n}: {exc}") from None
+        if req.request_id in seen:
+            raise InputError(f"{source}:{n}: request_id {req.request_id!r} appears twice")
+        seen.add(req.request_id)
+        out.append(req)
+    return out
+
+
+def record_to_json(record: CompletionRecord) -> dict[str, Any]:
+    d = dataclasses.asdict(record)
+    d["status"] = record.status.value
+    return d
+
+
+async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | None,
+                      window: int = 1024, progress: bool = True, timeout: float | None = None) -> int:
+    """Submit every request of ``path``; with ``wait``, write one record per line. Returns an exit code."""
+    fh: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    with fh:
+        requests = read_requests(fh, settings, source=path)
+    if not requests:
+        print(f"{path}: no requests", file=sys.stderr)
+        return 1
+    if not wait:
+        r = connect(settings)
+        try:
+            for i in range(0, len(requests), window):
+                await send(settings, r, requests[i:i + window])
+        finally:
+            await r.aclose()
+        print(f"submitted {len(requests)} request(s) to {settings.keys.requests}; records go to {settings.keys.results}")
+        return 0
+    sink: IO[str] = open(out, "w", encoding="utf-8") if out else sys.stdout
+    failed = 0
+    try:
+        async with Producer(settings) as producer:
+            bar = _progress(len(requests), enabled=progress)
+            futures = []
+            for i in range(0, len(requests), window):
+                futures += await producer.submit_many(requests[i:i + window])
+            async def collect() -> None:
+                nonlocal failed
+                async for record in producer.as_completed(futures):
+                    if not record.ok:
+                        failed += 1
+                    sink.write(json.dumps(record_to_json(record)) + "\n")
+                    bar.advance()
+            try:
+                await asyncio.wait_for(collect(), timeout)
+            finally:
+                bar.close()
+    finally:
+        if out:
+            sink.close()
+    if failed:
+        print(f"{failed} of {len(requests)} request(s) did not finish (see their status and error)", file=sys.stderr)
+    return 0 if not failed else 3
+
+
+class _progress:
+    """A rich progress bar with rate and ETA on stderr (silent when disabled)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self._p = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._p = Progress(TextColumn("records"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("{task.fields[rate]:>8.1f}/s"), TimeRemainingColumn(),
+                               console=Console(stderr=True), transient=False)
+            self._p.start()
+            self._task = self._p.add_task("records", total=total, rate=0.0)
+            self._t0 = asyncio.get_running_loop().time()
+            self._done = 0
+
+    def advance(self) -> None:
+        if self._p is not None:
+            self._done += 1
+            elapsed = max(1e-6, asyncio.get_running_loop().time() - self._t0)
+            self._p.update(self._task, advance=1, rate=self._done / elapsed)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()

@@ -1,0 +1,146 @@
+"""The worker loop against a real redis-server: abort, deadlines, heartbeats, in-flight bound, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from engine_worker.engines.synthetic import SyntheticEngine
+from engine_worker.worker import Worker
+from producer import Producer
+from shared.keys import WORKERS_GROUP
+from shared.types import RecordStatus
+from tests.conftest import wait_until
+
+
+async def start_worker(settings, token_ms: float = 0.0, **kw) -> tuple[Worker, asyncio.Task]:
+    worker = Worker(settings, SyntheticEngine(token_ms=token_ms, vocab_size=1000), **kw)
+    return worker, asyncio.create_task(worker.run())
+
+
+async def stop(worker: Worker, task: asyncio.Task) -> None:
+    worker.request_stop()
+    await asyncio.wait_for(task, 15)
+
+
+async def test_n_samples_and_meta(settings):
+    worker, task = await start_worker(settings)
+    async with Producer(settings) as p:
+        rec = await asyncio.wait_for(await p.submit(
+            input_ids=[1, 2, 3], return_logprob=True, meta_info={"step": 7},
+            sampling_params={"n": 4, "max_new_tokens": 9}), 10)
+    await stop(worker, task)
+    assert rec.status is RecordStatus.FINISHED
+    assert len(rec.output_token_ids) == 4 and rec.finish_reasons == ["length"] * 4
+    assert all(len(ids) == 9 == len(lp) for ids, lp in zip(rec.output_token_ids, rec.output_logprobs))
+    assert len({tuple(ids) for ids in rec.output_token_ids}) == 4  # samples differ
+    m = rec.meta_info
+    assert m["step"] == 7 and m["prompt_tokens"] == 3 and m["completion_tokens"] == 36
+    assert m["worker"] == worker.name and m["attempt"] == 1 and m["weight_version"] == "0"
+    assert m["queue_ms"] >= 0 and m["engine_ms"] >= 0
+
+
+@pytest.mark.parametrize("collect", [False, True])
+async def test_abort_before_start(settings, collect):
+    async with Producer(settings) as p:
+        fut = await p.submit(request_id="queued-1", prompt="x", collect_unfinished=collect,
+                             sampling_params={"max_new_tokens": 5, "n": 2})
+        await p.abort(["queued-1"])
+        worker, task = await start_worker(settings)
+        rec = await asyncio.wait_for(fut, 10)
+    await stop(worker, task)
+    assert rec.status is RecordStatus.ABORTED
+    assert rec.finish_reasons == [None, None] and rec.output_token_ids == [[], []]
+
+
+@pytest.mark.parametrize("collect", [False, True])
+async def test_abort_during_generation(settings, collect):
+    worker, task = await start_worker(settings, token_ms=20)
+    async with Producer(settings) as p:
+        fut = await p.submit(request_id="running-1", prompt="x", collect_unfinished=collect, return_logprob=True,
+                             sampling_params={"max_new_tokens": 200})
+        other = await p.submit(prompt="y", sampling_params={"max_new_tokens": 3})
+        await wait_until(lambda: any(f.request and f.request.request_id == "running-1"
+                                     for f in worker._inflight.values()))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await p.abort(["running-1"])
+        rec = await asyncio.wait_for(fut, 10)
+        assert time.monotonic() - started < 2.0  # stopped, not run to the end (4 s)
+        assert (await asyncio.wait_for(other, 10)).status is RecordStatus.FINISHED
+    await stop(worker, task)
+    assert rec.status is RecordStatus.ABORTED
+    if collect:
+        assert rec.finish_reasons == ["abort"]
+        n = len(rec.output_token_ids[0])
+        assert 0 < n < 200 and len(rec.output_logprobs[0]) == n
+    else:
+        assert rec.finish_reasons == [None] and rec.output_token_ids == [[]]
+
+
+async def test_abort_by_group(settings):
+    worker, task = await start_worker(settings, token_ms=20)
+    async with Producer(settings) as p:
+        futs = await p.submit_many([dict(request_id=f"g-{i}", prompt="x", group_id="grp",
+                                         sampling_params={"max_new_tokens": 200}) for i in range(3)])
+        await wait_until(lambda: worker.inflight_count == 3)
+        await p.abort(group_id="grp")
+        recs = await asyncio.wait_for(asyncio.gather(*futs), 10)
+    await stop(worker, task)
+    assert [r.status for r in recs] == [RecordStatus.ABORTED] * 3
+
+
+async def test_deadline(settings):
+    worker, task = await start_worker(settings, token_ms=20)
+    async with Producer(settings) as p:
+        past = await p.submit(prompt="x", deadline=time.time() - 1, sampling_params={"max_new_tokens": 5})
+        mid = await p.submit(prompt="y", deadline=time.time() + 0.5, collect_unfinished=True,
+                             sampling_params={"max_new_tokens": 500})
+        r_past, r_mid = await asyncio.wait_for(asyncio.gather(past, mid), 10)
+    await stop(worker, task)
+    assert r_past.status is RecordStatus.EXPIRED and r_past.finish_reasons == [None]
+    assert r_mid.status is RecordStatus.EXPIRED and r_mid.finish_reasons == ["abort"]
+    assert 0 < len(r_mid.output_token_ids[0]) < 500
+
+
+async def test_heartbeat_and_deregistration(settings, r):
+    worker, task = await start_worker(settings)
+    await wait_until(lambda: r.hexists(settings.keys.workers, worker.name))
+    beat = json.loads(await r.hget(settings.keys.workers, worker.name))
+    assert beat["engine"] == "synthetic" and beat["inflight"] == 0 and beat["state"] == "running"
+    assert {"host", "pid", "model", "weight_version", "started", "seen"} <= set(beat)
+    await stop(worker, task)
+    assert not await r.hexists(settings.keys.workers, worker.name)
+
+
+async def test_inflight_bound(settings, r):
+    worker, task = await start_worker(settings, token_ms=10, max_inflight=3)
+    peak = 0
+    async with Producer(settings) as p:
+        futs = await p.submit_many([dict(prompt=str(i), sampling_params={"max_new_tokens": 10}) for i in range(15)])
+        gathered = asyncio.ensure_future(asyncio.gather(*futs))
+        while not gathered.done():
+            info = await r.xpending(settings.keys.requests, WORKERS_GROUP)
+            peak = max(peak, int(info["pending"]), worker.inflight_count)
+            await asyncio.sleep(0.01)
+        assert all(rec.ok for rec in gathered.result())
+    await stop(worker, task)
+    assert 1 <= peak <= 3
+
+
+async def test_lease_renewal_keeps_long_generation(settings, r):
+    """A generation lasting 3x claim_idle is not stolen by another worker."""
+    long_ms = 3 * settings.claim_idle_ms
+    w1, t1 = await start_worker(settings, token_ms=long_ms / 10)
+    async with Producer(settings) as p:
+        fut = await p.submit(prompt="long", sampling_params={"max_new_tokens": 10})
+        await wait_until(lambda: w1.inflight_count == 1)
+        w2, t2 = await start_worker(settings)
+        rec = await asyncio.wait_for(fut, long_ms / 1000 + 10)
+    await stop(w1, t1)
+    await stop(w2, t2)
+    assert rec.status is RecordStatus.FINISHED and rec.meta_info["worker"] == w1.name
+    assert w2.stats.reclaimed == 0 and w1.stats.fenced == 0
