@@ -31,7 +31,10 @@ DEMO_PROMPTS = [
 
 
 def _has_torch() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+    except (ImportError, ValueError, AttributeError):
+        return False
 
 
 def _decode(engine: Any, ids: list[int]) -> str:

@@ -1,0 +1,131 @@
+"""The command line as an operator uses it: demo, submit, status, abort, compose.yaml."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from redroll.cli import build_parser
+from tests.conftest import ROOT, redroll_env, spawn, wait_until
+
+
+def run_cli(settings, *args: str, timeout: float = 120, input: str | None = None, **env: str):
+    return subprocess.run([sys.executable, "-m", "redroll.cli", *args], cwd=ROOT, env=redroll_env(settings, **env),
+                          capture_output=True, text=True, timeout=timeout, input=input)
+
+
+@pytest.mark.slow
+def test_demo_on_embedded_default_prints_completions():
+    """The README's first command: no REDROLL_REDIS_URL, the demo brings its own server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "redroll.cli", "demo"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    completions = re.findall(r"^\[demo-\d+\] finished", proc.stdout, re.M)
+    assert len(completions) >= 4, proc.stdout
+    assert "awaited record: finished" in proc.stdout
+
+
+def test_demo_fakeredis_fallback(tmp_path):
+    """Without any redis-server on PATH the demo runs on in-process fakeredis."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python").symlink_to(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
+    env.update(PATH=str(bindir), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([str(bindir / "python"), "-m", "redroll.cli", "demo", "--engine", "synthetic"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fakeredis" in proc.stdout
+    assert len(re.findall(r"^\[demo-\d+\] finished", proc.stdout, re.M)) == 4
+
+
+@pytest.mark.slow
+def test_submit_wait_writes_records(settings, tmp_path):
+    worker = spawn(settings, "worker", "--engine", "synthetic", "--max-inflight", "8")
+    try:
+        src = tmp_path / "in.jsonl"
+        lines = [{"request_id": f"job-{i}", "prompt": f"p{i}", "sampling_params": {"max_new_tokens": 4, "n": 2},
+                  "return_logprob": True, "meta_info": {"i": i}} for i in range(20)]
+        lines.append({"request_id": "job-ids", "input_ids": [1, 2, 3]})
+        src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        out = tmp_path / "out.jsonl"
+        proc = run_cli(settings, "submit", str(src), "--wait", "--out", str(out), "--timeout", "60")
+        assert proc.returncode == 0, proc.stderr
+        records = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(r["request_id"] for r in records) == sorted(x["request_id"] for x in lines)
+        for rec in records:
+            assert rec["status"] == "finished"
+            if rec["request_id"] != "job-ids":
+                assert len(rec["output_token_ids"]) == 2
+                assert [len(x) for x in rec["output_token_ids"]] == [len(x) for x in rec["output_logprobs"]]
+                assert rec["meta_info"]["i"] == int(rec["request_id"].split("-")[1])
+    finally:
+        worker.terminate()
+        assert worker.wait(20) == 0
+
+
+def test_submit_refuses_bad_file_and_sends_nothing(settings, tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"request_id": "ok", "prompt": "x"}\n{"request_id": "bad", "prompt": "x", '
+                   '"sampling_params": {"temperature": -1}}\n')
+    proc = run_cli(settings, "submit", str(src))
+    assert proc.returncode == 2
+    assert "bad.jsonl:2" in proc.stderr and "temperature" in proc.stderr
+    status = json.loads(run_cli(settings, "status", "--json").stdout)
+    assert status["requests"]["length"] == 0
+
+
+async def test_status_json_and_abort(settings, r):
+    proc = run_cli(settings, "submit", "-", input="\n".join(
+        json.dumps({"request_id": f"q-{i}", "prompt": "x"}) for i in range(3)))
+    assert proc.returncode == 0, proc.stderr
+    status = json.loads(run_cli(settings, "status", "--json").stdout)
+    assert status["requests"]["length"] == 3 and status["requests"]["backlog"] == 3
+    assert status["requests"]["pending"] == 0 and status["workers"] == []
+    assert status["dead_letters"] == 0 and status["namespace"] == settings.namespace
+    proc = run_cli(settings, "abort", "q-0", "--group", "g1")
+    assert proc.returncode == 0, proc.stderr
+    assert await r.zscore(settings.keys.aborted, "r:q-0") is not None
+    assert await r.zscore(settings.keys.aborted, "g:g1") is not None
+    human = run_cli(settings, "status")
+    assert human.returncode == 0 and "queued" in human.stdout
+
+
+def test_unreachable_redis_is_one_clear_line(settings):
+    proc = run_cli(settings, "status", "--json", REDROLL_REDIS_URL="redis://127.0.0.1:1/0")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0
+    assert "cannot reach redis at redis://127.0.0.1:1/0" in proc.stderr
+
+
+def test_compose_is_valid_and_names_real_commands():
+    spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = spec["services"]
+    assert {"redis", "engine_worker", "consumer"} <= set(services)
+    assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
+    worker = services["engine_worker"]
+    gpu = worker["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert any(v.endswith(":/models:ro") for v in worker["volumes"])
+    parser = build_parser()
+    for name in ("engine_worker", "consumer"):
+        cmd = [c for c in services[name]["command"]]
+        assert cmd[0] == "redroll"
+        # Substitute compose variables with their defaults, then let the real parser check the flags.
+        argv = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", c) for c in cmd[1:]]
+        parser.parse_args(argv)
+    assert "sglang" in worker["command"]
+    handler = services["consumer"]["command"][-1]
+    module, fn = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", handler).split("=", 1)[1].split(":")
+    mod = __import__(module, fromlist=[fn])
+    assert callable(getattr(mod, fn))
