@@ -192,8 +192,17 @@ class ConsumerRunner:
         if not runnable:
             return
         already = await self._applied_already([i.record.request_id for i in runnable])  # type: ignore[union-attr]
-        to_apply = [i for i in runnable if i.record.request_id not in already]  # type: ignore[union-attr]
-        skipped = [i for i in runnable if i.record.request_id in already]  # type: ignore[union-attr]
+        # Skip ids the group applied before and copies of one record within this batch (a replayed
+        # record read together with its original): only the first copy of each request_id runs.
+        to_apply: list[_Item] = []
+        skipped: list[_Item] = []
+        for i in runnable:
+            rid = i.record.request_id  # type: ignore[union-attr]
+            if rid in already:
+                skipped.append(i)
+            else:
+                already.add(rid)
+                to_apply.append(i)
         self.stats.duplicates_skipped += len(skipped)
         results = await asyncio.gather(*(self._apply(i) for i in to_apply), return_exceptions=True)
         succeeded = [i for i, r in zip(to_apply, results) if r is None]

@@ -275,13 +275,16 @@ class Worker:
 
     async def _process(self, flight: InFlight, fields: dict) -> None:
         max_deliveries = self.settings.max_deliveries
-        if flight.deliveries > max_deliveries:
+        if flight.deliveries > max_deliveries and not self._is_newer_schema(fields):
+            # (a newer-schema entry keeps being handed back below: each reclaim counts as a
+            # delivery, but it waits for a newer worker and is never dead-lettered for that)
             last = self._last_errors.pop(flight.entry_id, None)
             reason = f"delivered {flight.deliveries} times (max_deliveries={max_deliveries})"
             if last:
                 reason += f"; last error: {last}"
             await self._dead_letter(flight, fields, reason, request=self._try_decode(fields))
             return
+        request: GenerationRequest | None = None
         try:
             request = decode_request(fields, self.settings.limits)
             self._check_served(request)
@@ -291,7 +294,9 @@ class Worker:
             await self._hand_back(flight)
             return
         except ValidationError as exc:
-            await self._dead_letter(flight, fields, exc.reason, error=exc)
+            # A request that decoded but is not servable here (model, vocabulary, reply_to) still
+            # names its waiter: pass it on so that the waiter gets its error record.
+            await self._dead_letter(flight, fields, exc.reason, error=exc, request=request)
             return
         flight.request = request
         claimed_at = flight.claimed_at
@@ -344,6 +349,15 @@ class Worker:
         if flight.stop_status is None:
             flight.stop_status = status
         self.engine.abort(flight.handle)
+
+    def _is_newer_schema(self, fields: dict) -> bool:
+        try:
+            decode_request(fields, self.settings.limits)
+        except NewerSchemaError:
+            return True
+        except ValidationError:
+            pass
+        return False
 
     def _try_decode(self, fields: dict) -> GenerationRequest | None:
         try:

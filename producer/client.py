@@ -212,6 +212,8 @@ class Producer:
     async def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
         """The record of ``request_id``: one submitted here, or (after a restart) before."""
         waiter = self._waiters.get(request_id)
+        if waiter is None and request_id in self._recent:
+            raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
         if waiter is None:
             held = self._unclaimed.pop(request_id, None)
             if held is not None:

@@ -23,7 +23,7 @@ from shared.types import (
     SamplingParams,
 )
 
-REQUEST_ID_RE = re.compile(r"^[!-z|~]{1,128}$")
+REQUEST_ID_RE = re.compile(r"^[!-z|~]{1,128}\Z")  # \Z, not $: "$" also matches before a final newline
 """1–128 printable ASCII characters, no whitespace, no braces."""
 
 INT64_MAX = 2**63 - 1

@@ -1,0 +1,339 @@
+"""Consumer-group runner against a real redis-server: exactly-once application in the normal
+case, retries, dead letters, de-duplication, recovery, sharing, trimming, and the CLI process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections import Counter
+
+from consumer.runner import ConsumerRunner
+from engine_worker.engines.synthetic import SyntheticEngine
+from engine_worker.worker import Worker
+from producer.client import make_request, send
+from shared.retention import trim_acked
+from shared.types import RecordStatus
+from tests.conftest import spawn, wait_until
+
+SP = {"max_new_tokens": 3}
+
+
+async def produce(settings, r, rids, callback="h", **fields) -> list:
+    """Queue requests whose records go to ``{ns}:results`` and let a worker publish them all."""
+    before = await r.xlen(settings.keys.results)
+    await send(settings, r, [make_request(request_id=x, prompt=x, sampling_params=SP, callback=callback, **fields)
+                             for x in rids])
+    worker = Worker(settings, SyntheticEngine(), block_ms=100)
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.results, before + len(rids)), timeout=10)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    return await r.xrange(settings.keys.results)
+
+
+async def _xlen_at_least(r, key, n):
+    return await r.xlen(key) >= n
+
+
+@contextlib.asynccontextmanager
+async def running(runner: ConsumerRunner):
+    task = asyncio.create_task(runner.run())
+    try:
+        yield runner
+    finally:
+        runner.request_stop()
+        await asyncio.wait_for(task, 10)
+
+
+def fast(settings, **kw):
+    """Short claim_idle so retry and recovery paths run in well under a second per step."""
+    return settings.with_(claim_idle_ms=kw.pop("claim_idle_ms", 300), **kw)
+
+
+async def group_pending(r, stream, group) -> int:
+    return int((await r.xpending(stream, group))["pending"])
+
+
+async def dead_entries(r, settings) -> list[dict]:
+    return [{k.decode(): v for k, v in f.items()} for _i, f in await r.xrange(settings.keys.dead)]
+
+
+# ---------------------------------------------------------------- normal path
+
+
+async def test_applies_each_record_once_and_acks(settings, r):
+    sync_rids = [f"s-{i}" for i in range(10)]
+    async_rids = [f"a-{i}" for i in range(10)]
+    await produce(settings, r, sync_rids, callback="h")
+    await produce(settings, r, async_rids, callback="ah")
+    applied: Counter = Counter()
+
+    def h(rec):
+        assert rec.status is RecordStatus.FINISHED and len(rec.output_token_ids[0]) == 3
+        applied[rec.request_id] += 1
+
+    async def ah(rec):
+        await asyncio.sleep(0.001)
+        applied[rec.request_id] += 1
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": h, "ah": ah}, block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: sum(applied.values()) >= 20, timeout=10)
+        await asyncio.sleep(0.3)
+    assert applied == Counter({x: 1 for x in sync_rids + async_rids})
+    assert runner.stats.applied == 20 and runner.stats.dead_lettered == 0
+    assert await group_pending(r, settings.keys.results, "g") == 0
+    assert await r.xlen(settings.keys.dead) == 0
+
+
+async def test_default_handler_for_records_without_callback(settings, r):
+    await produce(settings, r, ["nocb-1"], callback=None)
+    seen = []
+    runner = ConsumerRunner(settings, group="g", handlers={}, default_handler=lambda rec: seen.append(rec.request_id),
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: seen == ["nocb-1"], timeout=5)
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+async def test_unregistered_handler_is_dead_lettered_and_nothing_imported(settings, r):
+    mod = "tests_never_imported_mod"
+    assert mod not in sys.modules
+    await produce(settings, r, ["evil-1"], callback="os:system")
+    await produce(settings, r, ["nope-1"], callback="nope")
+    await produce(settings, r, ["mod-1"], callback=f"{mod}:fn")
+    await produce(settings, r, ["nocb-1"], callback=None)
+    await produce(settings, r, ["good-1"], callback="h")
+    applied = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 4), timeout=5)
+        await wait_until(lambda: applied == ["good-1"], timeout=5)
+    assert mod not in sys.modules
+    dead = await dead_entries(r, settings)
+    by_rid = {d["rid"].decode(): d for d in dead}
+    assert set(by_rid) == {"evil-1", "nope-1", "mod-1", "nocb-1"}
+    assert b"'os:system'" in by_rid["evil-1"]["reason"]
+    assert b"'nope'" in by_rid["nope-1"]["reason"]
+    assert mod.encode() in by_rid["mod-1"]["reason"]
+    assert b"default handler" in by_rid["nocb-1"]["reason"]
+    for d in dead:
+        assert d["source"] == b"consumer:g"
+        assert "data" in d and "status" in d  # the original fields travel with the letter
+    assert runner.stats.dead_lettered == 4
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+async def test_failing_callback_retried_then_dead_lettered(settings, r):
+    settings = fast(settings)
+    await produce(settings, r, ["fail-1"])
+    calls = []
+
+    def boom(rec):
+        calls.append(time.monotonic())
+        raise RuntimeError(f"handler exploded on {rec.request_id} #{len(calls)}")
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": boom}, block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 1), timeout=10)
+    assert len(calls) == settings.max_deliveries
+    [letter] = await dead_entries(r, settings)
+    reason = letter["reason"].decode()
+    assert "delivered" in reason and f"max_deliveries={settings.max_deliveries}" in reason
+    assert f"handler exploded on fail-1 #{settings.max_deliveries}" in reason
+    assert "RuntimeError" in reason
+    assert letter["rid"] == b"fail-1" and letter["source"] == b"consumer:g"
+    assert await group_pending(r, settings.keys.results, "g") == 0
+    assert runner.stats.failures == settings.max_deliveries and runner.stats.applied == 0
+
+
+async def test_handler_failing_once_then_succeeding_is_applied_once(settings, r):
+    settings = fast(settings)
+    await produce(settings, r, ["flaky-1", "fine-1"])
+    attempts: Counter = Counter()
+    applied: Counter = Counter()
+
+    async def flaky(rec):
+        attempts[rec.request_id] += 1
+        if rec.request_id == "flaky-1" and attempts[rec.request_id] == 1:
+            raise ValueError("transient")
+        applied[rec.request_id] += 1
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": flaky}, block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: applied["flaky-1"] == 1, timeout=10)
+        await asyncio.sleep(1.0)  # a few more reclaim passes: nothing is re-applied
+    assert applied == Counter({"flaky-1": 1, "fine-1": 1})
+    assert attempts == Counter({"flaky-1": 2, "fine-1": 1})
+    assert await r.xlen(settings.keys.dead) == 0
+    assert await group_pending(r, settings.keys.results, "g") == 0
+    assert runner.stats.reclaimed == 1
+
+
+# ---------------------------------------------------------------- de-duplication
+
+
+async def test_duplicate_record_applied_once_per_group(settings, r):
+    entries = await produce(settings, r, ["dup-1"])
+    results = settings.keys.results
+    applied: Counter = Counter()
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.__setitem__(
+        ("g", rec.request_id), applied[("g", rec.request_id)] + 1)}, block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: applied[("g", "dup-1")] == 1, timeout=5)
+        await r.xadd(results, entries[0][1])  # a replayed copy of the same record
+        await wait_until(lambda: runner.stats.duplicates_skipped == 1, timeout=5)
+    assert applied[("g", "dup-1")] == 1
+    assert runner.stats.applied == 1
+    assert await group_pending(r, results, "g") == 0
+
+    # a second group applies it once too, although it sees both copies
+    other = ConsumerRunner(settings, group="g2", handlers={"h": lambda rec: applied.__setitem__(
+        ("g2", rec.request_id), applied[("g2", rec.request_id)] + 1)}, block_ms=100)
+    async with running(other):
+        await wait_until(lambda: other.stats.applied + other.stats.duplicates_skipped == 2, timeout=5)
+    assert applied == Counter({("g", "dup-1"): 1, ("g2", "dup-1"): 1})
+    assert other.stats.duplicates_skipped == 1
+    assert await group_pending(r, results, "g2") == 0
+
+
+async def test_duplicates_within_one_batch_applied_once(settings, r):
+    entries = await produce(settings, r, ["dup-2", "other-2"])
+    for _ in range(2):
+        await r.xadd(settings.keys.results, entries[0][1])
+    applied: Counter = Counter()
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.update([rec.request_id])},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: runner.stats.applied + runner.stats.duplicates_skipped == 4, timeout=5)
+    assert applied == Counter({"dup-2": 1, "other-2": 1})
+    assert runner.stats.duplicates_skipped == 2
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+# ---------------------------------------------------------------- recovery and sharing
+
+
+async def test_reclaims_pending_entries_of_dead_consumer(settings, r):
+    settings = fast(settings, claim_idle_ms=500)
+    rids = [f"orphan-{i}" for i in range(5)]
+    await produce(settings, r, rids)
+    results = settings.keys.results
+    await r.xgroup_create(results, "g", id="0")
+    got = await r.xreadgroup("g", "consumer-A-dead", {results: ">"}, count=100)
+    assert len(got[0][1]) == 5
+    assert await group_pending(r, results, "g") == 5
+    applied: Counter = Counter()
+    runner = ConsumerRunner(settings, group="g", name="consumer-B", handlers={"h": lambda rec: applied.update(
+        [rec.request_id])}, block_ms=100)
+    t0 = time.monotonic()
+    async with running(runner):
+        await wait_until(lambda: len(applied) == 5, timeout=10)
+    assert time.monotonic() - t0 >= 0.4  # not before claim_idle
+    assert applied == Counter({x: 1 for x in rids})
+    assert runner.stats.reclaimed == 5
+    assert await group_pending(r, results, "g") == 0
+    consumers = {c["name"].decode(): c for c in await r.xinfo_consumers(results, "g")}
+    assert consumers["consumer-A-dead"]["pending"] == 0
+
+
+async def test_two_runners_share_the_work(settings, r):
+    rids = [f"share-{i}" for i in range(60)]
+    applied: Counter = Counter()
+    by_runner: Counter = Counter()
+
+    def make(tag):
+        async def h(rec):
+            await asyncio.sleep(0.005)
+            applied[rec.request_id] += 1
+            by_runner[tag] += 1
+        return h
+
+    a = ConsumerRunner(settings, group="g", handlers={"h": make("a")}, block_ms=100, batch=5)
+    b = ConsumerRunner(settings, group="g", handlers={"h": make("b")}, block_ms=100, batch=5)
+    async with running(a), running(b):
+        await asyncio.sleep(0.2)  # both are blocked on XREADGROUP before the records arrive
+        await produce(settings, r, rids)
+        await wait_until(lambda: sum(applied.values()) >= 60, timeout=10)
+        await asyncio.sleep(0.3)
+    assert applied == Counter({x: 1 for x in rids})
+    assert by_runner["a"] > 0 and by_runner["b"] > 0
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+# ---------------------------------------------------------------- trimming
+
+
+async def test_trim_only_what_every_group_acked(settings, r):
+    results = settings.keys.results
+    assert await trim_acked(r, results) == 0  # no stream yet
+    await produce(settings, r, [f"trim-{i}" for i in range(8)])
+    await r.xgroup_create(results, "late", id="0")  # a group that has not read anything yet
+    applied = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: len(applied) == 8, timeout=5)
+        await wait_until(lambda: _pending_is(r, results, "g", 0), timeout=5)
+    assert await trim_acked(r, results) == 0
+    assert await r.xlen(results) == 8
+
+    # the late group reads everything and acks the first 5; 3 stay pending
+    got = await r.xreadgroup("late", "late-1", {results: ">"}, count=100)
+    ids = [i for i, _f in got[0][1]]
+    await r.xack(results, "late", *ids[:5])
+    assert await trim_acked(r, results) == 5
+    remaining = [i for i, _f in await r.xrange(results)]
+    assert remaining == ids[5:]
+    await r.xack(results, "late", *ids[5:])
+    assert await trim_acked(r, results) == 3
+    assert await r.xlen(results) == 0
+
+    # new records after a full trim: an unread one is kept
+    await produce(settings, r, ["trim-new"])
+    assert await trim_acked(r, results) == 0
+    assert await r.xlen(results) == 1
+
+
+async def _pending_is(r, stream, group, n):
+    return await group_pending(r, stream, group) == n
+
+
+# ---------------------------------------------------------------- the CLI process
+
+
+async def test_consume_subprocess_applies_and_stops_on_sigterm(settings, r, tmp_path):
+    rids = [f"cli-{i}" for i in range(6)]
+    await produce(settings, r, rids)
+    applied_file = tmp_path / "applied.jsonl"
+    log = tmp_path / "consume.log"
+    proc = spawn(settings, "consume", "--group", "g", "--handler", "h=tests.handlers:append_to_file",
+                 log=log, REDROLL_TEST_APPLIED=str(applied_file))
+    try:
+        def lines():
+            return applied_file.read_text().splitlines() if applied_file.exists() else []
+
+        await wait_until(lambda: len(lines()) >= 6, timeout=15)
+        await wait_until(lambda: _pending_is(r, settings.keys.results, "g", 0), timeout=5)
+        rows = [json.loads(x) for x in lines()]
+        assert sorted(x["request_id"] for x in rows) == sorted(rids)
+        assert all(x["status"] == "finished" and x["pid"] == proc.pid for x in rows)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert proc.returncode == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

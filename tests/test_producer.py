@@ -1,0 +1,318 @@
+"""Producer client against a real redis-server with an in-process synthetic worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+import pytest
+import redis
+from redis.asyncio.client import Pipeline
+
+from engine_worker.engines.synthetic import SyntheticEngine
+from engine_worker.worker import Worker
+from producer import DuplicateRequestError, Producer, SyncProducer, make_request
+from shared.codec import encode_request
+from shared.keys import PRODUCER_GROUP
+from shared.scripts import Scripts
+from shared.types import RecordStatus
+from tests.conftest import wait_until
+
+SP = {"max_new_tokens": 4}
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings, **engine_kw):
+    worker = Worker(settings, SyntheticEngine(**engine_kw), block_ms=100)
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 15)
+
+
+async def reply_pending(r, producer_name: str, settings) -> int:
+    info = await r.xpending(settings.keys.reply(producer_name), PRODUCER_GROUP)
+    return int(info["pending"])
+
+
+# ---------------------------------------------------------------- basic submit / await
+
+
+async def test_submit_one_and_many_with_callbacks(settings, r):
+    calls: dict[str, int] = {}
+
+    def cb(record):
+        calls[record.request_id] = calls.get(record.request_id, 0) + 1
+
+    async with running_worker(settings), Producer(settings, block_ms=100) as p:
+        fut = await p.submit(prompt="hello", sampling_params=SP)
+        rec = await asyncio.wait_for(fut, 10)
+        assert rec.status is RecordStatus.FINISHED
+        assert len(rec.output_token_ids) == 1 and len(rec.output_token_ids[0]) == 4
+        assert p.outstanding == 0
+
+        reqs = [make_request(request_id=f"many-{i}_step1", prompt=f"p{i}",
+                             sampling_params={"max_new_tokens": 3 + i % 5, "n": 2}, return_logprob=True)
+                for i in range(50)]
+        futs = await p.submit_many(reqs, callback=cb)
+        assert p.outstanding == 50
+        records = await asyncio.wait_for(asyncio.gather(*futs), 20)
+        assert [x.request_id for x in records] == [q.request_id for q in reqs]
+        for q, x in zip(reqs, records):
+            assert x.status is RecordStatus.FINISHED
+            assert len(x.output_token_ids) == 2 and len(x.output_logprobs) == 2
+            for ids, lps in zip(x.output_token_ids, x.output_logprobs):
+                assert len(ids) == len(lps) == q.sampling_params.max_new_tokens
+        assert calls == {q.request_id: 1 for q in reqs}
+        assert p.outstanding == 0
+        # every handled record was acked and deleted from the private reply stream
+        await wait_until(lambda: _xlen_is(r, p.reply_to, 0), timeout=5)
+        assert await reply_pending(r, p.name, settings) == 0
+
+
+async def _xlen_is(r, key, n):
+    return await r.xlen(key) == n
+
+
+async def test_async_callback_and_as_completed(settings):
+    seen: list[str] = []
+
+    async def acb(record):
+        await asyncio.sleep(0)
+        seen.append(record.request_id)
+
+    async with running_worker(settings, token_ms=1.0), Producer(settings, block_ms=100) as p:
+        reqs = [make_request(prompt=f"x{i}", sampling_params={"max_new_tokens": 1 + (7 * i) % 11})
+                for i in range(20)]
+        futs = await p.submit_many(reqs, callback=acb)
+        got = []
+        async for rec in p.as_completed(futs):
+            got.append(rec.request_id)
+        assert sorted(got) == sorted(q.request_id for q in reqs)
+        assert len(got) == len(set(got)) == 20
+        assert sorted(seen) == sorted(got)
+        assert p.outstanding == 0
+
+
+# ---------------------------------------------------------------- duplicates and retries
+
+
+async def test_duplicate_request_id_refused(settings, r):
+    async with Producer(settings, block_ms=100) as a, Producer(settings, block_ms=100) as b:
+        fut = await a.submit(request_id="dup-1", prompt="x", sampling_params=SP)
+        with pytest.raises(DuplicateRequestError) as ei:
+            await b.submit(request_id="dup-1", prompt="y", sampling_params=SP)
+        msg = str(ei.value)
+        assert "dup-1" in msg and "already queued or in flight" in msg
+        assert ei.value.request_id == "dup-1"
+        # the same producer refuses a live id too
+        with pytest.raises(DuplicateRequestError):
+            await a.submit(request_id="dup-1", prompt="z", sampling_params=SP)
+        # in a batch, only the duplicate fails; the others are queued
+        futs = await b.submit_many([make_request(request_id="dup-1", prompt="q", sampling_params=SP),
+                                    make_request(request_id="fresh-1", prompt="q", sampling_params=SP)])
+        with pytest.raises(DuplicateRequestError):
+            futs[0].result()
+        assert b.outstanding == 1
+        assert await r.xlen(settings.keys.requests) == 2
+        # the refused submits left the first one intact
+        assert a.outstanding == 1 and not fut.done()
+        async with running_worker(settings):
+            rec = await asyncio.wait_for(fut, 10)
+            assert rec.request_id == "dup-1" and rec.status is RecordStatus.FINISHED
+            assert (await asyncio.wait_for(futs[1], 10)).request_id == "fresh-1"
+        # after the finish the id is free again
+        assert not await r.exists(settings.keys.rid("dup-1"))
+        fut2 = await b.submit(request_id="dup-1", prompt="again", sampling_params=SP)
+        assert not fut2.done()
+
+
+async def test_submit_script_retry_with_same_token_is_success(settings, r):
+    keys = settings.keys
+    scripts = Scripts(r)
+    req = make_request(request_id="retry-1", prompt="x", sampling_params=SP)
+    req.reply_to = keys.results
+    data = encode_request(req, settings.limits)["data"]
+    args = (keys.requests, keys.rid(req.request_id), "tok-A", req.request_id, req.reply_to, data, 60)
+    first = Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *args))
+    second = Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *args))
+    assert first.retried is False and second.retried is True
+    assert first.entry_id == second.entry_id
+    assert await r.xlen(keys.requests) == 1
+    # a different token is a refusal
+    other = (keys.requests, keys.rid(req.request_id), "tok-B", req.request_id, req.reply_to, data, 60)
+    with pytest.raises(DuplicateRequestError):
+        Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *other))
+    assert await r.xlen(keys.requests) == 1
+
+
+async def test_submit_survives_connection_drop_after_server_applied(settings, r, monkeypatch):
+    original = Pipeline.execute
+    state = {"dropped": 0, "calls": 0}
+
+    async def flaky_execute(self, *a, **kw):
+        state["calls"] += 1
+        carries_submit = any(str(args[0]).upper() == "EVALSHA" for args, _opts in self.command_stack)
+        result = await original(self, *a, **kw)  # the server runs it ...
+        if carries_submit and state["dropped"] == 0:
+            state["dropped"] += 1  # ... but the reply is lost
+            raise redis.ConnectionError("connection dropped before the reply arrived (simulated)")
+        return result
+
+    async with Producer(settings, block_ms=100) as p:
+        monkeypatch.setattr(Pipeline, "execute", flaky_execute)
+        fut = await p.submit(request_id="drop-1", prompt="x", sampling_params=SP)
+        monkeypatch.setattr(Pipeline, "execute", original)
+        assert state["dropped"] == 1 and state["calls"] >= 2
+        assert await r.xlen(settings.keys.requests) == 1
+        entries = await r.xrange(settings.keys.requests)
+        assert entries[0][1][b"rid"] == b"drop-1"
+        async with running_worker(settings):
+            rec = await asyncio.wait_for(fut, 10)
+        assert rec.request_id == "drop-1" and rec.status is RecordStatus.FINISHED
+
+
+# ---------------------------------------------------------------- isolation and restart
+
+
+async def test_concurrent_producers_get_only_their_own_records(settings):
+    async with running_worker(settings), \
+            Producer(settings, block_ms=100) as a, Producer(settings, block_ms=100) as b:
+        assert a.reply_to != b.reply_to
+        ra = [make_request(request_id=f"a-{i}", prompt=f"a{i}", sampling_params=SP) for i in range(30)]
+        rb = [make_request(request_id=f"b-{i}", prompt=f"b{i}", sampling_params=SP) for i in range(30)]
+        fa, fb = await asyncio.gather(a.submit_many(ra), b.submit_many(rb))
+        recs_a = await asyncio.wait_for(asyncio.gather(*fa), 15)
+        recs_b = await asyncio.wait_for(asyncio.gather(*fb), 15)
+        assert [x.request_id for x in recs_a] == [q.request_id for q in ra]
+        assert [x.request_id for x in recs_b] == [q.request_id for q in rb]
+        # nothing foreign turned up in either producer
+        assert not a._unclaimed and not b._unclaimed
+
+
+async def test_restart_resumes_records_by_name(settings, r):
+    rids = [f"resume-{i}" for i in range(10)]
+    async with Producer(settings, name="trainer-1", block_ms=100) as a:
+        await a.submit_many([make_request(request_id=x, prompt=x, sampling_params=SP) for x in rids])
+        assert a.reply_to == settings.keys.reply("trainer-1")
+    reply = settings.keys.reply("trainer-1")
+    async with running_worker(settings):
+        await wait_until(lambda: _xlen_is(r, reply, 10), timeout=10)
+
+    async with Producer(settings, name="trainer-1", block_ms=100) as b:
+        got = {}
+        for x in rids[:5]:
+            rec = await b.result(x, timeout=5)
+            got[x] = rec
+        async def drain_unclaimed():
+            async for rec in b.unclaimed():
+                got[rec.request_id] = rec
+                if len(got) == 10:
+                    return
+        await asyncio.wait_for(drain_unclaimed(), 5)
+        assert sorted(got) == sorted(rids)
+        assert all(rec.status is RecordStatus.FINISHED for rec in got.values())
+        assert await reply_pending(r, "trainer-1", settings) == 0
+        assert await r.xlen(reply) == 0
+
+
+async def test_restart_resumes_pending_entries_read_before_crash(settings, r):
+    """Records the old producer read but never handled stay pending and are re-read on restart."""
+    rids = [f"pend-{i}" for i in range(4)]
+    name = "trainer-2"
+    async with Producer(settings, name=name, block_ms=100) as a:
+        await a.submit_many([make_request(request_id=x, prompt=x, sampling_params=SP) for x in rids])
+    reply = settings.keys.reply(name)
+    async with running_worker(settings):
+        await wait_until(lambda: _xlen_is(r, reply, 4), timeout=10)
+    # a crashed instance read them but did not ack
+    await r.xreadgroup(PRODUCER_GROUP, name, {reply: ">"}, count=10)
+    assert await reply_pending(r, name, settings) == 4
+    async with Producer(settings, name=name, block_ms=100) as b:
+        recs = [await b.result(x, timeout=5) for x in rids]
+        assert [x.request_id for x in recs] == rids
+        await wait_until(lambda: _pending_is(r, name, settings, 0), timeout=5)
+
+
+async def _pending_is(r, name, settings, n):
+    return await reply_pending(r, name, settings) == n
+
+
+# ---------------------------------------------------------------- abort, sync facade, poison
+
+
+async def test_abort_queued_request(settings):
+    async with Producer(settings, block_ms=100) as p:
+        fut = await p.submit(request_id="abort-me", prompt="x", sampling_params=SP)
+        keep = await p.submit(request_id="keep-me", prompt="x", sampling_params=SP)
+        await p.abort(["abort-me"])
+        async with running_worker(settings):
+            rec = await asyncio.wait_for(fut, 10)
+            kept = await asyncio.wait_for(keep, 10)
+        assert rec.status is RecordStatus.ABORTED
+        assert rec.finish_reasons == [None]
+        assert rec.output_logprobs is None
+        assert kept.status is RecordStatus.FINISHED
+
+
+async def test_abort_by_group_id(settings):
+    async with Producer(settings, block_ms=100) as p:
+        futs = await p.submit_many([make_request(prompt=f"g{i}", sampling_params=SP, group_id="grp-7")
+                                    for i in range(3)])
+        await p.abort(group_id="grp-7")
+        async with running_worker(settings):
+            recs = await asyncio.wait_for(asyncio.gather(*futs), 10)
+        assert all(x.status is RecordStatus.ABORTED and x.finish_reasons == [None] for x in recs)
+
+
+async def test_sync_producer_facade(settings):
+    async with running_worker(settings):
+        sp = await asyncio.to_thread(SyncProducer, settings)
+        try:
+            rec = await asyncio.to_thread(lambda: sp.generate(prompt="hi", sampling_params=SP, timeout=10))
+            assert rec.status is RecordStatus.FINISHED and len(rec.output_token_ids[0]) == 4
+            futs = await asyncio.to_thread(
+                sp.submit_many, [{"prompt": f"s{i}", "sampling_params": SP, "request_id": f"sync-{i}"}
+                                 for i in range(5)])
+            recs = await asyncio.to_thread(lambda: [f.result(10) for f in futs])
+            assert [x.request_id for x in recs] == [f"sync-{i}" for i in range(5)]
+        finally:
+            await asyncio.to_thread(sp.close)
+
+
+async def test_undecodable_reply_is_dead_lettered(settings, r):
+    async with Producer(settings, block_ms=100) as p:
+        await r.xadd(p.reply_to, {"rid": "junk", "status": "finished", "worker": "w", "data": b"\xc1\xff"})
+        await r.xadd(p.reply_to, {"rid": "junk2", "status": "bogus", "data": b"\x80"})
+        await wait_until(lambda: _xlen_is(r, settings.keys.dead, 2), timeout=5)
+        dead = await r.xrange(settings.keys.dead)
+        assert all(f[b"source"] == b"producer" for _i, f in dead)
+        assert b"data" in dead[0][1][b"reason"]
+        assert b"status" in dead[1][1][b"reason"]
+        async with running_worker(settings):
+            rec = await asyncio.wait_for(await p.submit(prompt="after", sampling_params=SP), 10)
+        assert rec.status is RecordStatus.FINISHED
+        await wait_until(lambda: _pending_is(r, p.name, settings, 0), timeout=5)
+        assert await r.xlen(p.reply_to) == 0
+
+
+async def test_duplicate_record_on_reply_stream_is_skipped(settings, r):
+    from shared.codec import encode_record
+
+    calls: list[str] = []
+    async with running_worker(settings), Producer(settings, block_ms=100) as p:
+        rec = await asyncio.wait_for(await p.submit(request_id="once-1", prompt="x", sampling_params=SP,
+                                                    callback=None), 10)
+        fut = await p.submit(request_id="once-2", prompt="x", sampling_params=SP,
+                             callback=lambda x: calls.append(x.request_id))
+        rec2 = await asyncio.wait_for(fut, 10)
+        # a replayed copy of an already handled record (e.g. after a redis crash) is acked, not re-applied
+        await r.xadd(p.reply_to, encode_record(rec2))
+        await r.xadd(p.reply_to, encode_record(rec))
+        await wait_until(lambda: _xlen_is(r, p.reply_to, 0), timeout=5)
+        assert calls == ["once-2"]
+        assert not p._unclaimed
+        assert await reply_pending(r, p.name, settings) == 0

@@ -1,0 +1,340 @@
+"""The Lua scripts of the delivery promise, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from shared.codec import decode_record
+from shared.keys import WORKERS_GROUP
+from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
+from shared.streams import ensure_group
+from shared.types import CompletionRecord, RecordStatus
+
+G = WORKERS_GROUP
+
+
+def data_for(rid: str) -> bytes:
+    return msgpack.packb({"v": 1, "request_id": rid, "prompt": "hi", "submitted_at": 1.0}, use_bin_type=True)
+
+
+def record(rid: str, status: RecordStatus = RecordStatus.FINISHED, worker: str = "w1") -> CompletionRecord:
+    return CompletionRecord(request_id=rid, status=status, output_token_ids=[[1, 2]], finish_reasons=["length"],
+                            output_logprobs=[[-0.1, -0.2]], meta_info={"m": 1}, worker=worker)
+
+
+async def submit(scripts: Scripts, keys, rid: str, token: str, ttl: int = 60):
+    reply = await scripts.submit_in(scripts.redis, keys.requests, keys.rid(rid), token, rid, keys.results,
+                                    data_for(rid), ttl)
+    return Scripts.submit_outcome(rid, reply)
+
+
+async def read_one(r, keys, consumer: str) -> str:
+    resp = await r.xreadgroup(G, consumer, {keys.requests: ">"}, count=1)
+    assert resp, "nothing to read"
+    return resp[0][1][0][0].decode()
+
+
+async def pending(r, keys, entry_id: str) -> dict | None:
+    rows = await r.xpending_range(keys.requests, G, min=entry_id, max=entry_id, count=1)
+    return rows[0] if rows else None
+
+
+async def add_and_claim(r, keys, consumer: str, rid: str = "req-1") -> str:
+    await ensure_group(r, keys.requests, G)
+    await r.xadd(keys.requests, {"rid": rid, "reply_to": keys.results, "data": data_for(rid)})
+    return await read_one(r, keys, consumer)
+
+
+def finish_kwargs(keys, consumer: str, entry_id: str, rid: str = "req-1", **kw):
+    return dict(requests_key=keys.requests, reply_key=keys.results, rid_key=keys.rid(rid), group=G,
+                consumer=consumer, entry_id=entry_id, record=record(rid, worker=consumer), **kw)
+
+
+# ---------------------------------------------------------------- submit
+
+
+async def test_submit_dedup_retry_and_refusal(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    first = await submit(scripts, keys, "rid-a", "tok-1")
+    assert first.retried is False
+    assert await r.xlen(keys.requests) == 1
+    entries = await r.xrange(keys.requests)
+    assert entries[0][0].decode() == first.entry_id
+    f = entries[0][1]
+    assert f[b"rid"] == b"rid-a" and f[b"reply_to"] == keys.results.encode() and f[b"data"] == data_for("rid-a")
+    held = (await r.get(keys.rid("rid-a"))).decode()
+    assert held == f"tok-1 {first.entry_id}"
+    assert 0 < await r.ttl(keys.rid("rid-a")) <= 60
+
+    again = await submit(scripts, keys, "rid-a", "tok-1")  # a retried submit (same token)
+    assert again.entry_id == first.entry_id and again.retried is True
+    assert await r.xlen(keys.requests) == 1
+
+    with pytest.raises(DuplicateRequestError) as ei:
+        await submit(scripts, keys, "rid-a", "tok-2")
+    assert ei.value.request_id == "rid-a"
+    assert await r.xlen(keys.requests) == 1
+
+    other = await submit(scripts, keys, "rid-b", "tok-2")  # other ids are independent
+    assert other.retried is False and other.entry_id != first.entry_id
+    assert await r.xlen(keys.requests) == 2
+
+
+async def test_submit_without_reply_to_and_in_pipeline(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await r.script_flush()  # the pipeline must load the script itself
+    async with r.pipeline(transaction=False) as pipe:
+        scripts.submit_in(pipe, keys.requests, keys.rid("p1"), "t", "p1", None, data_for("p1"), 60)
+        scripts.submit_in(pipe, keys.requests, keys.rid("p2"), "t", "p2", keys.results, data_for("p2"), 60)
+        scripts.submit_in(pipe, keys.requests, keys.rid("p1"), "t", "p1", None, data_for("p1"), 60)
+        replies = await pipe.execute()
+    outs = [Scripts.submit_outcome(rid, rep) for rid, rep in zip(["p1", "p2", "p1"], replies)]
+    assert [o.retried for o in outs] == [False, False, True]
+    assert outs[0].entry_id == outs[2].entry_id
+    entries = await r.xrange(keys.requests)
+    assert len(entries) == 2
+    assert b"reply_to" not in entries[0][1]
+
+
+async def test_finish_releases_rid_so_it_can_be_reused(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    first = await submit(scripts, keys, "reuse-me", "tok-1")
+    entry = await read_one(r, keys, "c1")
+    assert entry == first.entry_id
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, rid="reuse-me")) == 1
+    assert await r.exists(keys.rid("reuse-me")) == 0
+    # a new submit of the same id (another caller) is accepted now
+    second = await submit(scripts, keys, "reuse-me", "tok-2")
+    assert second.retried is False and second.entry_id != first.entry_id
+    assert (await r.get(keys.rid("reuse-me"))).decode() == f"tok-2 {second.entry_id}"
+
+
+async def test_finish_keeps_a_rid_key_naming_another_entry(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1", rid="x1")
+    await r.set(keys.rid("x1"), "other-token 1-1")  # a later submit holds the id now
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, rid="x1")) == 1
+    assert (await r.get(keys.rid("x1"))) == b"other-token 1-1"
+
+
+# ---------------------------------------------------------------- fenced finish
+
+
+async def test_finish_by_owner_publishes_once_acks_and_deletes(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    res = await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry))
+    assert res == 1
+    results = await r.xrange(keys.results)
+    assert len(results) == 1
+    fields = results[0][1]
+    assert fields[b"rid"] == b"req-1" and fields[b"status"] == b"finished" and fields[b"worker"] == b"c1"
+    assert decode_record(fields) == record("req-1", worker="c1")
+    assert await r.xlen(keys.requests) == 0
+    assert (await r.xpending(keys.requests, G))["pending"] == 0
+    # a second finish of the same entry (e.g. a retried call) publishes nothing
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await r.xlen(keys.results) == 1
+
+
+async def test_finish_in_pipeline(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    for i in range(3):
+        await r.xadd(keys.requests, {"rid": f"r{i}", "data": data_for(f"r{i}")})
+    resp = await r.xreadgroup(G, "c1", {keys.requests: ">"}, count=3)
+    ids = [e[0].decode() for e in resp[0][1]]
+    await r.script_flush()
+    async with r.pipeline(transaction=False) as pipe:
+        for i, entry in enumerate(ids):
+            scripts.finish_in(pipe, **finish_kwargs(keys, "c1" if i != 1 else "intruder", entry, rid=f"r{i}"))
+        res = await pipe.execute()
+    assert res == [1, 0, 1]
+    assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"r0", b"r2"]
+    assert [e[0].decode() for e in await r.xrange(keys.requests)] == [ids[1]]
+
+
+async def test_finish_refused_for_non_owner(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c2", entry)) == 0
+    assert await r.xlen(keys.results) == 0
+    assert await r.xlen(keys.requests) == 1
+    p = await pending(r, keys, entry)
+    assert p is not None and p["consumer"] == b"c1"
+
+
+async def test_finish_refused_for_unknown_entry(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", "1-1")) == 0
+    assert await r.exists(keys.results) == 0
+
+
+async def test_finish_refused_after_another_consumer_claimed(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    claimed = await r.xclaim(keys.requests, G, "c2", 0, [entry])
+    assert claimed and claimed[0][0].decode() == entry
+    # the stale owner (lease lost) cannot publish
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await r.xlen(keys.results) == 0
+    assert await r.xlen(keys.requests) == 1
+    # the new owner can, exactly once
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c2", entry)) == 1
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await r.xlen(keys.results) == 1
+    assert await r.xlen(keys.requests) == 0
+
+
+async def test_finish_reply_cap(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    for i in range(300):
+        await r.xadd(keys.results, {"rid": f"old{i}"})
+    entry = await add_and_claim(r, keys, "c1")
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, reply_cap=10)) == 1
+    n = await r.xlen(keys.results)
+    assert n < 301  # approximate trim (~) happened
+    last = await r.xrevrange(keys.results, count=1)
+    assert last[0][1][b"rid"] == b"req-1"
+
+
+# ---------------------------------------------------------------- renew / hand back
+
+
+async def test_renew_by_owner_resets_idle_keeps_delivery_count(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    await asyncio.sleep(0.25)
+    before = await pending(r, keys, entry)
+    assert before["time_since_delivered"] >= 200
+    lost = await scripts.renew(keys.requests, G, "c1", [entry])
+    assert lost == []
+    after = await pending(r, keys, entry)
+    assert after["consumer"] == b"c1"
+    assert after["time_since_delivered"] < 150
+    assert after["times_delivered"] == before["times_delivered"] == 1
+
+
+async def test_renew_by_non_owner_reports_lost_and_takes_nothing(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    await asyncio.sleep(0.2)
+    lost = await scripts.renew(keys.requests, G, "c2", [entry, "1-1"])
+    assert sorted(lost) == sorted([entry, "1-1"])
+    p = await pending(r, keys, entry)
+    assert p["consumer"] == b"c1"
+    assert p["times_delivered"] == 1
+    assert p["time_since_delivered"] >= 150  # the non-owner did not renew it either
+    assert await scripts.renew(keys.requests, G, "c2", []) == []
+
+
+async def test_renew_mixed_owned_and_lost(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    e1 = await add_and_claim(r, keys, "c1", rid="a")
+    await r.xadd(keys.requests, {"rid": "b", "data": data_for("b")})
+    e2 = await read_one(r, keys, "c2")
+    assert await scripts.renew(keys.requests, G, "c1", [e1, e2]) == [e2]
+    assert (await pending(r, keys, e2))["consumer"] == b"c2"
+
+
+async def test_hand_back_lets_another_consumer_autoclaim_at_once(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    claim_idle = settings.claim_idle_ms
+    entry = await add_and_claim(r, keys, "c1")
+    # not idle yet: nobody can take it
+    _, taken, *_ = await r.xautoclaim(keys.requests, G, "c2", claim_idle, start_id="0-0")
+    assert taken == []
+    lost = await scripts.renew(keys.requests, G, "c1", [entry], idle_ms=claim_idle)
+    assert lost == []
+    p = await pending(r, keys, entry)
+    assert p["consumer"] == b"c1" and p["times_delivered"] == 1  # JUSTID: a hand-back is not a delivery
+    assert p["time_since_delivered"] >= claim_idle
+    _, taken, *_ = await r.xautoclaim(keys.requests, G, "c2", claim_idle, start_id="0-0")
+    assert [t[0].decode() for t in taken] == [entry]
+    p = await pending(r, keys, entry)
+    assert p["consumer"] == b"c2"
+    assert p["times_delivered"] == 2
+    # and the former owner can neither renew nor finish it any more
+    assert await scripts.renew(keys.requests, G, "c1", [entry]) == [entry]
+    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+
+
+# ---------------------------------------------------------------- dead letter
+
+
+def letter_for(keys, entry: str, fields: dict, *, reply: bool = True, delete: bool = True,
+               rid: str = "req-1") -> DeadLetter:
+    err = CompletionRecord.failed(None, request_id=rid, status=RecordStatus.ERROR, error="invalid x: bad",
+                                  worker="c1") if reply else None
+    return DeadLetter(stream=keys.requests, entry_id=entry, reason="invalid x: bad", source="worker",
+                      fields=fields, deliveries=2, delete_entry=delete,
+                      reply_to=keys.results if reply else None, error_record=err, rid_key=keys.rid(rid))
+
+
+async def test_dead_letter_writes_dead_entry_error_record_acks_and_deletes(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    sub = await submit(scripts, keys, "req-1", "tok")
+    entry = await read_one(r, keys, "c1")
+    assert entry == sub.entry_id
+    original = dict((await r.xrange(keys.requests))[0][1])
+    # a hostile original field named like a reserved one must not overwrite them
+    fields = {**original, b"reason": b"forged", b"source": b"forged"}
+    res = await scripts.dead_letter_in(r, dead_key=keys.dead, group=G, consumer="c1",
+                                       letter=letter_for(keys, entry, fields))
+    assert res == 1
+    dead = await r.xrange(keys.dead)
+    assert len(dead) == 1
+    d = dead[0][1]
+    assert d[b"reason"] == b"invalid x: bad"
+    assert d[b"source"] == b"worker"
+    assert d[b"entry"] == entry.encode()
+    assert d[b"deliveries"] == b"2"
+    for k in (b"rid", b"reply_to", b"data"):
+        assert d[k] == original[k]
+    # the error record reached the waiter
+    results = await r.xrange(keys.results)
+    assert len(results) == 1
+    rec = decode_record(results[0][1])
+    assert rec.request_id == "req-1" and rec.status is RecordStatus.ERROR and rec.error == "invalid x: bad"
+    assert rec.finish_reasons == [None]
+    # acked, deleted, rid released
+    assert (await r.xpending(keys.requests, G))["pending"] == 0
+    assert await r.xlen(keys.requests) == 0
+    assert await r.exists(keys.rid("req-1")) == 0
+
+
+async def test_dead_letter_without_delete_and_without_reply(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    fields = {b"rid": b"req-1", b"data": b"\xc1garbage"}
+    async with r.pipeline(transaction=False) as pipe:
+        scripts.dead_letter_in(pipe, dead_key=keys.dead, group=G, consumer="c1",
+                               letter=letter_for(keys, entry, fields, reply=False, delete=False))
+        res = await pipe.execute()
+    assert res == [1]
+    d = (await r.xrange(keys.dead))[0][1]
+    assert d[b"data"] == b"\xc1garbage"  # binary original fields survive
+    assert await r.exists(keys.results) == 0
+    assert (await r.xpending(keys.requests, G))["pending"] == 0
+    assert await r.xlen(keys.requests) == 1  # acked but kept
+
+
+async def test_dead_letter_refused_for_non_owner(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    await r.set(keys.rid("req-1"), f"tok {entry}")
+    res = await scripts.dead_letter_in(r, dead_key=keys.dead, group=G, consumer="c2",
+                                       letter=letter_for(keys, entry, {b"rid": b"req-1"}))
+    assert res == 0
+    assert await r.exists(keys.dead) == 0
+    assert await r.exists(keys.results) == 0
+    assert await r.xlen(keys.requests) == 1
+    assert (await pending(r, keys, entry))["consumer"] == b"c1"
+    assert await r.exists(keys.rid("req-1")) == 1
