@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from engine_worker.engines.base import Engine, EngineOutput
 from engine_worker.records import build_record
+from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
 from shared.connection import connect
 from shared.control import ControlCommand, aborted_member
@@ -92,9 +93,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._started_at = time.time()
-        self._autoclaim_cursor = "0-0"
+        self._isolating = False
         self._control_last_id = "0-0"
-        self._last_errors: dict[str, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -117,6 +117,7 @@ class Worker:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis)
+        self.batcher = CommandBatcher(self.redis)
         await self.engine.start()
         await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
         last = await self.redis.xrevrange(self.keys.control, count=1)
@@ -145,6 +146,7 @@ class Worker:
             except redis.RedisError as exc:
                 log.warning("could not deregister heartbeat: %s", exc)
             await self.engine.close()
+            await self.batcher.close()
             if self._owns_redis:
                 await self.redis.aclose()
             self._stopped.set()
@@ -191,6 +193,9 @@ class Worker:
                 self.engine.abort(f.handle)
             await asyncio.gather(*(f.task for f in rest if f.task is not None), return_exceptions=True)
             ids = [f.entry_id for f in rest]
+            # Mark them as handed back on purpose, so whoever takes them does not treat them as
+            # suspects of killing a worker.
+            await self.redis.hset(self.keys.errors, mapping={i: f"handed back by {self.name} (drain)" for i in ids})
             lost = await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name, ids,
                                             idle_ms=self.settings.claim_idle_ms)
             self.stats.handed_back += len(ids) - len(lost)
@@ -199,7 +204,7 @@ class Worker:
     # ------------------------------------------------------------------ claiming
 
     async def _wait_for_slot(self) -> None:
-        while len(self._inflight) >= self.max_inflight and not self._stopping.is_set():
+        while (len(self._inflight) >= self.max_inflight or self._isolating) and not self._stopping.is_set():
             self._slot_free.clear()
             await self._slot_free.wait()
 
@@ -217,42 +222,83 @@ class Worker:
                     self._start(text(entry_id), fields or {}, deliveries=1)
 
     async def _reclaim_loop(self) -> None:
-        """Take over entries idle past ``claim_idle`` (dead workers, hand-backs)."""
+        """Take over entries idle past ``claim_idle``: dead or paused workers' work, and hand-backs.
+
+        ``XPENDING … IDLE`` first shows what is idle, its owner and delivery count, so the worker
+        picks what to take with ``XCLAIM`` (min-idle checked, so two workers never both take one):
+        entries with a recorded error or hand-back are taken in bulk; entries that were in flight
+        on a worker that died ("suspects": one of them may be what killed it) are taken one at a
+        time and run with nothing else in flight. A request that kills every worker it runs on thus
+        takes down no innocent neighbour, and only its own delivery count climbs until it is
+        dead-lettered; the suspects left for later keep their counts. (XAUTOCLAIM would take and
+        count a whole batch at once.) XCLAIM drops ids deleted from the stream from the PEL.
+        """
         while not self._stopping.is_set():
             await self._pause(self.reclaim_interval_s)
-            free = self.max_inflight - len(self._inflight)
-            if free <= 0 or self._stopping.is_set():
-                continue
-            next_cursor, entries, *_deleted = await self.redis.xautoclaim(
-                self.keys.requests, WORKERS_GROUP, self.name, self.settings.claim_idle_ms,
-                start_id=self._autoclaim_cursor, count=free)
-            self._autoclaim_cursor = text(next_cursor)
-            entries = [(text(i), f) for i, f in entries if f]
-            if not entries:
-                continue
-            counts = await self._delivery_counts([i for i, _ in entries])
-            for entry_id, fields in entries:
-                if entry_id in self._inflight:
-                    continue
-                self.stats.reclaimed += 1
-                self._start(entry_id, fields, deliveries=counts.get(entry_id, 1))
+            while not self._stopping.is_set() and await self._reclaim_once():
+                pass
 
-    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for i in entry_ids:
-                pipe.xpending_range(self.keys.requests, WORKERS_GROUP, min=i, max=i, count=1)
-            replies = await pipe.execute()
-        out: dict[str, int] = {}
-        for i, rep in zip(entry_ids, replies):
-            if rep:
-                out[i] = int(rep[0]["times_delivered"])
-        return out
+    async def _reclaim_once(self) -> bool:
+        """One pass; True when it took a suspect (so the next pass should follow at once)."""
+        free = self.max_inflight - len(self._inflight)
+        if free <= 0:
+            return False
+        idle = await self.redis.xpending_range(self.keys.requests, WORKERS_GROUP, min="-", max="+",
+                                               count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
+        idle = [p for p in idle if text(p["message_id"]) not in self._inflight]
+        if not idle:
+            return False
+        ids = [text(p["message_id"]) for p in idle]
+        notes = await self.redis.hmget(self.keys.errors, ids)
+        bulk, suspects = [], []
+        for p, entry_id, note in zip(idle, ids, notes):
+            deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
+            if note is not None or deliveries > self.settings.max_deliveries:
+                bulk.append((entry_id, deliveries))
+            else:
+                suspects.append((entry_id, deliveries))
+        bulk = bulk[:free]
+        if bulk:
+            await self._claim_and_start(bulk, suspect=False)
+        if not suspects:
+            return False
+        # Isolation: stop claiming, let what runs finish, then take exactly one suspect.
+        self._isolating = True
+        try:
+            while any(f.task is not None and not f.task.done() for f in self._inflight.values()):
+                if self._stopping.is_set():
+                    return False
+                await asyncio.sleep(0.01)
+            flights = await self._claim_and_start(suspects[:1], suspect=True)
+            for flight in flights:
+                log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
+                            flight.entry_id, flight.deliveries)
+                if flight.task is not None:
+                    await asyncio.wait([flight.task])
+            return True
+        finally:
+            self._isolating = False
+            self._slot_free.set()
 
-    def _start(self, entry_id: str, fields: dict, deliveries: int) -> None:
+    async def _claim_and_start(self, chosen: list[tuple[str, int]], *, suspect: bool) -> list[InFlight]:
+        counts = dict(chosen)
+        claimed = await self.redis.xclaim(self.keys.requests, WORKERS_GROUP, self.name,
+                                          self.settings.claim_idle_ms, list(counts))
+        flights = []
+        for raw_id, fields in claimed:
+            entry_id = text(raw_id)
+            if not fields or entry_id in self._inflight:
+                continue
+            self.stats.reclaimed += 1
+            flights.append(self._start(entry_id, fields, deliveries=counts[entry_id]))
+        return flights
+
+    def _start(self, entry_id: str, fields: dict, deliveries: int) -> InFlight:
         flight = InFlight(entry_id=entry_id, handle=f"{entry_id}.{deliveries}", deliveries=deliveries,
                           claimed_at=time.time())
         self._inflight[entry_id] = flight
         flight.task = asyncio.create_task(self._handle(flight, fields))
+        return flight
 
     # ------------------------------------------------------------------ one request
 
@@ -265,7 +311,7 @@ class Worker:
             self.stats.engine_errors += 1
             rid = flight.request.request_id if flight.request else "?"
             log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc)
-            self._last_errors[flight.entry_id] = f"{type(exc).__name__}: {exc}"[:500]
+            await self._record_error(flight, f"{self.name}: {type(exc).__name__}: {exc}"[:500])
             await self._hand_back(flight)
         finally:
             if flight.deadline_timer is not None:
@@ -278,7 +324,8 @@ class Worker:
         if flight.deliveries > max_deliveries and not self._is_newer_schema(fields):
             # (a newer-schema entry keeps being handed back below: each reclaim counts as a
             # delivery, but it waits for a newer worker and is never dead-lettered for that)
-            last = self._last_errors.pop(flight.entry_id, None)
+            last = await self.redis.hget(self.keys.errors, flight.entry_id)
+            last = text(last) if last is not None else None
             reason = f"delivered {flight.deliveries} times (max_deliveries={max_deliveries})"
             if last:
                 reason += f"; last error: {last}"
@@ -342,7 +389,7 @@ class Worker:
         members = [aborted_member(request_id=request.request_id)]
         if request.group_id is not None:
             members.append(aborted_member(group_id=request.group_id))
-        scores = await self.redis.zmscore(self.keys.aborted, members)
+        scores = await self.batcher.call(lambda pipe: pipe.zmscore(self.keys.aborted, members))
         return any(s is not None for s in scores)
 
     def _stop_generation(self, flight: InFlight, status: RecordStatus) -> None:
@@ -370,14 +417,15 @@ class Worker:
     async def _finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         reply_key = request.reply_to or self.keys.results
         cap = self.settings.results_max_len if reply_key == self.keys.results else 0
-        published = await self._retrying(lambda: self.scripts.finish_in(
-            self.redis, requests_key=self.keys.requests, reply_key=reply_key,
+        published = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.finish_in(
+            pipe, requests_key=self.keys.requests, reply_key=reply_key,
             rid_key=self.keys.rid(request.request_id), group=WORKERS_GROUP, consumer=self.name,
-            entry_id=flight.entry_id, record=record, reply_cap=cap))
+            entry_id=flight.entry_id, record=record, reply_cap=cap)))
         if int(published) == 1:
             self.stats.published += 1
             self.stats.by_status[record.status.value] = self.stats.by_status.get(record.status.value, 0) + 1
-            self._last_errors.pop(flight.entry_id, None)
+            if flight.deliveries > 1:
+                await self.redis.hdel(self.keys.errors, flight.entry_id)
             log.debug("request %s %s", request.request_id, record.status.value)
         else:
             self.stats.fenced += 1
@@ -402,13 +450,22 @@ class Worker:
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
                             rid_key=self.keys.rid(request_id) if request_id else None)
-        done = await self._retrying(lambda: self.scripts.dead_letter_in(
-            self.redis, dead_key=self.keys.dead, group=WORKERS_GROUP, consumer=self.name, letter=letter))
+        done = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.dead_letter_in(
+            pipe, dead_key=self.keys.dead, group=WORKERS_GROUP, consumer=self.name, letter=letter)))
         if int(done) == 1:
             self.stats.dead_lettered += 1
+            if flight.deliveries > 1:
+                await self.redis.hdel(self.keys.errors, flight.entry_id)
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason)
         else:
             self.stats.fenced += 1
+
+    async def _record_error(self, flight: InFlight, error: str) -> None:
+        """Keep the last engine error of an entry where whichever worker dead-letters it can read it."""
+        try:
+            await self.redis.hset(self.keys.errors, flight.entry_id, error)
+        except redis.RedisError as exc:
+            log.warning("could not record the error of %s: %s", flight.entry_id, exc)
 
     async def _hand_back(self, flight: InFlight) -> None:
         """Give an entry back to the fleet now (owner-checked; the delivery count is not raised)."""
@@ -483,7 +540,8 @@ class Worker:
             "host": socket.gethostname(), "pid": os.getpid(), "engine": info.name, "model": info.model,
             "weight_version": info.weight_version, "inflight": len(self._inflight),
             "max_inflight": self.max_inflight, "started": round(self._started_at, 3), "seen": round(time.time(), 3),
-            "published": self.stats.published, "tokens": self.stats.tokens,
+            "published": self.stats.published, "tokens": self.stats.tokens, "fenced": self.stats.fenced,
+            "lease_losses": self.stats.lease_losses, "dead_lettered": self.stats.dead_lettered,
             "state": "draining" if self._stopping.is_set() else "running",
         }
         await self.redis.hset(self.keys.workers, self.name, json.dumps(beat, separators=(",", ":")))

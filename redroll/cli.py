@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")))
     p.add_argument("--token-ms", type=float, default=0.0, help="synthetic engine: milliseconds per token")
     p.add_argument("--vocab-size", type=int, default=32000, help="synthetic engine: vocabulary size")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="synthetic engine: per-request token time varies by this fraction")
+    p.add_argument("--raise-marker", default=None,
+                   help="synthetic engine fault injection: prompts containing this make the engine raise")
+    p.add_argument("--exit-marker", default=None,
+                   help="synthetic engine fault injection: prompts containing this kill the worker process")
     p.add_argument("--device", default="cpu", help="transformers engine: torch device")
     p.add_argument("--dtype", default="float32", help="transformers engine: torch dtype")
     p.add_argument("--max-batch-size", type=int, default=32, help="transformers engine: rows per batch")
@@ -122,7 +128,8 @@ async def _run_worker(args: argparse.Namespace) -> int:
                          drain_timeout_s=args.drain_timeout)
     options: dict[str, Any] = {}
     if args.engine == "synthetic":
-        options = {"token_ms": args.token_ms, "vocab_size": args.vocab_size}
+        options = {"token_ms": args.token_ms, "vocab_size": args.vocab_size, "jitter": args.jitter,
+                   "raise_marker": args.raise_marker, "exit_marker": args.exit_marker}
     elif args.engine == "transformers":
         options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype,
                    "max_batch_size": args.max_batch_size}

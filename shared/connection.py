@@ -55,11 +55,18 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
     return kw
 
 
-def connect(settings: Settings) -> redis.asyncio.Redis:
-    """An asyncio client (hiredis parser when installed) that retries transient errors with backoff."""
+def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:
+    """An asyncio client (hiredis parser when installed) that retries transient errors with backoff.
+
+    The pool blocks (up to 20 s) for a free connection instead of failing under a burst.
+    """
     kw = connection_kwargs(settings)
     retry = AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
-    return redis.asyncio.Redis.from_url(settings.redis_url, retry=retry, **kw)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=max_connections, timeout=20, retry=retry, **kw)
+    client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
+    client.retry = retry
+    return client
 
 
 def connect_sync(settings: Settings) -> redis.Redis:

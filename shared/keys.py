@@ -67,6 +67,11 @@ class Keys:
         return f"{self.tag}:workers"
 
     @property
+    def errors(self) -> str:
+        """Hash: request entry id → last engine error, so the dead letter can say why."""
+        return f"{self.tag}:errors"
+
+    @property
     def reply_prefix(self) -> str:
         return f"{self.tag}:reply:"
 

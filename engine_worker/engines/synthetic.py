@@ -3,12 +3,17 @@
 For measuring the queue itself and for fault tests. Tokens are derived from the request's
 input and ``sampling_seed`` (or its request_id when no seed is given), so a replay produces
 the same output.
+
+Fault injection (for reliability tests and the chaos harness, off by default): a request whose
+prompt contains ``raise_marker`` makes ``generate`` raise; one containing ``exit_marker`` kills
+the whole worker process (``os._exit``), as a poison request that crashes an engine would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 import time
 
@@ -18,8 +23,13 @@ from shared.types import GenerationRequest
 
 class SyntheticEngine:
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
-                 model: str = "synthetic", max_context: int | None = None, **_ignored: object):
+                 model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
+                 raise_marker: str | None = None, exit_marker: str | None = None):
         self.token_ms = float(token_ms)
+        self.jitter = float(jitter)
+        """Per-request token time varies by ±jitter (a fraction), derived from the request_id."""
+        self.raise_marker = raise_marker
+        self.exit_marker = exit_marker
         self.info = EngineInfo(name="synthetic", model=model, vocab_size=vocab_size, eos_token_id=None,
                                pad_token_id=None, weight_version=weight_version, max_context=max_context)
         self._abort_events: dict[str, asyncio.Event] = {}
@@ -54,26 +64,39 @@ class SyntheticEngine:
         logprobs = [-rng.random() * 4.0 for _ in ids]
         return ids, logprobs
 
+    def _token_ms(self, request: GenerationRequest) -> float:
+        if not self.jitter:
+            return self.token_ms
+        u = random.Random(request.request_id).random()
+        return self.token_ms * max(0.0, 1.0 + self.jitter * (2.0 * u - 1.0))
+
+    def _inject_faults(self, request: GenerationRequest) -> None:
+        text = request.prompt or ""
+        if self.exit_marker and self.exit_marker in text:
+            os._exit(86)
+        if self.raise_marker and self.raise_marker in text:
+            raise RuntimeError(f"synthetic engine failure for {request.request_id}")
+
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
+        self._inject_faults(request)
         sp = request.sampling_params
+        token_ms = self._token_ms(request)
         prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
         abort_ev = asyncio.Event()
         self._abort_events[handle] = abort_ev
         started = time.monotonic()
         try:
-            budget = sp.max_new_tokens * self.token_ms / 1000.0
+            budget = sp.max_new_tokens * token_ms / 1000.0
             if budget > 0:
                 try:
                     await asyncio.wait_for(abort_ev.wait(), timeout=budget)
                 except asyncio.TimeoutError:
                     pass
-            elif abort_ev.is_set():
-                pass
             aborted = abort_ev.is_set()
             elapsed_ms = (time.monotonic() - started) * 1000.0
             produced = sp.max_new_tokens
             if aborted:
-                produced = min(sp.max_new_tokens, int(elapsed_ms / self.token_ms)) if self.token_ms > 0 else 0
+                produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
             samples = []
             for i in range(sp.n):
                 ids, lps = self.tokens_for(request, i)
