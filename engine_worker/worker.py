@@ -94,6 +94,11 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started_at = time.time()
         self._isolating = False
+        self._holds: set[str] = set()
+        self._deferred: list[tuple[InFlight, dict]] = []
+        """Reasons claiming is paused (a weight update, released GPU memory)."""
+        self._weights_lock = asyncio.Lock()
+        self._control_tasks: set[asyncio.Task] = set()
         self._control_last_id = "0-0"
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,6 +127,7 @@ class Worker:
         await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
         last = await self.redis.xrevrange(self.keys.control, count=1)
         self._control_last_id = text(last[0][0]) if last else "0-0"
+        await self._load_desired_weights()
         await self._heartbeat()
         log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
                  self.engine.info.name, self.engine.info.model, self.max_inflight)
@@ -138,9 +144,9 @@ class Worker:
             await asyncio.gather(*loops, return_exceptions=True)
             await self._drain()
         finally:
-            for t in background + loops:
+            for t in background + loops + list(self._control_tasks):
                 t.cancel()
-            await asyncio.gather(*background, *loops, return_exceptions=True)
+            await asyncio.gather(*background, *loops, *self._control_tasks, return_exceptions=True)
             try:
                 await self.redis.hdel(self.keys.workers, self.name)
             except redis.RedisError as exc:
@@ -204,7 +210,8 @@ class Worker:
     # ------------------------------------------------------------------ claiming
 
     async def _wait_for_slot(self) -> None:
-        while (len(self._inflight) >= self.max_inflight or self._isolating) and not self._stopping.is_set():
+        while (len(self._inflight) >= self.max_inflight or self._isolating or self._holds) \
+                and not self._stopping.is_set():
             self._slot_free.clear()
             await self._slot_free.wait()
 
@@ -219,7 +226,10 @@ class Worker:
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
                     self.stats.claimed += 1
-                    self._start(text(entry_id), fields or {}, deliveries=1)
+                    # A hold or an isolation may have begun while the read was blocked: then the
+                    # entry waits (leased) until it ends.
+                    self._start(text(entry_id), fields or {}, deliveries=1,
+                                defer=bool(self._holds) or self._isolating)
 
     async def _reclaim_loop(self) -> None:
         """Take over entries idle past ``claim_idle``: dead or paused workers' work, and hand-backs.
@@ -241,7 +251,7 @@ class Worker:
     async def _reclaim_once(self) -> bool:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
         free = self.max_inflight - len(self._inflight)
-        if free <= 0:
+        if free <= 0 or self._holds:
             return False
         idle = await self.redis.xpending_range(self.keys.requests, WORKERS_GROUP, min="-", max="+",
                                                count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
@@ -265,7 +275,7 @@ class Worker:
         # Isolation: stop claiming, let what runs finish, then take exactly one suspect.
         self._isolating = True
         try:
-            while any(f.task is not None and not f.task.done() for f in self._inflight.values()):
+            while self._running():
                 if self._stopping.is_set():
                     return False
                 await asyncio.sleep(0.01)
@@ -279,6 +289,7 @@ class Worker:
         finally:
             self._isolating = False
             self._slot_free.set()
+            self._start_deferred()
 
     async def _claim_and_start(self, chosen: list[tuple[str, int]], *, suspect: bool) -> list[InFlight]:
         counts = dict(chosen)
@@ -293,12 +304,26 @@ class Worker:
             flights.append(self._start(entry_id, fields, deliveries=counts[entry_id]))
         return flights
 
-    def _start(self, entry_id: str, fields: dict, deliveries: int) -> InFlight:
+    def _start(self, entry_id: str, fields: dict, deliveries: int, defer: bool = False) -> InFlight:
         flight = InFlight(entry_id=entry_id, handle=f"{entry_id}.{deliveries}", deliveries=deliveries,
                           claimed_at=time.time())
-        self._inflight[entry_id] = flight
-        flight.task = asyncio.create_task(self._handle(flight, fields))
+        self._inflight[entry_id] = flight  # leased (renewed) from now on, even while deferred
+        if defer:
+            self._deferred.append((flight, fields))
+        else:
+            flight.task = asyncio.create_task(self._handle(flight, fields))
         return flight
+
+    def _start_deferred(self) -> None:
+        if self._holds or self._isolating:
+            return
+        deferred, self._deferred = self._deferred, []
+        for flight, fields in deferred:
+            if self._inflight.get(flight.entry_id) is flight and flight.task is None:
+                flight.task = asyncio.create_task(self._handle(flight, fields))
+
+    def _running(self) -> bool:
+        return any(f.task is not None and not f.task.done() for f in self._inflight.values())
 
     # ------------------------------------------------------------------ one request
 
@@ -514,6 +539,84 @@ class Worker:
         elif cmd.kind == "drain":
             log.info("drain requested through the control stream")
             self.request_stop()
+        elif cmd.kind in ("update_weights", "release_memory", "resume_memory"):
+            task = asyncio.create_task(self._run_engine_command(cmd))
+            self._control_tasks.add(task)
+            task.add_done_callback(self._control_tasks.discard)
+
+    # ------------------------------------------------------------------ weights and memory
+
+    async def _run_engine_command(self, cmd: ControlCommand) -> None:
+        try:
+            if cmd.kind == "update_weights":
+                await self.update_weights(str(cmd.args["model_path"]), cmd.args.get("weight_version"),
+                                          abort_inflight=bool(cmd.args.get("abort_inflight", False)))
+            elif cmd.kind == "release_memory":
+                await self.release_memory()
+            elif cmd.kind == "resume_memory":
+                await self.resume_memory()
+        except Exception:
+            log.exception("control command %s failed", cmd.kind)
+
+    async def _quiesce(self, hold: str, abort_inflight: bool = False) -> None:
+        """Stop claiming and wait until nothing is in flight (aborting it first when asked)."""
+        self._holds.add(hold)
+        if abort_inflight:
+            for flight in list(self._inflight.values()):
+                if flight.task is not None:  # deferred ones simply run later, on the new weights
+                    self._stop_generation(flight, RecordStatus.ABORTED)
+        while self._running() and not self._stopping.is_set():
+            await asyncio.sleep(0.01)
+
+    def _release_hold(self, hold: str) -> None:
+        self._holds.discard(hold)
+        self._slot_free.set()
+        self._start_deferred()
+
+    async def update_weights(self, model_path: str, weight_version: str | None, *,
+                             abort_inflight: bool = False) -> None:
+        """Stop claiming, let in-flight requests finish (or abort them: with collect_unfinished their
+        partial output is published), load the new weights, resume. Records generated after this
+        carry the new weight_version; none generated before do."""
+        async with self._weights_lock:
+            if weight_version is not None and weight_version == self.engine.info.weight_version:
+                return
+            log.info("weight update to %s (version %s): pausing claims", model_path, weight_version)
+            await self._quiesce("weights", abort_inflight)
+            try:
+                update = getattr(self.engine, "update_weights_from_disk", None)
+                if update is None:
+                    raise RuntimeError(f"the {self.engine.info.name} engine cannot update weights")
+                await update(model_path, weight_version)
+                log.info("weights now at version %s", self.engine.info.weight_version)
+                await self._heartbeat()
+            finally:
+                self._release_hold("weights")
+
+    async def release_memory(self) -> None:
+        """Free engine memory for a colocated trainer; claiming stays paused until resume."""
+        await self._quiesce("memory")
+        release = getattr(self.engine, "release_memory_occupation", None)
+        if release is not None:
+            await release()
+        await self._heartbeat()
+
+    async def resume_memory(self) -> None:
+        resume = getattr(self.engine, "resume_memory_occupation", None)
+        if resume is not None:
+            await resume()
+        self._release_hold("memory")
+        await self._heartbeat()
+
+    async def _load_desired_weights(self) -> None:
+        """A worker that joins late loads the desired weights before claiming anything."""
+        desired = await self.redis.hgetall(self.keys.weights)
+        if not desired:
+            return
+        version = text(desired.get(b"weight_version", b"")) or None
+        path = text(desired.get(b"model_path", b"")) or None
+        if version is not None and path is not None and version != self.engine.info.weight_version:
+            await self.update_weights(path, version)
 
     async def _lease_loop(self) -> None:
         while not self._stopping.is_set():
@@ -534,6 +637,15 @@ class Worker:
                 log.warning("lease on entry %s lost; stopping its generation", f.entry_id)
                 self.engine.abort(f.handle)
 
+    def _state(self) -> str:
+        if self._stopping.is_set():
+            return "draining"
+        if "memory" in self._holds:
+            return "released"
+        if "weights" in self._holds:
+            return "updating"
+        return "running"
+
     async def _heartbeat(self) -> None:
         info = self.engine.info
         beat = {
@@ -542,6 +654,6 @@ class Worker:
             "max_inflight": self.max_inflight, "started": round(self._started_at, 3), "seen": round(time.time(), 3),
             "published": self.stats.published, "tokens": self.stats.tokens, "fenced": self.stats.fenced,
             "lease_losses": self.stats.lease_losses, "dead_lettered": self.stats.dead_lettered,
-            "state": "draining" if self._stopping.is_set() else "running",
+            "state": self._state(),
         }
         await self.redis.hset(self.keys.workers, self.name, json.dumps(beat, separators=(",", ":")))

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
 from shared.connection import connect
 from shared.control import send_abort
+from shared.control import update_weights as _update_weights
 from shared.keys import PRODUCER_GROUP, Keys
 from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from shared.settings import Settings
@@ -247,6 +248,17 @@ class Producer:
     async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> None:
         """Abort by request_id or group_id: queued ones are skipped, in-flight ones stopped."""
         await send_abort(self.redis, self.keys, list(request_ids), [group_id] if group_id else [])
+
+    async def update_weights(self, model_path: str, weight_version: str, *, abort_inflight: bool = False,
+                             wait: bool = True, timeout: float = 600.0) -> dict[str, dict[str, Any]]:
+        """Broadcast new weights to the fleet; with ``wait``, return once every live worker runs them.
+
+        Workers stop claiming, let in-flight requests finish (``abort_inflight``: abort them, so
+        ``collect_unfinished`` requests return their partial output), load, and resume. Workers
+        that join later load the desired weights from ``{ns}:weights`` before claiming.
+        """
+        return await _update_weights(self.redis, self.keys, model_path, weight_version,
+                                     abort_inflight=abort_inflight, wait=wait, timeout=timeout)
 
     async def _read_loop(self) -> None:
         last_id = "0"  # first our own pending entries (a restart resumes them), then new ones

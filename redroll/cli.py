@@ -55,9 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-marker", default=None,
                    help="synthetic engine fault injection: prompts containing this kill the worker process")
     p.add_argument("--device", default="cpu", help="transformers engine: torch device")
-    p.add_argument("--dtype", default="float32", help="transformers engine: torch dtype")
+    p.add_argument("--dtype", default=None, help="model dtype (transformers default float32, sglang default auto)")
     p.add_argument("--max-batch-size", type=int, default=32, help="transformers engine: rows per batch")
     p.add_argument("--weight-version", default=None)
+    g = p.add_argument_group("sglang engine")
+    g.add_argument("--tp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_TP_SIZE", "1")))
+    g.add_argument("--dp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_DP_SIZE", "1")))
+    g.add_argument("--mem-fraction-static", type=float, default=None)
+    g.add_argument("--max-running-requests", type=int, default=None)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--random-seed", type=int, default=None)
+    g.add_argument("--enable-memory-saver", action="store_true",
+                   help="needed for release/resume of GPU memory (colocated training)")
+    g.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out only")
+    g.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sglang.Engine argument (repeatable); VALUE is parsed as JSON when it can be")
     p.add_argument("--claim-idle-ms", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight work on SIGTERM")
@@ -89,11 +101,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
     p.add_argument("--interval", type=float, default=2.0)
 
+    p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
+    _common(p)
+    p.add_argument("action", choices=["update", "release", "resume", "show"])
+    p.add_argument("--model-path", default=None, help="update: the new weights (a path the workers can read)")
+    p.add_argument("--version", default=None, help="update: the new weight_version")
+    p.add_argument("--abort-inflight", action="store_true",
+                   help="update: abort in-flight requests instead of letting them finish")
+    p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+    p = sub.add_parser("drain", help="ask workers to drain and exit (through the control stream)")
+    _common(p)
+    p.add_argument("workers", nargs="*", help="worker names (see redroll status)")
+    p.add_argument("--all", action="store_true", help="every worker")
+
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
     p.add_argument("request_ids", nargs="*")
     p.add_argument("--group", action="append", default=[], help="abort every request of this group_id")
     return parser
+
+
+def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["a=1", "b=true", "c=x"]`` → ``{"a": 1, "b": True, "c": "x"}`` (JSON when it parses)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--sglang-arg {pair!r} must look like KEY=VALUE")
+        try:
+            out[key.replace("-", "_")] = json.loads(raw)
+        except ValueError:
+            out[key.replace("-", "_")] = raw
+    return out
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
@@ -131,10 +172,16 @@ async def _run_worker(args: argparse.Namespace) -> int:
         options = {"token_ms": args.token_ms, "vocab_size": args.vocab_size, "jitter": args.jitter,
                    "raise_marker": args.raise_marker, "exit_marker": args.exit_marker}
     elif args.engine == "transformers":
-        options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype,
+        options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype or "float32",
                    "max_batch_size": args.max_batch_size}
     elif args.engine == "sglang":
-        options = {"model_path": args.model_path}
+        options = {"model_path": args.model_path, "tp_size": args.tp_size, "dp_size": args.dp_size,
+                   "mem_fraction_static": args.mem_fraction_static,
+                   "max_running_requests": args.max_running_requests, "context_length": args.context_length,
+                   "dtype": args.dtype or "auto", "random_seed": args.random_seed,
+                   "enable_memory_saver": args.enable_memory_saver,
+                   "skip_tokenizer_init": args.skip_tokenizer_init,
+                   "extra_args": parse_key_values(args.sglang_arg)}
     if args.weight_version is not None:
         options["weight_version"] = args.weight_version
     engine = create_engine(args.engine, **options)
@@ -205,6 +252,54 @@ async def _run_abort(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_weights(args: argparse.Namespace) -> int:
+    from shared.control import ControlCommand, send_command, update_weights
+
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        if args.action == "show":
+            desired = {k.decode(): v.decode() for k, v in (await r.hgetall(settings.keys.weights)).items()}
+            print(json.dumps(desired or None))
+            return 0
+        if args.action == "update":
+            if not args.model_path or not args.version:
+                print("redroll weights update: --model-path and --version are required", file=sys.stderr)
+                return 2
+            workers = await update_weights(r, settings.keys, args.model_path, args.version,
+                                           abort_inflight=args.abort_inflight, wait=not args.no_wait,
+                                           timeout=args.timeout)
+            print(f"weights {args.version} ({args.model_path}) " +
+                  ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))
+            return 0
+        kind = "release_memory" if args.action == "release" else "resume_memory"
+        await send_command(r, settings.keys, ControlCommand(kind))
+        print(f"{kind} broadcast")
+        return 0
+    except TimeoutError as exc:
+        print(f"redroll weights: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await r.aclose()
+
+
+async def _run_drain(args: argparse.Namespace) -> int:
+    from shared.control import ControlCommand, send_command
+
+    if not args.workers and not args.all:
+        print("redroll drain: name workers or --all", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        for target in (["*"] if args.all else args.workers):
+            await send_command(r, settings.keys, ControlCommand("drain", target=target))
+    finally:
+        await r.aclose()
+    print("drain sent to " + ("every worker" if args.all else ", ".join(args.workers)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from redroll.logs import setup_logging
 
@@ -227,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except InputError as exc:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
-        runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort}
+        runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
+                  "weights": _run_weights, "drain": _run_drain}
         return asyncio.run(runner[args.command](args))
     except KeyboardInterrupt:
         return 130

@@ -70,3 +70,49 @@ async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), grou
 async def send_command(r: Redis, keys: Keys, command: ControlCommand) -> str:
     entry = await r.xadd(keys.control, command.to_fields(), maxlen=CONTROL_MAXLEN, approximate=True)
     return entry.decode() if isinstance(entry, bytes) else entry
+
+
+async def live_workers(r: Redis, keys: Keys, stale_after_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """Heartbeats of workers seen within ``stale_after_s``: name → heartbeat."""
+    import json
+
+    now = time.time()
+    out: dict[str, dict[str, Any]] = {}
+    for name, raw in (await r.hgetall(keys.workers)).items():
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            continue
+        if now - float(beat.get("seen", 0)) <= stale_after_s:
+            out[name.decode() if isinstance(name, bytes) else name] = beat
+    return out
+
+
+async def update_weights(r: Redis, keys: Keys, model_path: str, weight_version: str, *,
+                         abort_inflight: bool = False, wait: bool = True, timeout: float = 600.0,
+                         stale_after_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """Set the desired weights (``{ns}:weights``, read by workers that join later), broadcast the
+    update, and (``wait``) return once every live worker reports ``weight_version``.
+
+    Raises TimeoutError naming the workers still behind.
+    """
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.weights, mapping={"model_path": model_path, "weight_version": weight_version,
+                                         "updated_at": str(time.time())})
+        pipe.xadd(keys.control, ControlCommand("update_weights", args={
+            "model_path": model_path, "weight_version": weight_version, "abort_inflight": abort_inflight,
+        }).to_fields(), maxlen=CONTROL_MAXLEN, approximate=True)
+        await pipe.execute()
+    if not wait:
+        return {}
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = await live_workers(r, keys, stale_after_s)
+        behind = {n: b for n, b in workers.items() if b.get("weight_version") != weight_version}
+        if not behind:
+            return workers
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still behind weight_version {weight_version!r}: {', '.join(sorted(behind))}")
+        await asyncio.sleep(0.1)

@@ -77,8 +77,13 @@ class SyntheticEngine:
         if self.raise_marker and self.raise_marker in text:
             raise RuntimeError(f"synthetic engine failure for {request.request_id}")
 
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """No weights to load: only the version changes (records carry it)."""
+        self.info.weight_version = weight_version if weight_version is not None else model_path
+
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
         self._inject_faults(request)
+        weight_version = self.info.weight_version
         sp = request.sampling_params
         token_ms = self._token_ms(request)
         prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
@@ -109,6 +114,6 @@ class SyntheticEngine:
                     ids, lps, reason = ids[:produced], lps[:produced], "abort"
                 samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
             return EngineOutput(samples=samples, prompt_tokens=prompt_tokens,
-                                weight_version=self.info.weight_version)
+                                weight_version=weight_version)
         finally:
             self._abort_events.pop(handle, None)

@@ -169,10 +169,11 @@ class TransformersEngine:
         torch_dtype = getattr(torch, self.dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}")
-        if self.model_path == TINY_RANDOM:
+        tiny_seed = _tiny_seed(self.model_path, self.seed)
+        if tiny_seed is not None:
             from engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model
 
-            model = build_tiny_model(self.seed).to(device=self.device, dtype=torch_dtype)
+            model = build_tiny_model(tiny_seed).to(device=self.device, dtype=torch_dtype)
             return model, ByteTokenizer()
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -183,6 +184,25 @@ class TransformersEngine:
             self.model_path, local_files_only=True, **{dtype_key: torch_dtype}
         )
         return model.to(self.device).eval(), tokenizer
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """Load new weights (a local HF directory, or ``tiny-random[:SEED]``) while nothing is in flight.
+
+        The worker quiesces before calling this; a request still queued here would be generated
+        with the new weights, which is why the worker waits for its in-flight work first.
+        """
+        if self._jobs:
+            raise RuntimeError("cannot update weights while requests are in flight")
+        previous = self.model_path
+        self.model_path = model_path
+        try:
+            model, tokenizer = await asyncio.to_thread(self._load)
+        except Exception:
+            self.model_path = previous
+            raise
+        self._model, self._tokenizer = model, tokenizer
+        self._fill_info(model, tokenizer)
+        self.info.weight_version = weight_version if weight_version is not None else model_path
 
     def _fill_info(self, model: Any, tokenizer: Any) -> None:
         config = model.config
@@ -579,3 +599,13 @@ def _as_ids(value: Any) -> list[int]:
 
 
 __all__ = ["ENGINE_NAME", "TransformersEngine"]
+
+
+def _tiny_seed(model_path: str, default_seed: int) -> int | None:
+    """``tiny-random`` → the engine's seed; ``tiny-random:7`` → 7; anything else → None."""
+    if model_path == TINY_RANDOM:
+        return default_seed
+    prefix = TINY_RANDOM + ":"
+    if model_path.startswith(prefix) and model_path[len(prefix):].isdigit():
+        return int(model_path[len(prefix):])
+    return None
