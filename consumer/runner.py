@@ -75,6 +75,8 @@ class ConsumerRunner:
         self.trim_interval_s = trim_interval_s
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
         self.stats = ConsumerStats()
+        self.metrics: Any = None
+        """A :class:`shared.metrics.ConsumerMetrics` when metrics are served."""
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
@@ -220,10 +222,14 @@ class ConsumerRunner:
 
     async def _apply(self, item: _Item) -> BaseException | None:
         fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
+        started = time.perf_counter()
         try:
             await HandlerRegistry.call(fn, item.record)  # type: ignore[arg-type]
         except Exception as exc:
             return exc
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(time.perf_counter() - started)
         return None
 
     async def _applied_already(self, request_ids: list[str]) -> set[str]:

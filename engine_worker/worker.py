@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
 from shared.connection import connect
 from shared.control import ControlCommand, aborted_member
+from shared.gc import collect_garbage
 from shared.keys import WORKERS_GROUP, Keys
 from shared.scripts import DeadLetter, Scripts
 from shared.settings import Settings
@@ -60,7 +62,14 @@ class InFlight:
     """Set when the worker stops the generation: ABORTED (user abort) or EXPIRED (deadline)."""
     handed_back: bool = False
     lease_lost: bool = False
+    publishing: bool = False
+    """Its finish or dead letter is under way (a renewal racing it may see the entry as gone)."""
     deadline_timer: asyncio.TimerHandle | None = None
+
+
+def _ctx(flight: InFlight) -> dict[str, Any]:
+    """Log context: every line about a request names it (the JSON log format emits these fields)."""
+    return {"request_id": flight.request.request_id if flight.request else None, "entry_id": flight.entry_id}
 
 
 class Worker:
@@ -86,6 +95,8 @@ class Worker:
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
         self.lease_interval_s = max(0.05, min(settings.heartbeat_s, settings.claim_idle_ms / 3000.0))
         self.stats = WorkerStats()
+        self.metrics: Any = None
+        """A :class:`shared.metrics.WorkerMetrics` when metrics are served."""
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._inflight: dict[str, InFlight] = {}
@@ -94,6 +105,7 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started_at = time.time()
         self._isolating = False
+        self._rate_samples: deque[tuple[float, int, int]] = deque()
         self._holds: set[str] = set()
         self._deferred: list[tuple[InFlight, dict]] = []
         """Reasons claiming is paused (a weight update, released GPU memory)."""
@@ -138,6 +150,7 @@ class Worker:
         background = [
             asyncio.create_task(self._guard(self._control_loop), name="control"),
             asyncio.create_task(self._guard(self._lease_loop), name="lease"),
+            asyncio.create_task(self._guard(self._gc_loop), name="gc"),
         ]
         try:
             await self._stopping.wait()
@@ -282,7 +295,7 @@ class Worker:
             flights = await self._claim_and_start(suspects[:1], suspect=True)
             for flight in flights:
                 log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
-                            flight.entry_id, flight.deliveries)
+                            flight.entry_id, flight.deliveries, extra=_ctx(flight))
                 if flight.task is not None:
                     await asyncio.wait([flight.task])
             return True
@@ -335,7 +348,7 @@ class Worker:
         except Exception as exc:  # engine or redis failure: retry elsewhere, never a hung request
             self.stats.engine_errors += 1
             rid = flight.request.request_id if flight.request else "?"
-            log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc)
+            log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc, extra=_ctx(flight))
             await self._record_error(flight, f"{self.name}: {type(exc).__name__}: {exc}"[:500])
             await self._hand_back(flight)
         finally:
@@ -362,7 +375,7 @@ class Worker:
             self._check_served(request)
             self.engine.validate(request)
         except NewerSchemaError as exc:
-            log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc)
+            log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc, extra=_ctx(flight))
             await self._hand_back(flight)
             return
         except ValidationError as exc:
@@ -442,6 +455,7 @@ class Worker:
     async def _finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         reply_key = request.reply_to or self.keys.results
         cap = self.settings.results_max_len if reply_key == self.keys.results else 0
+        flight.publishing = True
         published = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.finish_in(
             pipe, requests_key=self.keys.requests, reply_key=reply_key,
             rid_key=self.keys.rid(request.request_id), group=WORKERS_GROUP, consumer=self.name,
@@ -449,13 +463,15 @@ class Worker:
         if int(published) == 1:
             self.stats.published += 1
             self.stats.by_status[record.status.value] = self.stats.by_status.get(record.status.value, 0) + 1
+            if self.metrics is not None:
+                self.metrics.observe(record.meta_info.get("queue_ms"), record.meta_info.get("engine_ms"))
             if flight.deliveries > 1:
                 await self.redis.hdel(self.keys.errors, flight.entry_id)
-            log.debug("request %s %s", request.request_id, record.status.value)
+            log.debug("request %s %s", request.request_id, record.status.value, extra=_ctx(flight))
         else:
             self.stats.fenced += 1
             log.warning("request %s: lease lost (entry %s now owned elsewhere); output dropped",
-                        request.request_id, flight.entry_id)
+                        request.request_id, flight.entry_id, extra=_ctx(flight))
 
     async def _dead_letter(self, flight: InFlight, fields: dict, reason: str, *,
                            error: ValidationError | None = None, request: GenerationRequest | None = None) -> None:
@@ -471,6 +487,7 @@ class Worker:
                                              error=reason, worker=self.name,
                                              n=request.n if request else 1,
                                              meta_info={"worker": self.name, "attempt": flight.deliveries})
+        flight.publishing = True
         letter = DeadLetter(stream=self.keys.requests, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
@@ -481,7 +498,8 @@ class Worker:
             self.stats.dead_lettered += 1
             if flight.deliveries > 1:
                 await self.redis.hdel(self.keys.errors, flight.entry_id)
-            log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason)
+            log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
+                        extra={"request_id": request_id, "entry_id": flight.entry_id})
         else:
             self.stats.fenced += 1
 
@@ -534,7 +552,7 @@ class Worker:
             for flight in list(self._inflight.values()):
                 req = flight.request
                 if req is not None and (req.request_id in rids or (req.group_id is not None and req.group_id in gids)):
-                    log.info("request %s: abort", req.request_id)
+                    log.info("request %s: abort", req.request_id, extra=_ctx(flight))
                     self._stop_generation(flight, RecordStatus.ABORTED)
         elif cmd.kind == "drain":
             log.info("drain requested through the control stream")
@@ -618,6 +636,16 @@ class Worker:
         if version is not None and path is not None and version != self.engine.info.weight_version:
             await self.update_weights(path, version)
 
+    async def _gc_loop(self) -> None:
+        """Housekeeping every ``gc_interval_s``: expired reply streams, gone workers, empty consumers."""
+        while not self._stopping.is_set():
+            await self._pause(self.settings.gc_interval_s)
+            if self._stopping.is_set():
+                return
+            report = await collect_garbage(self.redis, self.keys, reply_ttl_s=self.settings.reply_ttl_s)
+            if report.total:
+                log.info("housekeeping removed %s", report.to_json())
+
     async def _lease_loop(self) -> None:
         while not self._stopping.is_set():
             await self._pause(self.lease_interval_s)
@@ -631,11 +659,24 @@ class Worker:
         lost = set(await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name,
                                             [f.entry_id for f in flights]))
         for f in flights:
-            if f.entry_id in lost and not f.lease_lost:
+            if f.entry_id in lost and not f.lease_lost and not f.publishing and self._inflight.get(f.entry_id) is f:
                 f.lease_lost = True
                 self.stats.lease_losses += 1
-                log.warning("lease on entry %s lost; stopping its generation", f.entry_id)
+                log.warning("lease on entry %s lost; stopping its generation", f.entry_id, extra=_ctx(f))
                 self.engine.abort(f.handle)
+
+    def _rates(self, window_s: float = 60.0) -> dict[str, float]:
+        """Requests and tokens per second over the last ``window_s`` (from heartbeat samples)."""
+        now = time.monotonic()
+        self._rate_samples.append((now, self.stats.published, self.stats.tokens))
+        while len(self._rate_samples) > 2 and now - self._rate_samples[1][0] >= window_s:
+            self._rate_samples.popleft()
+        t0, p0, k0 = self._rate_samples[0]
+        span = now - t0
+        if span <= 0:
+            return {"requests_per_s_1m": 0.0, "tokens_per_s_1m": 0.0}
+        return {"requests_per_s_1m": round((self.stats.published - p0) / span, 3),
+                "tokens_per_s_1m": round((self.stats.tokens - k0) / span, 3)}
 
     def _state(self) -> str:
         if self._stopping.is_set():
@@ -654,6 +695,6 @@ class Worker:
             "max_inflight": self.max_inflight, "started": round(self._started_at, 3), "seen": round(time.time(), 3),
             "published": self.stats.published, "tokens": self.stats.tokens, "fenced": self.stats.fenced,
             "lease_losses": self.stats.lease_losses, "dead_lettered": self.stats.dead_lettered,
-            "state": self._state(),
+            "state": self._state(), **self._rates(),
         }
         await self.redis.hset(self.keys.workers, self.name, json.dumps(beat, separators=(",", ":")))

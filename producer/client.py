@@ -210,11 +210,17 @@ class Producer:
 
     # ------------------------------------------------------------------ receiving
 
-    async def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
-        """The record of ``request_id``: one submitted here, or (after a restart) before."""
+    async def result(self, request_id: str, timeout: float | None = None, *, fresh: bool = False) -> CompletionRecord:
+        """The record of ``request_id``: one submitted here, or (after a restart) before.
+
+        A record already handed out raises LookupError, unless ``fresh``: then wait for a new
+        record of that id (after ``redroll dead requeue``, say).
+        """
         waiter = self._waiters.get(request_id)
         if waiter is None and request_id in self._recent:
-            raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
+            if not fresh:
+                raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
+            del self._recent[request_id]
         if waiter is None:
             held = self._unclaimed.pop(request_id, None)
             if held is not None:

@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-deliveries", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--name", default=None, help="consumer name (default: host-pid-random, unique per start)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     p = sub.add_parser("consume", help="apply callbacks to records through a consumer group")
     _common(p)
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--claim-idle-ms", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=None)
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     p = sub.add_parser("submit", help="submit requests from a JSONL file (one request per line)")
     _common(p)
@@ -115,6 +117,32 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("workers", nargs="*", help="worker names (see redroll status)")
     p.add_argument("--all", action="store_true", help="every worker")
+
+    p = sub.add_parser("dead", help="list, requeue or purge dead letters")
+    _common(p)
+    dsub = p.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+    d = dsub.add_parser("list", help="dead letters, oldest first")
+    _common(d)
+    d.add_argument("--reason", default=None, help="only those whose reason contains this text")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--count", type=int, default=1000)
+    d = dsub.add_parser("requeue", help="re-validate and requeue dead letters")
+    _common(d)
+    d.add_argument("ids", nargs="*", help="dead-letter entry ids (see dead list)")
+    d.add_argument("--all", action="store_true")
+    d.add_argument("--set", action="append", default=[], metavar="FIELD.PATH=JSON",
+                   help="patch the request before requeueing, e.g. sampling_params.temperature=0.7")
+    d = dsub.add_parser("purge", help="delete dead letters")
+    _common(d)
+    d.add_argument("ids", nargs="*")
+    d.add_argument("--older-than", type=float, default=None, metavar="SECONDS")
+    d.add_argument("--all", action="store_true")
+
+    p = sub.add_parser("gc", help="remove reply streams of producers that never came back, gone workers' heartbeats")
+    _common(p)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--stale-worker-s", type=float, default=3600.0)
+    p.add_argument("--idle-consumer-s", type=float, default=3600.0)
 
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
@@ -186,6 +214,11 @@ async def _run_worker(args: argparse.Namespace) -> int:
         options["weight_version"] = args.weight_version
     engine = create_engine(args.engine, **options)
     worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name)
+    if args.metrics_port is not None:
+        from shared.metrics import WorkerMetrics, serve
+
+        worker.metrics = WorkerMetrics(worker)
+        serve(worker.metrics, args.metrics_port)
     _install_signals(worker.request_stop)
     await worker.run()
     return 0
@@ -204,6 +237,11 @@ async def _run_consume(args: argparse.Namespace) -> int:
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
                             stream=args.stream, batch=args.batch)
+    if args.metrics_port is not None:
+        from shared.metrics import ConsumerMetrics, serve
+
+        runner.metrics = ConsumerMetrics(runner)
+        serve(runner.metrics, args.metrics_port)
     _install_signals(runner.request_stop)
     await runner.run()
     return 0
@@ -283,6 +321,62 @@ async def _run_weights(args: argparse.Namespace) -> int:
         await r.aclose()
 
 
+async def _run_dead(args: argparse.Namespace) -> int:
+    from redroll import dead
+
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        if args.dead_command == "list":
+            entries = await dead.list_dead(r, settings.keys, reason=args.reason, count=args.count)
+            if args.json:
+                print(json.dumps([e.to_json() for e in entries], indent=2))
+                return 0
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=f"dead letters in {settings.keys.dead} ({len(entries)})")
+            for col in ("id", "request_id", "source", "deliveries", "age s", "reason"):
+                table.add_column(col, overflow="fold")
+            for e in entries:
+                table.add_row(e.id, e.request_id or "-", e.source, str(e.deliveries), f"{e.age_s:.0f}", e.reason)
+            Console().print(table)
+            return 0
+        if args.dead_command == "requeue":
+            if not args.ids and not args.all:
+                print("redroll dead requeue: name entry ids or --all", file=sys.stderr)
+                return 2
+            done, refused = await dead.requeue(r, settings, None if args.all else args.ids,
+                                               patches=dead.parse_patches(args.set))
+            for msg in refused:
+                print(f"refused {msg}", file=sys.stderr)
+            print(f"requeued {len(done)} dead letter(s)")
+            return 0 if not refused else 3
+        if not args.ids and args.older_than is None and not args.all:
+            print("redroll dead purge: name entry ids, --older-than SECONDS or --all", file=sys.stderr)
+            return 2
+        n = await dead.purge(r, settings.keys, args.ids or None, older_than_s=args.older_than)
+        print(f"purged {n} dead letter(s)")
+        return 0
+    finally:
+        await r.aclose()
+
+
+async def _run_gc(args: argparse.Namespace) -> int:
+    from shared.gc import collect_garbage
+
+    settings = _settings(args)
+    r = connect(settings)
+    try:
+        report = await collect_garbage(r, settings.keys, reply_ttl_s=settings.reply_ttl_s,
+                                       stale_worker_s=args.stale_worker_s, idle_consumer_s=args.idle_consumer_s,
+                                       dry_run=args.dry_run)
+    finally:
+        await r.aclose()
+    print(json.dumps({"dry_run": args.dry_run, "removed": report.to_json()}, indent=2))
+    return 0
+
+
 async def _run_drain(args: argparse.Namespace) -> int:
     from shared.control import ControlCommand, send_command
 
@@ -323,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
-                  "weights": _run_weights, "drain": _run_drain}
+                  "weights": _run_weights, "drain": _run_drain, "dead": _run_dead, "gc": _run_gc}
         return asyncio.run(runner[args.command](args))
     except KeyboardInterrupt:
         return 130

@@ -49,6 +49,21 @@ async def _groups(r: Redis, stream: str, length: int) -> list[dict[str, Any]]:
     return out
 
 
+async def _pending_detail(r: Redis, stream: str, group: str, sample: int = 10_000) -> dict[str, Any]:
+    """Pending entries per consumer and a histogram of their delivery counts."""
+    try:
+        summary = await r.xpending(stream, group)
+    except redis.ResponseError:
+        return {"per_consumer": {}, "delivery_histogram": {}}
+    per_consumer = {text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+    histogram: dict[str, int] = {}
+    if int(summary.get("pending") or 0):
+        for entry in await r.xpending_range(stream, group, min="-", max="+", count=sample):
+            key = str(int(entry["times_delivered"]))
+            histogram[key] = histogram.get(key, 0) + 1
+    return {"per_consumer": per_consumer, "delivery_histogram": dict(sorted(histogram.items(), key=lambda kv: int(kv[0])))}
+
+
 async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
     """A stable JSON-able snapshot of one pipeline."""
     async with r.pipeline(transaction=False) as pipe:
@@ -61,6 +76,7 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
     req_groups = await _groups(r, keys.requests, req_len)
     res_groups = await _groups(r, keys.results, res_len)
     workers_group = next((g for g in req_groups if g["group"] == WORKERS_GROUP), None)
+    detail = await _pending_detail(r, keys.requests, WORKERS_GROUP)
     now = time.time()
     workers = []
     for name, raw in sorted(beats.items()):
@@ -85,7 +101,13 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
             "backlog": workers_group["backlog"] if workers_group else req_len,
             "oldest_pending_idle_ms": workers_group["oldest_pending_idle_ms"] if workers_group else None,
             "oldest_pending_age_ms": workers_group["oldest_pending_age_ms"] if workers_group else None,
+            "pending_per_consumer": detail["per_consumer"],
+            "delivery_histogram": detail["delivery_histogram"],
             "groups": req_groups,
+        },
+        "rates_1m": {
+            "requests_per_s": round(sum(w.get("requests_per_s_1m", 0.0) for w in workers if w["alive"]), 3),
+            "tokens_per_s": round(sum(w.get("tokens_per_s_1m", 0.0) for w in workers if w["alive"]), 3),
         },
         "results": {"stream": keys.results, "length": res_len, "groups": res_groups},
         "dead_letters": dead_len,
@@ -110,13 +132,19 @@ def render_status(status: dict[str, Any]) -> Any:
     summary.add_row("results stream length", str(status["results"]["length"]))
     summary.add_row("dead letters", str(status["dead_letters"]))
     summary.add_row("workers alive / stale", f"{status['workers_alive']} / {status['workers_stale']}")
+    summary.add_row("requests/s, tokens/s (1 min)",
+                    f"{status['rates_1m']['requests_per_s']:.1f}, {status['rates_1m']['tokens_per_s']:.1f}")
+    if req["delivery_histogram"]:
+        summary.add_row("pending by delivery count",
+                        ", ".join(f"{k}x: {v}" for k, v in req["delivery_histogram"].items()))
     workers = Table(title="workers")
-    for col in ("name", "state", "engine", "model", "weight", "inflight", "published", "age s"):
+    for col in ("name", "state", "engine", "model", "weight", "inflight", "pending", "published", "tok/s", "age s"):
         workers.add_column(col)
     for w in status["workers"]:
         workers.add_row(w["name"], w.get("state", "?") if w["alive"] else "STALE", str(w.get("engine")),
                         str(w.get("model")), str(w.get("weight_version")), str(w.get("inflight")),
-                        str(w.get("published")), str(w["age_s"]))
+                        str(req["pending_per_consumer"].get(w["name"], 0)), str(w.get("published")),
+                        f"{w.get('tokens_per_s_1m', 0.0):.1f}", str(w["age_s"]))
     groups = Table(title="result consumer groups")
     for col in ("group", "consumers", "pending", "backlog"):
         groups.add_column(col)

@@ -42,6 +42,8 @@ class Settings:
     """Safety cap on the results stream when no consumer group trims it."""
     reply_ttl_s: int = 86_400
     """Reply streams of producers that never come back expire after this long idle."""
+    gc_interval_s: float = 300.0
+    """Workers run housekeeping (see ``redroll gc``) this often."""
     rid_ttl_s: int = 7 * 86_400
     """Submit de-duplication keys expire after this long even if no finish deleted them."""
 

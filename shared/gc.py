@@ -1,0 +1,95 @@
+"""Housekeeping: reply streams of producers that never came back, stale heartbeats, idle empty consumers.
+
+Run by ``redroll gc`` and periodically by workers. Never removes a consumer that owns pending
+entries (XGROUP DELCONSUMER would drop them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import redis
+from redis.asyncio import Redis
+
+from shared.keys import WORKERS_GROUP, Keys
+from shared.streams import id_tuple, text
+
+
+@dataclass
+class GcReport:
+    reply_streams: list[str] = field(default_factory=list)
+    heartbeats: list[str] = field(default_factory=list)
+    consumers: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers}
+
+    @property
+    def total(self) -> int:
+        return len(self.reply_streams) + len(self.heartbeats) + len(self.consumers)
+
+
+async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
+    """Seconds since anything happened on a reply stream (last entry or its producer's last read)."""
+    try:
+        info = await r.xinfo_stream(key)
+    except redis.ResponseError:
+        return None
+    last_ms = id_tuple(text(info["last-generated-id"]))[0]
+    newest = last_ms / 1000.0
+    try:
+        for group in await r.xinfo_groups(key):
+            for consumer in await r.xinfo_consumers(key, text(group["name"])):
+                newest = max(newest, now - int(consumer["idle"]) / 1000.0)
+    except redis.ResponseError:
+        pass
+    return now - newest
+
+
+async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_worker_s: float = 3600.0,
+                          idle_consumer_s: float = 3600.0, dry_run: bool = False) -> GcReport:
+    report = GcReport()
+    now = time.time()
+    # 1. Reply streams idle past their TTL with no expiry set (a worker re-created an expired one).
+    async for raw in r.scan_iter(match=keys.reply_prefix + "*", count=500, _type="stream"):
+        key = text(raw)
+        if await r.ttl(key) != -1:
+            continue  # it still has its TTL: it will expire on its own
+        idle = await _reply_stream_idle_s(r, key, now)
+        if idle is not None and idle > reply_ttl_s:
+            report.reply_streams.append(key)
+            if not dry_run:
+                await r.delete(key)
+    # 2. Heartbeats of workers gone for a long time (a SIGKILLed worker cannot deregister).
+    for name, beat in (await r.hgetall(keys.workers)).items():
+        try:
+            seen = float(json.loads(beat).get("seen", 0))
+        except (ValueError, AttributeError):
+            seen = 0.0
+        if now - seen > stale_worker_s:
+            report.heartbeats.append(text(name))
+            if not dry_run:
+                await r.hdel(keys.workers, name)
+    # 3. Consumers of the workers group with nothing pending and idle for long.
+    try:
+        consumers = await r.xinfo_consumers(keys.requests, WORKERS_GROUP)
+    except redis.ResponseError:
+        consumers = []
+    for c in consumers:
+        if int(c["pending"]) == 0 and int(c["idle"]) / 1000.0 > idle_consumer_s:
+            name = text(c["name"])
+            report.consumers.append(name)
+            if not dry_run:
+                # Atomic re-check: a consumer that gained pending entries meanwhile is kept.
+                if int(await r.eval(DELETE_IF_EMPTY_LUA, 1, keys.requests, WORKERS_GROUP, name)) < 0:
+                    report.consumers.remove(name)
+    return report
+
+
+DELETE_IF_EMPTY_LUA = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #p > 0 then return -1 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
