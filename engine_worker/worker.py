@@ -52,19 +52,36 @@ class WorkerStats:
 
 @dataclass
 class InFlight:
+    stream: str
     entry_id: str
+    key: str
+    """Unique across the request streams: the key of ``_inflight`` and of ``{ns}:errors``."""
     handle: str
     deliveries: int
     claimed_at: float
     request: GenerationRequest | None = None
     task: asyncio.Task | None = None
     stop_status: RecordStatus | None = None
+    stop_reason: str | None = None
+    """Why it was stopped: "user", "deadline" or "weight_update" (meta_info.abort_reason)."""
     """Set when the worker stops the generation: ABORTED (user abort) or EXPIRED (deadline)."""
     handed_back: bool = False
     lease_lost: bool = False
     publishing: bool = False
     """Its finish or dead letter is under way (a renewal racing it may see the entry as gone)."""
     deadline_timer: asyncio.TimerHandle | None = None
+
+
+class _AwaitWeights(Exception):
+    """Raised inside a request's task to park it until the worker's weights are new enough."""
+
+
+def _version_number(version: Any) -> int | None:
+    """Weight versions are compared as integers ("200" → 200); anything else has no order."""
+    try:
+        return int(str(version))
+    except (TypeError, ValueError):
+        return None
 
 
 def _ctx(flight: InFlight) -> dict[str, Any]:
@@ -108,6 +125,7 @@ class Worker:
         self._rate_samples: deque[tuple[float, int, int]] = deque()
         self._holds: set[str] = set()
         self._deferred: list[tuple[InFlight, dict]] = []
+        self._awaiting_weights: list[tuple[InFlight, dict]] = []
         """Reasons claiming is paused (a weight update, released GPU memory)."""
         self._weights_lock = asyncio.Lock()
         self._control_tasks: set[asyncio.Task] = set()
@@ -136,7 +154,7 @@ class Worker:
         self.scripts = Scripts(self.redis)
         self.batcher = CommandBatcher(self.redis)
         await self.engine.start()
-        await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
+        await self._ensure_groups()
         last = await self.redis.xrevrange(self.keys.control, count=1)
         self._control_last_id = text(last[0][0]) if last else "0-0"
         await self._load_desired_weights()
@@ -184,13 +202,20 @@ class Worker:
                 log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
             except redis.ResponseError as exc:
                 if "NOGROUP" in str(exc):
-                    await ensure_group(self.redis, self.keys.requests, WORKERS_GROUP)
+                    await self._ensure_groups()
                     continue
                 log.exception("%s: redis error", loop_fn.__name__)
             except Exception:
                 log.exception("%s crashed; restarting it", loop_fn.__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+    async def _ensure_groups(self) -> None:
+        for stream in self.keys.request_streams:
+            await ensure_group(self.redis, stream, WORKERS_GROUP)
+
+    def _flight_key(self, stream: str, entry_id: str) -> str:
+        return entry_id if stream == self.keys.requests else f"high:{entry_id}"
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when a stop is requested."""
@@ -211,14 +236,17 @@ class Worker:
                 f.handed_back = True
                 self.engine.abort(f.handle)
             await asyncio.gather(*(f.task for f in rest if f.task is not None), return_exceptions=True)
-            ids = [f.entry_id for f in rest]
             # Mark them as handed back on purpose, so whoever takes them does not treat them as
             # suspects of killing a worker.
-            await self.redis.hset(self.keys.errors, mapping={i: f"handed back by {self.name} (drain)" for i in ids})
-            lost = await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name, ids,
-                                            idle_ms=self.settings.claim_idle_ms)
-            self.stats.handed_back += len(ids) - len(lost)
-            log.info("handed back %d request(s) to the fleet", len(ids) - len(lost))
+            await self.redis.hset(self.keys.errors, mapping={f.key: f"handed back by {self.name} (drain)" for f in rest})
+            handed = 0
+            for stream in self.keys.request_streams:
+                ids = [f.entry_id for f in rest if f.stream == stream]
+                lost = await self.scripts.renew(stream, WORKERS_GROUP, self.name, ids,
+                                                idle_ms=self.settings.claim_idle_ms)
+                handed += len(ids) - len(lost)
+            self.stats.handed_back += handed
+            log.info("handed back %d request(s) to the fleet", handed)
 
     # ------------------------------------------------------------------ claiming
 
@@ -234,15 +262,21 @@ class Worker:
             if self._stopping.is_set():
                 return
             free = self.max_inflight - len(self._inflight)
-            resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {self.keys.requests: ">"},
-                                               count=free, block=self.block_ms)
-            for _stream, entries in resp or []:
+            high = self.keys.requests_high
+            # High priority first, without blocking; then block on both streams.
+            resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">"}, count=free)
+            if not resp or not resp[0][1]:
+                resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">", self.keys.requests: ">"},
+                                                   count=free, block=self.block_ms)
+            resp = sorted(resp or [], key=lambda item: text(item[0]) != high)
+            for stream, entries in resp:
                 for entry_id, fields in entries:
                     self.stats.claimed += 1
-                    # A hold or an isolation may have begun while the read was blocked: then the
-                    # entry waits (leased) until it ends.
-                    self._start(text(entry_id), fields or {}, deliveries=1,
-                                defer=bool(self._holds) or self._isolating)
+                    # A hold or an isolation may have begun while the read was blocked, or both
+                    # streams answered: then the entry waits (leased) for its turn.
+                    running = sum(1 for f in self._inflight.values() if f.task is not None)
+                    self._start(text(stream), text(entry_id), fields or {}, deliveries=1,
+                                defer=bool(self._holds) or self._isolating or running >= self.max_inflight)
 
     async def _reclaim_loop(self) -> None:
         """Take over entries idle past ``claim_idle``: dead or paused workers' work, and hand-backs.
@@ -263,26 +297,28 @@ class Worker:
 
     async def _reclaim_once(self) -> bool:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
-        free = self.max_inflight - len(self._inflight)
-        if free <= 0 or self._holds:
-            return False
-        idle = await self.redis.xpending_range(self.keys.requests, WORKERS_GROUP, min="-", max="+",
-                                               count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
-        idle = [p for p in idle if text(p["message_id"]) not in self._inflight]
-        if not idle:
-            return False
-        ids = [text(p["message_id"]) for p in idle]
-        notes = await self.redis.hmget(self.keys.errors, ids)
-        bulk, suspects = [], []
-        for p, entry_id, note in zip(idle, ids, notes):
-            deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
-            if note is not None or deliveries > self.settings.max_deliveries:
-                bulk.append((entry_id, deliveries))
-            else:
-                suspects.append((entry_id, deliveries))
-        bulk = bulk[:free]
+        bulk: list[tuple[str, str, int]] = []
+        suspects: list[tuple[str, str, int]] = []
+        for stream in self.keys.request_streams:  # high priority first
+            free = self.max_inflight - len(self._inflight) - len(bulk)
+            if free <= 0 or self._holds:
+                return False
+            idle = await self.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+",
+                                                   count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
+            idle = [p for p in idle if self._flight_key(stream, text(p["message_id"])) not in self._inflight]
+            if not idle:
+                continue
+            ids = [text(p["message_id"]) for p in idle]
+            notes = await self.redis.hmget(self.keys.errors, [self._flight_key(stream, i) for i in ids])
+            for p, entry_id, note in zip(idle, ids, notes):
+                deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
+                if note is not None or deliveries > self.settings.max_deliveries:
+                    if len(bulk) < self.max_inflight - len(self._inflight):
+                        bulk.append((stream, entry_id, deliveries))
+                else:
+                    suspects.append((stream, entry_id, deliveries))
         if bulk:
-            await self._claim_and_start(bulk, suspect=False)
+            await self._claim_and_start(bulk)
         if not suspects:
             return False
         # Isolation: stop claiming, let what runs finish, then take exactly one suspect.
@@ -292,7 +328,7 @@ class Worker:
                 if self._stopping.is_set():
                     return False
                 await asyncio.sleep(0.01)
-            flights = await self._claim_and_start(suspects[:1], suspect=True)
+            flights = await self._claim_and_start(suspects[:1])
             for flight in flights:
                 log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
                             flight.entry_id, flight.deliveries, extra=_ctx(flight))
@@ -304,23 +340,27 @@ class Worker:
             self._slot_free.set()
             self._start_deferred()
 
-    async def _claim_and_start(self, chosen: list[tuple[str, int]], *, suspect: bool) -> list[InFlight]:
-        counts = dict(chosen)
-        claimed = await self.redis.xclaim(self.keys.requests, WORKERS_GROUP, self.name,
-                                          self.settings.claim_idle_ms, list(counts))
+    async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
         flights = []
-        for raw_id, fields in claimed:
-            entry_id = text(raw_id)
-            if not fields or entry_id in self._inflight:
+        for stream in self.keys.request_streams:
+            counts = {entry_id: n for s, entry_id, n in chosen if s == stream}
+            if not counts:
                 continue
-            self.stats.reclaimed += 1
-            flights.append(self._start(entry_id, fields, deliveries=counts[entry_id]))
+            claimed = await self.redis.xclaim(stream, WORKERS_GROUP, self.name, self.settings.claim_idle_ms,
+                                              list(counts))
+            for raw_id, fields in claimed:
+                entry_id = text(raw_id)
+                if not fields or self._flight_key(stream, entry_id) in self._inflight:
+                    continue
+                self.stats.reclaimed += 1
+                flights.append(self._start(stream, entry_id, fields, deliveries=counts[entry_id]))
         return flights
 
-    def _start(self, entry_id: str, fields: dict, deliveries: int, defer: bool = False) -> InFlight:
-        flight = InFlight(entry_id=entry_id, handle=f"{entry_id}.{deliveries}", deliveries=deliveries,
-                          claimed_at=time.time())
-        self._inflight[entry_id] = flight  # leased (renewed) from now on, even while deferred
+    def _start(self, stream: str, entry_id: str, fields: dict, deliveries: int, defer: bool = False) -> InFlight:
+        key = self._flight_key(stream, entry_id)
+        flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",
+                          deliveries=deliveries, claimed_at=time.time())
+        self._inflight[key] = flight  # leased (renewed) from now on, even while deferred
         if defer:
             self._deferred.append((flight, fields))
         else:
@@ -328,12 +368,15 @@ class Worker:
         return flight
 
     def _start_deferred(self) -> None:
-        if self._holds or self._isolating:
+        """Start entries that waited for a hold, an isolation or a free slot to end."""
+        if self._holds or self._isolating or not self._deferred:
             return
-        deferred, self._deferred = self._deferred, []
-        for flight, fields in deferred:
-            if self._inflight.get(flight.entry_id) is flight and flight.task is None:
+        running = sum(1 for f in self._inflight.values() if f.task is not None)
+        while self._deferred and running < self.max_inflight:
+            flight, fields = self._deferred.pop(0)
+            if self._inflight.get(flight.key) is flight and flight.task is None:
                 flight.task = asyncio.create_task(self._handle(flight, fields))
+                running += 1
 
     def _running(self) -> bool:
         return any(f.task is not None and not f.task.done() for f in self._inflight.values())
@@ -341,8 +384,14 @@ class Worker:
     # ------------------------------------------------------------------ one request
 
     async def _handle(self, flight: InFlight, fields: dict) -> None:
+        parked = False
         try:
             await self._process(flight, fields)
+        except _AwaitWeights:
+            # Leased but not running: it starts again once this worker's weights are new enough.
+            parked = True
+            flight.task = None
+            self._awaiting_weights.append((flight, fields))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # engine or redis failure: retry elsewhere, never a hung request
@@ -354,15 +403,17 @@ class Worker:
         finally:
             if flight.deadline_timer is not None:
                 flight.deadline_timer.cancel()
-            self._inflight.pop(flight.entry_id, None)
+            if not parked:
+                self._inflight.pop(flight.key, None)
             self._slot_free.set()
+            self._start_deferred()
 
     async def _process(self, flight: InFlight, fields: dict) -> None:
         max_deliveries = self.settings.max_deliveries
         if flight.deliveries > max_deliveries and not self._is_newer_schema(fields):
             # (a newer-schema entry keeps being handed back below: each reclaim counts as a
             # delivery, but it waits for a newer worker and is never dead-lettered for that)
-            last = await self.redis.hget(self.keys.errors, flight.entry_id)
+            last = await self.redis.hget(self.keys.errors, flight.key)
             last = text(last) if last is not None else None
             reason = f"delivered {flight.deliveries} times (max_deliveries={max_deliveries})"
             if last:
@@ -388,23 +439,26 @@ class Worker:
         queue_ms = max(0.0, (claimed_at - request.submitted_at) * 1000.0)
 
         if flight.stop_status is None and await self._is_aborted(request):
-            flight.stop_status = RecordStatus.ABORTED
+            flight.stop_status, flight.stop_reason = RecordStatus.ABORTED, "user"
         if flight.stop_status is None and request.deadline is not None and request.deadline <= time.time():
-            flight.stop_status = RecordStatus.EXPIRED
+            flight.stop_status, flight.stop_reason = RecordStatus.EXPIRED, "deadline"
         if flight.stop_status is not None:
             record = CompletionRecord.failed(
                 request, request_id=request.request_id, status=flight.stop_status,
                 error=None if flight.stop_status is RecordStatus.ABORTED else "deadline passed before start",
                 worker=self.name, n=request.n,
                 meta_info={"worker": self.name, "attempt": flight.deliveries, "queue_ms": round(queue_ms, 3),
-                           "weight_version": self.engine.info.weight_version})
+                           "weight_version": self.engine.info.weight_version, "abort_reason": flight.stop_reason})
             await self._finish(flight, request, record)
             return
 
+        if request.min_weight_version is not None and not self._serves_version(request.min_weight_version):
+            await self._check_weights_coming(flight, fields, request)
+            return
         if request.deadline is not None:
             delay = max(0.0, request.deadline - time.time())
             flight.deadline_timer = asyncio.get_running_loop().call_later(
-                delay, self._stop_generation, flight, RecordStatus.EXPIRED)
+                delay, self._stop_generation, flight, RecordStatus.EXPIRED, "deadline")
         started = time.monotonic()
         output: EngineOutput = await self.engine.generate(request, flight.handle)
         engine_ms = (time.monotonic() - started) * 1000.0
@@ -413,8 +467,33 @@ class Worker:
         status = flight.stop_status or (RecordStatus.ABORTED if output.aborted else RecordStatus.FINISHED)
         record = build_record(request, output, status=status, worker=self.name, info=self.engine.info,
                               attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
+        if status is not RecordStatus.FINISHED:
+            record.meta_info["abort_reason"] = flight.stop_reason or "engine"
         self.stats.tokens += record.meta_info.get("completion_tokens", 0)
         await self._finish(flight, request, record)
+
+    def _serves_version(self, minimum: int) -> bool:
+        have = _version_number(self.engine.info.weight_version)
+        return have is not None and have >= minimum
+
+    async def _check_weights_coming(self, flight: InFlight, fields: dict, request: GenerationRequest) -> None:
+        """A request for newer weights than this worker has: wait for them if the pipeline's desired
+        weights are new enough (an update is on its way), else dead-letter it."""
+        desired = _version_number(text(await self.redis.hget(self.keys.weights, "weight_version") or b""))
+        if desired is not None and desired >= request.min_weight_version:  # type: ignore[operator]
+            log.info("request %s needs weight_version >= %s (have %s): waiting for the update",
+                     request.request_id, request.min_weight_version, self.engine.info.weight_version,
+                     extra=_ctx(flight))
+            raise _AwaitWeights()
+        reason = (f"min_weight_version {request.min_weight_version} is newer than the pipeline's desired "
+                  f"weights ({desired if desired is not None else 'none set'})")
+        await self._dead_letter(flight, fields, reason, request=request)
+
+    def _resume_parked(self) -> None:
+        parked, self._awaiting_weights = self._awaiting_weights, []
+        for flight, fields in parked:
+            if self._inflight.get(flight.key) is flight:
+                flight.task = asyncio.create_task(self._handle(flight, fields))
 
     def _check_served(self, request: GenerationRequest) -> None:
         if request.reply_to is not None and not self.keys.is_reply_key(request.reply_to):
@@ -430,9 +509,9 @@ class Worker:
         scores = await self.batcher.call(lambda pipe: pipe.zmscore(self.keys.aborted, members))
         return any(s is not None for s in scores)
 
-    def _stop_generation(self, flight: InFlight, status: RecordStatus) -> None:
+    def _stop_generation(self, flight: InFlight, status: RecordStatus, reason: str = "user") -> None:
         if flight.stop_status is None:
-            flight.stop_status = status
+            flight.stop_status, flight.stop_reason = status, reason
         self.engine.abort(flight.handle)
 
     def _is_newer_schema(self, fields: dict) -> bool:
@@ -457,7 +536,7 @@ class Worker:
         cap = self.settings.results_max_len if reply_key == self.keys.results else 0
         flight.publishing = True
         published = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.finish_in(
-            pipe, requests_key=self.keys.requests, reply_key=reply_key,
+            pipe, requests_key=flight.stream, reply_key=reply_key,
             rid_key=self.keys.rid(request.request_id), group=WORKERS_GROUP, consumer=self.name,
             entry_id=flight.entry_id, record=record, reply_cap=cap)))
         if int(published) == 1:
@@ -466,7 +545,7 @@ class Worker:
             if self.metrics is not None:
                 self.metrics.observe(record.meta_info.get("queue_ms"), record.meta_info.get("engine_ms"))
             if flight.deliveries > 1:
-                await self.redis.hdel(self.keys.errors, flight.entry_id)
+                await self.redis.hdel(self.keys.errors, flight.key)
             log.debug("request %s %s", request.request_id, record.status.value, extra=_ctx(flight))
         else:
             self.stats.fenced += 1
@@ -488,7 +567,7 @@ class Worker:
                                              n=request.n if request else 1,
                                              meta_info={"worker": self.name, "attempt": flight.deliveries})
         flight.publishing = True
-        letter = DeadLetter(stream=self.keys.requests, entry_id=flight.entry_id, reason=reason, source="worker",
+        letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
                             rid_key=self.keys.rid(request_id) if request_id else None)
@@ -497,7 +576,7 @@ class Worker:
         if int(done) == 1:
             self.stats.dead_lettered += 1
             if flight.deliveries > 1:
-                await self.redis.hdel(self.keys.errors, flight.entry_id)
+                await self.redis.hdel(self.keys.errors, flight.key)
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
                         extra={"request_id": request_id, "entry_id": flight.entry_id})
         else:
@@ -506,14 +585,14 @@ class Worker:
     async def _record_error(self, flight: InFlight, error: str) -> None:
         """Keep the last engine error of an entry where whichever worker dead-letters it can read it."""
         try:
-            await self.redis.hset(self.keys.errors, flight.entry_id, error)
+            await self.redis.hset(self.keys.errors, flight.key, error)
         except redis.RedisError as exc:
             log.warning("could not record the error of %s: %s", flight.entry_id, exc)
 
     async def _hand_back(self, flight: InFlight) -> None:
         """Give an entry back to the fleet now (owner-checked; the delivery count is not raised)."""
         try:
-            lost = await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name, [flight.entry_id],
+            lost = await self.scripts.renew(flight.stream, WORKERS_GROUP, self.name, [flight.entry_id],
                                             idle_ms=self.settings.claim_idle_ms)
             if not lost:
                 self.stats.handed_back += 1
@@ -554,6 +633,8 @@ class Worker:
                 if req is not None and (req.request_id in rids or (req.group_id is not None and req.group_id in gids)):
                     log.info("request %s: abort", req.request_id, extra=_ctx(flight))
                     self._stop_generation(flight, RecordStatus.ABORTED)
+            if self._awaiting_weights:
+                self._resume_parked()  # parked ones re-check: aborted ones publish now, others park again
         elif cmd.kind == "drain":
             log.info("drain requested through the control stream")
             self.request_stop()
@@ -582,7 +663,7 @@ class Worker:
         if abort_inflight:
             for flight in list(self._inflight.values()):
                 if flight.task is not None:  # deferred ones simply run later, on the new weights
-                    self._stop_generation(flight, RecordStatus.ABORTED)
+                    self._stop_generation(flight, RecordStatus.ABORTED, "weight_update")
         while self._running() and not self._stopping.is_set():
             await asyncio.sleep(0.01)
 
@@ -608,6 +689,7 @@ class Worker:
                 await update(model_path, weight_version)
                 log.info("weights now at version %s", self.engine.info.weight_version)
                 await self._heartbeat()
+                self._resume_parked()
             finally:
                 self._release_hold("weights")
 
@@ -656,10 +738,12 @@ class Worker:
         flights = [f for f in self._inflight.values() if not f.handed_back]
         if not flights:
             return
-        lost = set(await self.scripts.renew(self.keys.requests, WORKERS_GROUP, self.name,
-                                            [f.entry_id for f in flights]))
+        lost: set[str] = set()
+        for stream in self.keys.request_streams:
+            ids = [f.entry_id for f in flights if f.stream == stream]
+            lost |= {self._flight_key(stream, i) for i in await self.scripts.renew(stream, WORKERS_GROUP, self.name, ids)}
         for f in flights:
-            if f.entry_id in lost and not f.lease_lost and not f.publishing and self._inflight.get(f.entry_id) is f:
+            if f.key in lost and not f.lease_lost and not f.publishing and self._inflight.get(f.key) is f:
                 f.lease_lost = True
                 self.stats.lease_losses += 1
                 log.warning("lease on entry %s lost; stopping its generation", f.entry_id, extra=_ctx(f))

@@ -8,6 +8,7 @@ restarted producer with the same name finds the records it had not yet handled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import secrets
@@ -21,13 +22,14 @@ from redis.asyncio import Redis
 
 from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
 from shared.connection import connect
-from shared.control import send_abort
+from shared.control import cancel_queued, send_abort
 from shared.control import update_weights as _update_weights
 from shared.keys import PRODUCER_GROUP, Keys
 from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from shared.settings import Settings
 from shared.streams import ensure_group, text, unique_consumer_name
-from shared.types import CompletionRecord, GenerationRequest, SamplingParams
+from shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from producer.rollout import RolloutGroup, continuation, group_members, stitch
 
 log = logging.getLogger("redroll.producer")
 
@@ -54,6 +56,11 @@ def make_request(
     )
 
 
+def request_stream(keys: Keys, request: GenerationRequest) -> str:
+    """The stream a request is queued on: high priority has its own, claimed first."""
+    return keys.requests_high if request.priority else keys.requests
+
+
 @dataclass
 class _Waiter:
     future: asyncio.Future
@@ -77,7 +84,27 @@ class Producer:
         name: str | None = None,
         block_ms: int = 1000,
         read_count: int = 256,
+        max_inflight: int | None = None,
+        max_staleness: int | None = None,
+        batch_size: int | None = None,
     ):
+        """``max_inflight``: at most this many requests outstanding; ``submit`` waits for room
+        (backpressure: nothing is dropped). ``max_staleness`` with ``batch_size``: AReaL's capacity
+        rule, at most ``(max_staleness + weight_version + 1) * batch_size`` requests admitted in all
+        (aborted and failed ones are given back), so no sample is generated more than
+        ``max_staleness`` versions behind the trainer; ``weight_version`` advances with
+        :meth:`update_weights` or :meth:`set_weight_version`."""
+        if max_staleness is not None and not batch_size:
+            raise ValueError("max_staleness needs batch_size (AReaL's capacity rule)")
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError("max_inflight must be at least 1")
+        self.max_inflight = max_inflight
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.weight_version = 0
+        self.admitted = 0
+        self._room = asyncio.Condition()
+        self._groups: dict[str, list[str]] = {}
         self.settings = settings or Settings.from_env()
         self.keys: Keys = self.settings.keys
         self.name = name or unique_consumer_name("producer")
@@ -114,6 +141,7 @@ class Producer:
 
     async def close(self) -> None:
         self._closed = True
+        await self._notify_room()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -153,7 +181,46 @@ class Producer:
         *,
         callback: Callback | None = None,
     ) -> list[asyncio.Future]:
-        """Queue many requests in one pipelined round trip; one future per request, in order."""
+        """Queue many requests in pipelined round trips; one future per request, in order.
+
+        With ``max_inflight`` / ``max_staleness`` set this waits for room, chunk by chunk.
+        """
+        items = list(requests)
+        if self.max_inflight is None and self.max_staleness is None:
+            return await self._submit_chunk(items, callback)
+        futures: list[asyncio.Future] = []
+        step = self.max_inflight or len(items) or 1
+        i = 0
+        while i < len(items):
+            room = await self._wait_for_room()
+            chunk = items[i:i + min(step, room)]
+            futures += await self._submit_chunk(chunk, callback)
+            i += len(chunk)
+        return futures
+
+    def _room_now(self) -> int:
+        room = 1 << 30
+        if self.max_inflight is not None:
+            room = min(room, self.max_inflight - len(self._waiters))
+        if self.max_staleness is not None and self.batch_size:
+            room = min(room, (self.max_staleness + self.weight_version + 1) * self.batch_size - self.admitted)
+        return room
+
+    async def _wait_for_room(self) -> int:
+        async with self._room:
+            await self._room.wait_for(lambda: self._room_now() > 0 or self._closed)
+            return max(1, self._room_now())
+
+    async def _notify_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
+
+    def set_weight_version(self, version: int) -> None:
+        """The trainer's current weight version (for the staleness bound)."""
+        self.weight_version = int(version)
+        asyncio.get_running_loop().create_task(self._notify_room())
+
+    async def _submit_chunk(self, requests: list, callback: Callback | None) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         for item in requests:
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
@@ -169,11 +236,13 @@ class Producer:
             fut = loop.create_future()
             self._waiters[req.request_id] = _Waiter(fut, callback)
             futures.append(fut)
+        self.admitted += len(prepared)
         try:
             replies = await self._submit_with_retry(prepared)
         except BaseException:
             for req, _, _ in prepared:
                 self._waiters.pop(req.request_id, None)
+            self.admitted -= len(prepared)
             raise
         failed: Exception | None = None
         for (req, _, _), reply, fut in zip(prepared, replies, futures):
@@ -181,6 +250,7 @@ class Producer:
                 Scripts.submit_outcome(req.request_id, reply)
             except DuplicateRequestError as exc:
                 self._waiters.pop(req.request_id, None)
+                self.admitted -= 1
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the error is raised below
                 failed = failed or exc
@@ -196,7 +266,7 @@ class Producer:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for req, fields, token in prepared:
-                        self.scripts.submit_in(pipe, self.keys.requests, self.keys.rid(req.request_id), token,
+                        self.scripts.submit_in(pipe, request_stream(self.keys, req), self.keys.rid(req.request_id), token,
                                                req.request_id, req.reply_to, fields["data"],
                                                self.settings.rid_ttl_s)
                     return await pipe.execute(raise_on_error=True)
@@ -251,9 +321,46 @@ class Producer:
         """Requests submitted here whose record has not arrived yet."""
         return len(self._waiters)
 
-    async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> None:
-        """Abort by request_id or group_id: queued ones are skipped, in-flight ones stopped."""
-        await send_abort(self.redis, self.keys, list(request_ids), [group_id] if group_id else [])
+    async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> list[str]:
+        """Abort by request_id or group_id: in-flight ones are stopped by their worker; queued ones
+        are reported at once (their aborted record is published here). Returns the request_ids
+        cancelled while still queued."""
+        ids = list(request_ids)
+        await send_abort(self.redis, self.keys, ids, [group_id] if group_id else [])
+        if group_id is not None:
+            ids += [x for x in self._groups.get(group_id, []) if x not in ids]
+        return await cancel_queued(self.redis, self.keys, ids)
+
+    async def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
+                           **fields: Any) -> RolloutGroup:
+        """One prompt's ``n`` samples as ``n`` single-sample requests sharing ``group_id``
+        (member ids ``<group_id>_000`` …); see :class:`producer.rollout.RolloutGroup`."""
+        group_id = group_id or uuid.uuid4().hex
+        members = group_members(group_id, n, dict(fields))
+        futures = await self.submit_many(members, callback=callback)
+        ids = [m["request_id"] for m in members]
+        self._groups[group_id] = ids
+        return RolloutGroup(self, group_id, dict(zip(ids, futures)))
+
+    async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
+                                 **fields: Any) -> CompletionRecord:
+        """Generate one sample that survives weight updates with ``abort_inflight``: each time it is
+        cut short by one, resubmit prompt + partial tokens with the remaining budget, then stitch
+        the segments (ids, logprobs, per-segment weight versions) into one record."""
+        original = request or make_request(**fields)
+        if original.n != 1:
+            raise ValueError("generate_resumable is single-sample; use submit_group for n samples")
+        original = dataclasses.replace(original, collect_unfinished=True)
+        segments: list[CompletionRecord] = []
+        current: GenerationRequest | None = original
+        while current is not None and len(segments) < max_segments:
+            rec = await (await self.submit(current))
+            segments.append(rec)
+            if rec.status is not RecordStatus.ABORTED or rec.meta_info.get("abort_reason") != "weight_update":
+                break
+            so_far = [t for seg in segments for t in seg.output_token_ids[0]]
+            current = continuation(original, so_far, len(segments))
+        return stitch(original.request_id, segments)
 
     async def update_weights(self, model_path: str, weight_version: str, *, abort_inflight: bool = False,
                              wait: bool = True, timeout: float = 600.0) -> dict[str, dict[str, Any]]:
@@ -263,8 +370,11 @@ class Producer:
         ``collect_unfinished`` requests return their partial output), load, and resume. Workers
         that join later load the desired weights from ``{ns}:weights`` before claiming.
         """
-        return await _update_weights(self.redis, self.keys, model_path, weight_version,
-                                     abort_inflight=abort_inflight, wait=wait, timeout=timeout)
+        workers = await _update_weights(self.redis, self.keys, model_path, weight_version,
+                                        abort_inflight=abort_inflight, wait=wait, timeout=timeout)
+        if str(weight_version).isdigit():
+            self.set_weight_version(int(weight_version))
+        return workers
 
     async def _read_loop(self) -> None:
         last_id = "0"  # first our own pending entries (a restart resumes them), then new ones
@@ -323,8 +433,12 @@ class Producer:
             if not waiter.future.done():
                 waiter.future.set_result(record)
             self._remember(record.request_id)
+            if record.status is not RecordStatus.FINISHED:
+                self.admitted -= 1  # no sample came of it: give its staleness capacity back
             done.append(entry_id)
         await self._ack(done)
+        if done and (self.max_inflight is not None or self.max_staleness is not None):
+            await self._notify_room()
 
     def _remember(self, request_id: str) -> None:
         """Remember applied request_ids for a while so a duplicate record is skipped, not re-applied."""
@@ -375,7 +489,7 @@ async def send(
     token_base = secrets.token_hex(8)
     async with redis_client.pipeline(transaction=False) as pipe:
         for i, (req, fields) in enumerate(prepared):
-            scripts.submit_in(pipe, keys.requests, keys.rid(req.request_id), f"send:{token_base}:{i}",
+            scripts.submit_in(pipe, request_stream(keys, req), keys.rid(req.request_id), f"send:{token_base}:{i}",
                               req.request_id, target, fields["data"], settings.rid_ttl_s)
         replies = await pipe.execute()
     return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]

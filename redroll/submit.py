@@ -16,7 +16,7 @@ from shared.types import CompletionRecord, GenerationRequest
 
 ACCEPTED_FIELDS = {
     "request_id", "prompt", "input_ids", "sampling_params", "return_logprob", "collect_unfinished",
-    "meta_info", "callback", "group_id", "deadline", "lora_path", "model",
+    "meta_info", "callback", "group_id", "deadline", "lora_path", "model", "priority", "min_weight_version",
 }
 
 

@@ -249,6 +249,10 @@ def request_to_map(req: GenerationRequest) -> dict[str, Any]:
         out["lora_path"] = req.lora_path
     if req.model is not None:
         out["model"] = req.model
+    if req.priority:
+        out["priority"] = req.priority
+    if req.min_weight_version is not None:
+        out["min_weight_version"] = req.min_weight_version
     return out
 
 
@@ -333,6 +337,14 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
     deadline = obj.get("deadline")
     if deadline is not None and not _is_num(deadline):
         raise ValidationError("deadline", "must be unix seconds (a number) or nil")
+    priority = obj.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority) or priority not in (0, 1):
+        raise ValidationError("priority", "must be 0 (normal) or 1 (high)")
+    min_wv = obj.get("min_weight_version")
+    if min_wv is not None and (not _is_int(min_wv) or min_wv < 0):
+        raise ValidationError("min_weight_version", "must be a non-negative integer or nil")
     submitted_at = obj.get("submitted_at")
     if not _is_num(submitted_at):
         raise ValidationError("submitted_at", "must be unix seconds (a number)")
@@ -351,6 +363,8 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
         submitted_at=float(submitted_at),
         lora_path=_opt_str(obj, "lora_path"),
         model=_opt_str(obj, "model"),
+        priority=priority,
+        min_weight_version=min_wv,
         v=v,
     )
 

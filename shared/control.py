@@ -9,8 +9,9 @@ from typing import Any, Sequence
 import msgpack
 from redis.asyncio import Redis
 
-from shared.codec import check_request_id
-from shared.keys import Keys
+from shared.codec import ValidationError, check_request_id, decode_request
+from shared.keys import WORKERS_GROUP, Keys
+from shared.types import CompletionRecord, RecordStatus
 
 CONTROL_MAXLEN = 10_000
 ABORTED_RETENTION_S = 24 * 3600
@@ -65,6 +66,42 @@ async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), grou
         pipe.xadd(keys.control, ControlCommand("abort", list(request_ids), list(group_ids)).to_fields(),
                   maxlen=CONTROL_MAXLEN, approximate=True)
         await pipe.execute()
+
+
+async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str]) -> list[str]:
+    """Report aborted requests that no worker has taken yet at once (their record is published
+    here and the entry deleted), instead of when a worker reaches them in the backlog.
+
+    Returns the request_ids cancelled this way; the others are in flight (the worker aborts them)
+    or already finished.
+    """
+    from shared.scripts import Scripts
+
+    scripts = Scripts(r)
+    held = await r.mget([keys.rid(x) for x in request_ids]) if request_ids else []
+    cancelled: list[str] = []
+    for request_id, value in zip(request_ids, held):
+        if value is None:
+            continue
+        entry_id = value.decode().rpartition(" ")[2]
+        for stream in keys.request_streams:
+            found = await r.xrange(stream, entry_id, entry_id)
+            if not found:
+                continue
+            try:
+                req = decode_request(found[0][1])
+            except ValidationError:
+                break  # a worker will dead-letter it
+            reply = req.reply_to if req.reply_to and keys.is_reply_key(req.reply_to) else keys.results
+            record = CompletionRecord.failed(req, request_id=req.request_id, status=RecordStatus.ABORTED, error=None,
+                                             worker=None, n=req.n,
+                                             meta_info={"abort_reason": "user", "cancelled_in_queue": True})
+            done = await scripts.cancel_queued_in(r, stream=stream, reply_key=reply, rid_key=keys.rid(request_id),
+                                                  group=WORKERS_GROUP, entry_id=entry_id, record=record)
+            if int(done):
+                cancelled.append(request_id)
+            break
+    return cancelled
 
 
 async def send_command(r: Redis, keys: Keys, command: ControlCommand) -> str:

@@ -43,6 +43,16 @@ class Keys:
         return f"{self.tag}:requests"
 
     @property
+    def requests_high(self) -> str:
+        """High-priority requests: workers claim from here before ``requests``."""
+        return f"{self.tag}:requests:high"
+
+    @property
+    def request_streams(self) -> list[str]:
+        """Request streams in claiming order (high priority first)."""
+        return [self.requests_high, self.requests]
+
+    @property
     def results(self) -> str:
         return f"{self.tag}:results"
 

@@ -24,6 +24,7 @@ SUBMIT_LUA = _load("submit.lua")
 FINISH_LUA = _load("finish.lua")
 DEAD_LETTER_LUA = _load("dead_letter.lua")
 RENEW_LUA = _load("renew.lua")
+CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
 
 
 class DuplicateRequestError(RuntimeError):
@@ -82,6 +83,7 @@ class Scripts:
         self._finish = redis.register_script(FINISH_LUA)
         self._dead = redis.register_script(DEAD_LETTER_LUA)
         self._renew = redis.register_script(RENEW_LUA)
+        self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
 
     # -- submit
     def submit_args(self, requests_key: str, rid_key: str, token: str, request_id: str,
@@ -128,6 +130,14 @@ class Scripts:
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
                 letter.deliveries, len(pairs) // 2, *pairs]
         return _run(self._dead, keys, args, client)
+
+    # -- cancel
+    def cancel_queued_in(self, client: Any, *, stream: str, reply_key: str, rid_key: str, group: str,
+                         entry_id: str, record: CompletionRecord) -> Any:
+        """Publish ``record`` and delete the entry, only if no worker has taken it (1) — else 0."""
+        f = encode_record(record)
+        return _run(self._cancel, [stream, reply_key, rid_key], [group, entry_id, f["rid"], f["status"], f["data"]],
+                    client)
 
     # -- leases
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],

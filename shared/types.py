@@ -96,6 +96,10 @@ class GenerationRequest:
     submitted_at: float = field(default_factory=time.time)
     lora_path: str | None = None
     model: str | None = None
+    priority: int = 0
+    """0 = normal; 1 = high (queued on ``{ns}:requests:high``, claimed before normal requests)."""
+    min_weight_version: int | None = None
+    """Only workers whose (integer) weight_version is at least this may generate it."""
     v: int = SCHEMA_VERSION
 
     @property

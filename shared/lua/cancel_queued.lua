@@ -1,0 +1,39 @@
+-- Cancel a request that no worker has taken yet: publish its (prebuilt) aborted record at once
+-- instead of when a worker finally reaches it in the backlog.
+-- KEYS[1] request stream  KEYS[2] reply stream  KEYS[3] rid key
+-- ARGV[1] group  ARGV[2] request entry id  ARGV[3] rid  ARGV[4] status  ARGV[5] data (msgpack record)
+-- Returns 1 when cancelled, 0 when the entry is gone or already delivered to a worker (the worker
+-- then aborts it, as for any in-flight request).
+if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then
+  return 0
+end
+local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if ok and #p > 0 then
+  return 0
+end
+if ok then
+  -- Delivered entries are either pending or deleted; an undelivered one lies past the group's
+  -- last-delivered id. XINFO GROUPS tells it, for the group named in ARGV[1].
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local name, last
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] end
+      if g[i] == 'last-delivered-id' then last = g[i + 1] end
+    end
+    if name == ARGV[1] and last then
+      local lms, lseq = string.match(last, '(%d+)-(%d+)')
+      local ems, eseq = string.match(ARGV[2], '(%d+)-(%d+)')
+      lms, lseq, ems, eseq = tonumber(lms), tonumber(lseq), tonumber(ems), tonumber(eseq)
+      if ems < lms or (ems == lms and eseq <= lseq) then
+        return 0
+      end
+    end
+  end
+end
+redis.call('XADD', KEYS[2], '*', 'rid', ARGV[3], 'status', ARGV[4], 'worker', '', 'data', ARGV[5])
+redis.call('XDEL', KEYS[1], ARGV[2])
+local held = redis.call('GET', KEYS[3])
+if held and string.sub(held, -string.len(ARGV[2]) - 1) == ' ' .. ARGV[2] then
+  redis.call('DEL', KEYS[3])
+end
+return 1
