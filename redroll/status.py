@@ -74,6 +74,8 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
         pipe.zcard(keys.aborted)
         req_len, res_len, dead_len, beats, aborted = await pipe.execute()
     req_groups = await _groups(r, keys.requests, req_len)
+    high_len = await r.xlen(keys.requests_high)
+    high_group = next((g for g in await _groups(r, keys.requests_high, high_len) if g["group"] == WORKERS_GROUP), None)
     res_groups = await _groups(r, keys.results, res_len)
     workers_group = next((g for g in req_groups if g["group"] == WORKERS_GROUP), None)
     detail = await _pending_detail(r, keys.requests, WORKERS_GROUP)
@@ -109,6 +111,12 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
             "requests_per_s": round(sum(w.get("requests_per_s_1m", 0.0) for w in workers if w["alive"]), 3),
             "tokens_per_s": round(sum(w.get("tokens_per_s_1m", 0.0) for w in workers if w["alive"]), 3),
         },
+        "requests_high": {
+            "stream": keys.requests_high,
+            "length": high_len,
+            "pending": high_group["pending"] if high_group else 0,
+            "backlog": high_group["backlog"] if high_group else high_len,
+        },
         "results": {"stream": keys.results, "length": res_len, "groups": res_groups},
         "dead_letters": dead_len,
         "aborted_ids": aborted,
@@ -127,6 +135,8 @@ def render_status(status: dict[str, Any]) -> Any:
     req = status["requests"]
     summary = Table(title=f"redroll pipeline '{status['namespace']}'", show_header=False)
     summary.add_row("queued (backlog)", str(req["backlog"]))
+    if status["requests_high"]["length"]:
+        summary.add_row("queued high priority", str(status["requests_high"]["backlog"]))
     summary.add_row("in flight (pending)", str(req["pending"]))
     summary.add_row("oldest pending idle", f"{req['oldest_pending_idle_ms']} ms" if req["oldest_pending_idle_ms"] is not None else "-")
     summary.add_row("results stream length", str(status["results"]["length"]))

@@ -146,6 +146,7 @@ class TransformersEngine:
         """Load the model (off the event loop) and start the batcher."""
         if self._batcher is not None:
             return
+        _import_model_classes()
         model, tokenizer = await asyncio.to_thread(self._load)
         self._model, self._tokenizer = model, tokenizer
         self._fill_info(model, tokenizer)
@@ -195,6 +196,7 @@ class TransformersEngine:
             raise RuntimeError("cannot update weights while requests are in flight")
         previous = self.model_path
         self.model_path = model_path
+        _import_model_classes()
         try:
             model, tokenizer = await asyncio.to_thread(self._load)
         except Exception:
@@ -609,3 +611,16 @@ def _tiny_seed(model_path: str, default_seed: int) -> int | None:
     if model_path.startswith(prefix) and model_path[len(prefix):].isdigit():
         return int(model_path[len(prefix):])
     return None
+
+
+def _import_model_classes() -> None:
+    """Import the transformers classes on the calling (event loop) thread.
+
+    transformers resolves its lazy attributes without a lock: two engines loading in two threads
+    at once can see ``from transformers import LlamaConfig`` fail. Resolving them here, before
+    the loading thread starts, avoids that race.
+    """
+    import transformers
+
+    for name in ("LlamaConfig", "LlamaForCausalLM", "AutoModelForCausalLM", "AutoTokenizer"):
+        getattr(transformers, name)
