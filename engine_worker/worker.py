@@ -25,7 +25,7 @@ from engine_worker.records import build_record
 from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
 from shared.connection import connect
-from shared.control import ControlCommand, aborted_member
+from shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
 from shared.gc import collect_garbage
 from shared.keys import WORKERS_GROUP, Keys
 from shared.scripts import DeadLetter, Scripts
@@ -122,6 +122,8 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started_at = time.time()
         self._isolating = False
+        self._aborted: dict[str, float] = {}
+        """Members of ``{ns}:aborted`` (``r:<id>``, ``g:<group>``) → when."""
         self._rate_samples: deque[tuple[float, int, int]] = deque()
         self._holds: set[str] = set()
         self._deferred: list[tuple[InFlight, dict]] = []
@@ -157,6 +159,7 @@ class Worker:
         await self._ensure_groups()
         last = await self.redis.xrevrange(self.keys.control, count=1)
         self._control_last_id = text(last[0][0]) if last else "0-0"
+        await self._load_aborted()  # after fixing the control position: no abort falls between
         await self._load_desired_weights()
         await self._heartbeat()
         log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
@@ -269,14 +272,15 @@ class Worker:
                 resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">", self.keys.requests: ">"},
                                                    count=free, block=self.block_ms)
             resp = sorted(resp or [], key=lambda item: text(item[0]) != high)
+            running = sum(1 for f in self._inflight.values() if f.task is not None)
             for stream, entries in resp:
                 for entry_id, fields in entries:
                     self.stats.claimed += 1
                     # A hold or an isolation may have begun while the read was blocked, or both
                     # streams answered: then the entry waits (leased) for its turn.
-                    running = sum(1 for f in self._inflight.values() if f.task is not None)
-                    self._start(text(stream), text(entry_id), fields or {}, deliveries=1,
-                                defer=bool(self._holds) or self._isolating or running >= self.max_inflight)
+                    defer = bool(self._holds) or self._isolating or running >= self.max_inflight
+                    self._start(text(stream), text(entry_id), fields or {}, deliveries=1, defer=defer)
+                    running += not defer
 
     async def _reclaim_loop(self) -> None:
         """Take over entries idle past ``claim_idle``: dead or paused workers' work, and hand-backs.
@@ -438,7 +442,7 @@ class Worker:
         claimed_at = flight.claimed_at
         queue_ms = max(0.0, (claimed_at - request.submitted_at) * 1000.0)
 
-        if flight.stop_status is None and await self._is_aborted(request):
+        if flight.stop_status is None and self._is_aborted(request):
             flight.stop_status, flight.stop_reason = RecordStatus.ABORTED, "user"
         if flight.stop_status is None and request.deadline is not None and request.deadline <= time.time():
             flight.stop_status, flight.stop_reason = RecordStatus.EXPIRED, "deadline"
@@ -502,12 +506,27 @@ class Worker:
             raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves "
                                            f"{self.engine.info.model!r})")
 
-    async def _is_aborted(self, request: GenerationRequest) -> bool:
-        members = [aborted_member(request_id=request.request_id)]
-        if request.group_id is not None:
-            members.append(aborted_member(group_id=request.group_id))
-        scores = await self.batcher.call(lambda pipe: pipe.zmscore(self.keys.aborted, members))
-        return any(s is not None for s in scores)
+    def _is_aborted(self, request: GenerationRequest) -> bool:
+        """From the worker's copy of ``{ns}:aborted`` (loaded at start, then kept current from the
+        control stream): no round trip per request. An abort that lands after this check finds
+        the request in flight and stops it in the engine, so the outcome is the same."""
+        if aborted_member(request_id=request.request_id) in self._aborted:
+            return True
+        return request.group_id is not None and aborted_member(group_id=request.group_id) in self._aborted
+
+    async def _load_aborted(self) -> None:
+        since = time.time() - ABORTED_RETENTION_S
+        for member, score in await self.redis.zrangebyscore(self.keys.aborted, since, "+inf", withscores=True):
+            self._aborted[text(member)] = float(score)
+
+    def _remember_aborted(self, cmd: ControlCommand) -> None:
+        for rid in cmd.request_ids:
+            self._aborted[aborted_member(request_id=rid)] = cmd.sent_at
+        for gid in cmd.group_ids:
+            self._aborted[aborted_member(group_id=gid)] = cmd.sent_at
+        if len(self._aborted) > 10_000 and len(self._aborted) % 1000 == 0:
+            cutoff = time.time() - ABORTED_RETENTION_S
+            self._aborted = {m: t for m, t in self._aborted.items() if t >= cutoff}
 
     def _stop_generation(self, flight: InFlight, status: RecordStatus, reason: str = "user") -> None:
         if flight.stop_status is None:
@@ -627,6 +646,7 @@ class Worker:
         if cmd.target not in (None, "*", self.name):
             return
         if cmd.kind == "abort":
+            self._remember_aborted(cmd)
             rids, gids = set(cmd.request_ids), set(cmd.group_ids)
             for flight in list(self._inflight.values()):
                 req = flight.request

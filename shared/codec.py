@@ -134,6 +134,8 @@ def _token_list(value: Any, field: str, max_len: int) -> list[int]:
         raise ValidationError(field, f"must be a list of integers, got {type(value).__name__}")
     if len(value) > max_len:
         raise ValidationError(field, f"longer than {max_len} tokens")
+    if all(type(t) is int for t in value) and (not value or (min(value) >= 0 and max(value) <= 2**31 - 1)):
+        return value  # the common case, checked fast; the loop below says what is wrong otherwise
     for i, t in enumerate(value):
         if not _is_int(t):
             raise ValidationError(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
