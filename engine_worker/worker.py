@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import socket
 import time
 from collections import deque
@@ -296,17 +297,26 @@ class Worker:
         """
         while not self._stopping.is_set():
             await self._pause(self.reclaim_interval_s)
-            while not self._stopping.is_set() and await self._reclaim_once():
-                pass
+            try:
+                # Isolation lasts until no suspect is left, so new claims do not refill the slots
+                # between two suspects.
+                while not self._stopping.is_set() and await self._reclaim_once():
+                    pass
+            finally:
+                self._isolating = False
+                self._slot_free.set()
+                self._start_deferred()
 
     async def _reclaim_once(self) -> bool:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
         bulk: list[tuple[str, str, int]] = []
         suspects: list[tuple[str, str, int]] = []
+        if self._holds:
+            return False
         for stream in self.keys.request_streams:  # high priority first
-            free = self.max_inflight - len(self._inflight) - len(bulk)
-            if free <= 0 or self._holds:
-                return False
+            # Even with every slot taken, look: suspects are run in isolation, which waits for the
+            # slots to empty, so a busy worker still takes over a dead one's work.
+            free = max(0, self.max_inflight - len(self._inflight) - len(bulk))
             idle = await self.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+",
                                                    count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
             idle = [p for p in idle if self._flight_key(stream, text(p["message_id"])) not in self._inflight]
@@ -325,24 +335,20 @@ class Worker:
             await self._claim_and_start(bulk)
         if not suspects:
             return False
-        # Isolation: stop claiming, let what runs finish, then take exactly one suspect.
+        # Isolation: stop claiming, let what runs finish, then take exactly one suspect (a random
+        # one of the oldest, so workers reclaiming at once do not all contend for the same entry).
         self._isolating = True
-        try:
-            while self._running():
-                if self._stopping.is_set():
-                    return False
-                await asyncio.sleep(0.01)
-            flights = await self._claim_and_start(suspects[:1])
-            for flight in flights:
-                log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
-                            flight.entry_id, flight.deliveries, extra=_ctx(flight))
-                if flight.task is not None:
-                    await asyncio.wait([flight.task])
-            return True
-        finally:
-            self._isolating = False
-            self._slot_free.set()
-            self._start_deferred()
+        while self._running():
+            if self._stopping.is_set():
+                return False
+            await asyncio.sleep(0.01)
+        flights = await self._claim_and_start([random.choice(suspects[:8])])
+        for flight in flights:
+            log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
+                        flight.entry_id, flight.deliveries, extra=_ctx(flight))
+            if flight.task is not None:
+                await asyncio.wait([flight.task])
+        return True
 
     async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
         flights = []

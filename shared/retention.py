@@ -23,10 +23,10 @@ async def safe_trim_id(r: Redis, stream: str) -> str | None:
     candidates: list[str] = []
     for g in groups:
         name = text(g["name"])
-        if int(g["pending"]) > 0:
-            summary = await r.xpending(stream, name)
+        summary = await r.xpending(stream, name) if int(g["pending"]) > 0 else None
+        if summary and summary.get("min") is not None:
             candidates.append(text(summary["min"]))
-        else:
+        else:  # nothing pending (or it was all acked since XINFO): everything delivered is acked
             candidates.append(_next_id(text(g["last-delivered-id"])))
     return min(candidates, key=id_tuple)
 

@@ -128,7 +128,9 @@ async def test_paused_worker_is_fenced(settings, r, tmp_path):
 
 async def _fenced(r, settings, pid) -> bool:
     beat = await heartbeat(r, settings, pid)
-    return bool(beat and beat["fenced"] >= 1 and beat["lease_losses"] >= 1)
+    # The late finish is refused (fenced). Whether the lease renewal noticed the loss first
+    # (lease_losses) depends on which of the paused timers fires first on resume.
+    return bool(beat and beat["fenced"] >= 1)
 
 
 async def test_sigterm_drain_hands_back_and_nothing_is_lost(settings, r, tmp_path):
