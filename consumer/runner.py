@@ -9,6 +9,7 @@ remembered in expiring time buckets (``{ns}:applied:<group>:<bucket>``) and skip
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -206,7 +207,7 @@ class ConsumerRunner:
                 already.add(rid)
                 to_apply.append(i)
         self.stats.duplicates_skipped += len(skipped)
-        results = await asyncio.gather(*(self._apply(i) for i in to_apply), return_exceptions=True)
+        results = await self._apply_all(to_apply)
         succeeded = [i for i, r in zip(to_apply, results) if r is None]
         failed = [(i, r) for i, r in zip(to_apply, results) if r is not None]
         await self._ack(succeeded, skipped)
@@ -220,17 +221,37 @@ class ConsumerRunner:
             await self.scripts.renew(self.stream, self.group, self.name, [i.entry_id for i, _ in failed],
                                      idle_ms=self.settings.claim_idle_ms)
 
-    async def _apply(self, item: _Item) -> BaseException | None:
-        fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
+    async def _apply_all(self, items: list[_Item]) -> list[BaseException | None]:
+        """Run the handlers: sync ones inline, async ones concurrently. One result per item:
+        None when it succeeded, else its exception."""
+        results: list[BaseException | None] = [None] * len(items)
+        pending: list[tuple[int, Any]] = []
+        for n, item in enumerate(items):
+            fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
+            started = time.perf_counter()
+            try:
+                res = fn(item.record)  # type: ignore[misc]
+            except Exception as exc:
+                results[n] = exc
+                continue
+            if inspect.isawaitable(res):
+                pending.append((n, self._timed(res)))
+            elif self.metrics is not None:
+                self.metrics.observe(time.perf_counter() - started)
+        if pending:
+            outcomes = await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
+            for (n, _), outcome in zip(pending, outcomes):
+                if isinstance(outcome, Exception):
+                    results[n] = outcome
+        return results
+
+    async def _timed(self, awaitable: Any) -> None:
         started = time.perf_counter()
         try:
-            await HandlerRegistry.call(fn, item.record)  # type: ignore[arg-type]
-        except Exception as exc:
-            return exc
+            await awaitable
         finally:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started)
-        return None
 
     async def _applied_already(self, request_ids: list[str]) -> set[str]:
         buckets = self.keys.applied_buckets(self.group, self.settings.dedup_window_s)

@@ -22,6 +22,7 @@ import redis
 from redis.asyncio import Redis
 
 from engine_worker.engines.base import Engine, EngineOutput
+from engine_worker.publisher import Publisher
 from engine_worker.records import build_record
 from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
@@ -68,6 +69,8 @@ class InFlight:
     """Set when the worker stops the generation: ABORTED (user abort) or EXPIRED (deadline)."""
     handed_back: bool = False
     lease_lost: bool = False
+    released: bool = False
+    """Its engine slot was given back (generation over, the record is being published)."""
     publishing: bool = False
     """Its finish or dead letter is under way (a renewal racing it may see the entry as gone)."""
     deadline_timer: asyncio.TimerHandle | None = None
@@ -123,6 +126,8 @@ class Worker:
         self._stopped = asyncio.Event()
         self._started_at = time.time()
         self._isolating = False
+        self._released = 0
+        """In-flight entries past the engine (being published): they no longer count as occupied."""
         self._aborted: dict[str, float] = {}
         """Members of ``{ns}:aborted`` (``r:<id>``, ``g:<group>``) → when."""
         self._rate_samples: deque[tuple[float, int, int]] = deque()
@@ -156,6 +161,8 @@ class Worker:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis)
         self.batcher = CommandBatcher(self.redis)
+        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
+        await self.scripts.load_all()
         await self.engine.start()
         await self._ensure_groups()
         last = await self.redis.xrevrange(self.keys.control, count=1)
@@ -188,6 +195,7 @@ class Worker:
                 log.warning("could not deregister heartbeat: %s", exc)
             await self.engine.close()
             await self.batcher.close()
+            await self.publisher.close()
             if self._owns_redis:
                 await self.redis.aclose()
             self._stopped.set()
@@ -254,8 +262,14 @@ class Worker:
 
     # ------------------------------------------------------------------ claiming
 
+    @property
+    def _occupied(self) -> int:
+        """Entries that hold an engine slot: claimed and not yet through the engine (publishing
+        ones have given theirs back, so the next claim overlaps the finish round trip)."""
+        return len(self._inflight) - self._released
+
     async def _wait_for_slot(self) -> None:
-        while (len(self._inflight) >= self.max_inflight or self._isolating or self._holds) \
+        while (self._occupied >= self.max_inflight or self._isolating or self._holds) \
                 and not self._stopping.is_set():
             self._slot_free.clear()
             await self._slot_free.wait()
@@ -265,7 +279,7 @@ class Worker:
             await self._wait_for_slot()
             if self._stopping.is_set():
                 return
-            free = self.max_inflight - len(self._inflight)
+            free = self.max_inflight - self._occupied
             high = self.keys.requests_high
             # High priority first, without blocking; then block on both streams.
             resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">"}, count=free)
@@ -273,7 +287,7 @@ class Worker:
                 resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">", self.keys.requests: ">"},
                                                    count=free, block=self.block_ms)
             resp = sorted(resp or [], key=lambda item: text(item[0]) != high)
-            running = sum(1 for f in self._inflight.values() if f.task is not None)
+            running = sum(1 for f in self._inflight.values() if f.task is not None and not f.released)
             for stream, entries in resp:
                 for entry_id, fields in entries:
                     self.stats.claimed += 1
@@ -316,7 +330,7 @@ class Worker:
         for stream in self.keys.request_streams:  # high priority first
             # Even with every slot taken, look: suspects are run in isolation, which waits for the
             # slots to empty, so a busy worker still takes over a dead one's work.
-            free = max(0, self.max_inflight - len(self._inflight) - len(bulk))
+            free = max(0, self.max_inflight - self._occupied - len(bulk))
             idle = await self.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+",
                                                    count=max(free, 16) * 4, idle=self.settings.claim_idle_ms)
             idle = [p for p in idle if self._flight_key(stream, text(p["message_id"])) not in self._inflight]
@@ -327,7 +341,7 @@ class Worker:
             for p, entry_id, note in zip(idle, ids, notes):
                 deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
                 if note is not None or deliveries > self.settings.max_deliveries:
-                    if len(bulk) < self.max_inflight - len(self._inflight):
+                    if len(bulk) < self.max_inflight - self._occupied:
                         bulk.append((stream, entry_id, deliveries))
                 else:
                     suspects.append((stream, entry_id, deliveries))
@@ -381,12 +395,18 @@ class Worker:
         """Start entries that waited for a hold, an isolation or a free slot to end."""
         if self._holds or self._isolating or not self._deferred:
             return
-        running = sum(1 for f in self._inflight.values() if f.task is not None)
+        running = sum(1 for f in self._inflight.values() if f.task is not None and not f.released)
         while self._deferred and running < self.max_inflight:
             flight, fields = self._deferred.pop(0)
             if self._inflight.get(flight.key) is flight and flight.task is None:
                 flight.task = asyncio.create_task(self._handle(flight, fields))
                 running += 1
+
+    def _release_slot(self, flight: InFlight) -> None:
+        if not flight.released and self._inflight.get(flight.key) is flight:
+            flight.released = True
+            self._released += 1
+            self._slot_free.set()
 
     def _running(self) -> bool:
         return any(f.task is not None and not f.task.done() for f in self._inflight.values())
@@ -413,8 +433,8 @@ class Worker:
         finally:
             if flight.deadline_timer is not None:
                 flight.deadline_timer.cancel()
-            if not parked:
-                self._inflight.pop(flight.key, None)
+            if not parked and self._inflight.pop(flight.key, None) is not None and flight.released:
+                self._released -= 1
             self._slot_free.set()
             self._start_deferred()
 
@@ -472,6 +492,7 @@ class Worker:
         started = time.monotonic()
         output: EngineOutput = await self.engine.generate(request, flight.handle)
         engine_ms = (time.monotonic() - started) * 1000.0
+        self._release_slot(flight)
         if flight.handed_back:
             return  # drained: the entry goes back to the fleet, this partial output is dropped
         status = flight.stop_status or (RecordStatus.ABORTED if output.aborted else RecordStatus.FINISHED)
@@ -560,11 +581,11 @@ class Worker:
         reply_key = request.reply_to or self.keys.results
         cap = self.settings.results_max_len if reply_key == self.keys.results else 0
         flight.publishing = True
-        published = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.finish_in(
-            pipe, requests_key=flight.stream, reply_key=reply_key,
-            rid_key=self.keys.rid(request.request_id), group=WORKERS_GROUP, consumer=self.name,
-            entry_id=flight.entry_id, record=record, reply_cap=cap)))
-        if int(published) == 1:
+        rid_key = self.keys.rid(request.request_id)
+        published = await self._retrying(lambda: self.publisher.finish(
+            stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key, rid_key=rid_key,
+            record=record, cap=cap))
+        if published:
             self.stats.published += 1
             self.stats.by_status[record.status.value] = self.stats.by_status.get(record.status.value, 0) + 1
             if self.metrics is not None:

@@ -117,7 +117,8 @@ class Producer:
         self._waiters: dict[str, _Waiter] = {}
         self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
         self._unclaimed_event = asyncio.Event()
-        self._recent: dict[str, None] = {}
+        self._recent: dict[str, CompletionRecord | None] = {}
+        """request_id → None once its record was applied; → a later record of the same id."""
         self._reader: asyncio.Task | None = None
         self._closed = False
         self._last_expire = 0.0
@@ -264,12 +265,8 @@ class Producer:
         delay = 0.1
         for attempt in range(attempts):
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for req, fields, token in prepared:
-                        self.scripts.submit_in(pipe, request_stream(self.keys, req), self.keys.rid(req.request_id), token,
-                                               req.request_id, req.reply_to, fields["data"],
-                                               self.settings.rid_ttl_s)
-                    return await pipe.execute(raise_on_error=True)
+                return await submit_batch(self.redis, self.scripts, self.keys, self.settings.rid_ttl_s,
+                                          [(req, fields["data"], token) for req, fields, token in prepared])
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if attempt == attempts - 1:
                     raise
@@ -290,7 +287,9 @@ class Producer:
         if waiter is None and request_id in self._recent:
             if not fresh:
                 raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
-            del self._recent[request_id]
+            later = self._recent.pop(request_id)
+            if later is not None:
+                return later  # a newer record of this id arrived before this call
         if waiter is None:
             held = self._unclaimed.pop(request_id, None)
             if held is not None:
@@ -417,7 +416,12 @@ class Producer:
                 continue
             waiter = self._waiters.pop(record.request_id, None)
             if waiter is None:
-                if record.request_id in self._recent or record.request_id in self._unclaimed:
+                if record.request_id in self._recent:
+                    # Already applied here: skipped (ROLL's pop), but kept for result(fresh=True)
+                    # (a requeued request's new record may arrive before that call).
+                    self._recent[record.request_id] = record
+                    done.append(entry_id)
+                elif record.request_id in self._unclaimed:
                     done.append(entry_id)  # a duplicate of a record not yet handed out
                 else:
                     self._unclaimed[record.request_id] = (entry_id, record)
@@ -487,9 +491,39 @@ async def send(
         req.reply_to = target
         prepared.append((req, encode_request(req, settings.limits)))
     token_base = secrets.token_hex(8)
-    async with redis_client.pipeline(transaction=False) as pipe:
-        for i, (req, fields) in enumerate(prepared):
-            scripts.submit_in(pipe, request_stream(keys, req), keys.rid(req.request_id), f"send:{token_base}:{i}",
-                              req.request_id, target, fields["data"], settings.rid_ttl_s)
-        replies = await pipe.execute()
+    replies = await submit_batch(redis_client, scripts, keys, settings.rid_ttl_s,
+                                 [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)])
     return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]
+
+
+SUBMIT_CHUNK = 500
+"""Requests per submit_many script call (a script blocks the server while it runs)."""
+
+
+async def submit_batch(r: Redis, scripts: Scripts, keys: Keys, rid_ttl_s: int,
+                       items: list[tuple[GenerationRequest, bytes, str]]) -> list:
+    """Submit (request, data, token) items with ``submit_many`` calls in one round trip; returns
+    one [code, value] reply per item, in order (see :meth:`Scripts.submit_outcome`)."""
+    groups: dict[str, list[int]] = {}
+    for i, (req, _, _) in enumerate(items):
+        groups.setdefault(request_stream(keys, req), []).append(i)
+    calls = [(stream, idx[j:j + SUBMIT_CHUNK]) for stream, idx in groups.items()
+             for j in range(0, len(idx), SUBMIT_CHUNK)]
+    for attempt in (1, 2):
+        async with r.pipeline(transaction=False) as pipe:
+            for stream, idx in calls:
+                scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=rid_ttl_s, items=[
+                    (keys.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
+                     items[i][1]) for i in idx])
+            try:
+                replies = await pipe.execute()
+                break
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                await scripts.load_all()  # the server restarted and lost its script cache
+    out: list = [None] * len(items)
+    for (_, idx), reply in zip(calls, replies):
+        for i, rep in zip(idx, reply):
+            out[i] = rep
+    return out

@@ -75,13 +75,25 @@ def connect_sync(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url, retry=retry, **kw)
 
 
+_ACL_REFUSALS = ("NOPERM", "ACL failure in script", "user executing the script can't")
+"""ACL refusals: NOPERM, and the ERR replies of a command refused inside a Lua script (Redis 7.0 /
+Redis 7.2+ and Valkey), which redis-py raises as a plain ResponseError."""
+
+
 def describe_error(exc: BaseException, settings: Settings) -> str:
     """One line an operator can act on."""
     url = redact(settings.redis_url)
     if isinstance(exc, redis.AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
         return f"redis at {url} refused authentication: check REDROLL_REDIS_USERNAME / REDROLL_REDIS_PASSWORD ({exc})"
-    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
-        return f"redis at {url}: the ACL user lacks a permission: {exc}"
+    if isinstance(exc, redis.exceptions.NoPermissionError) or any(m in str(exc) for m in _ACL_REFUSALS):
+        user = settings.redis_username or urlsplit(settings.redis_url).username or "default"
+        return f"redis at {url}: the ACL user {user!r} lacks a permission: {exc}"
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (f"redis at {url}: its TLS certificate is not trusted (set REDROLL_TLS_CA_FILE to the CA that "
+                f"signed it): {exc}")
+    if "CERTIFICATE_REQUIRED" in str(exc):
+        return (f"redis at {url} requires a TLS client certificate (set REDROLL_TLS_CERT_FILE and "
+                f"REDROLL_TLS_KEY_FILE): {exc}")
     if isinstance(exc, (redis.ConnectionError, OSError)):
         return f"cannot reach redis at {url}: {exc}"
     if isinstance(exc, RedisConfigError):

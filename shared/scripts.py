@@ -25,6 +25,8 @@ FINISH_LUA = _load("finish.lua")
 DEAD_LETTER_LUA = _load("dead_letter.lua")
 RENEW_LUA = _load("renew.lua")
 CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
+FINISH_MANY_LUA = _load("finish_many.lua")
+SUBMIT_MANY_LUA = _load("submit_many.lua")
 
 
 class DuplicateRequestError(RuntimeError):
@@ -65,10 +67,16 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _run(script: Any, keys: list, args: list, client: Any) -> Any:
-    """Run ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None)."""
+def _run(script: Any, keys: list, args: list, client: Any, *, checked: bool = True) -> Any:
+    """Run ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None).
+
+    On a pipeline, ``checked`` makes the pipeline verify (SCRIPT EXISTS, one more round trip per
+    execute) that the server has the script; hot paths pass ``checked=False`` and handle a
+    NOSCRIPT reply themselves with :meth:`Scripts.load_all` (after a server restart).
+    """
     if isinstance(client, Pipeline):
-        client.scripts.add(script)  # the pipeline loads it before executing if the server lacks it
+        if checked:
+            client.scripts.add(script)
         client.evalsha(script.sha, len(keys), *keys, *args)
         return None
     return script(keys=keys, args=args, client=client)
@@ -84,6 +92,8 @@ class Scripts:
         self._dead = redis.register_script(DEAD_LETTER_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
+        self._finish_many = redis.register_script(FINISH_MANY_LUA)
+        self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
 
     # -- submit
     def submit_args(self, requests_key: str, rid_key: str, token: str, request_id: str,
@@ -109,6 +119,42 @@ class Scripts:
         f = encode_record(record)
         return _run(self._finish, [requests_key, reply_key, rid_key],
                     [group, consumer, entry_id, f["rid"], f["status"], f["worker"], f["data"], reply_cap], client)
+
+    def finish_many_in(self, client: Any, *, requests_key: str, group: str, consumer: str, worker: str,
+                       items: Sequence[tuple[str, str, str, CompletionRecord, int]]) -> Any:
+        """Fenced finish of many entries of one stream in one script call.
+
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap). Result: one 1/0 per item.
+        """
+        keys: list[Any] = [requests_key]
+        args: list[Any] = [group, consumer, worker]
+        for entry_id, reply_key, rid_key, record, cap in items:
+            f = encode_record(record)
+            keys += [reply_key, rid_key]
+            args += [entry_id, f["rid"], f["status"], f["data"], cap]
+        return _run(self._finish_many, keys, args, client, checked=False)
+
+    def submit_many_in(self, client: Any, *, requests_key: str, rid_ttl_s: int,
+                       items: Sequence[tuple[str, str, str, str | None, bytes]]) -> Any:
+        """De-duplicated submit of many requests to one stream in one script call.
+
+        ``items``: (rid_key, token, request_id, reply_to, data). Result: one [code, value] per item
+        (see :meth:`submit_outcome`).
+        """
+        keys: list[Any] = [requests_key]
+        args: list[Any] = [rid_ttl_s]
+        for rid_key, token, request_id, reply_to, data in items:
+            keys.append(rid_key)
+            args += [token, request_id, reply_to or "", data]
+        return _run(self._submit_many, keys, args, client, checked=False)
+
+    async def load_all(self) -> None:
+        """Load every script into the server's cache (at start, and after a NOSCRIPT reply)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script in (self._submit, self._finish, self._dead, self._renew, self._cancel,
+                           self._finish_many, self._submit_many):
+                pipe.script_load(script.script)
+            await pipe.execute()
 
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:

@@ -94,6 +94,7 @@ async def test_min_weight_version_is_never_violated(settings, r):
 
 async def test_waiting_for_weights_then_update_arrives(settings, r):
     pair = await _start(settings)
+    await wait_until(lambda: r.hexists(settings.keys.workers, pair[0].name))  # started on version 0
     async with Producer(settings) as p:
         await r.hset(settings.keys.weights, mapping={"model_path": "/ckpt/3", "weight_version": "3"})
         fut = await p.submit(prompt="x", min_weight_version=3, sampling_params={"max_new_tokens": 2})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from array import array
 import os
 import random
 import time
@@ -24,8 +25,11 @@ from shared.types import GenerationRequest
 class SyntheticEngine:
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
-                 raise_marker: str | None = None, exit_marker: str | None = None):
+                 raise_marker: str | None = None, exit_marker: str | None = None, slots: int | None = None):
         self.token_ms = float(token_ms)
+        self.slots = slots
+        """Continuous-batching capacity: at most this many requests generate at once (None: no limit)."""
+        self._slots = asyncio.Semaphore(slots) if slots else None
         self.jitter = float(jitter)
         """Per-request token time varies by ±jitter (a fraction), derived from the request_id."""
         self.raise_marker = raise_marker
@@ -60,8 +64,10 @@ class SyntheticEngine:
         h.update(f"|seed:{sp.sampling_seed if sp.sampling_seed is not None else request.request_id}|{sample}".encode())
         rng = random.Random(int.from_bytes(h.digest(), "big"))
         vocab = self.info.vocab_size or 32000
-        ids = [rng.randrange(vocab) for _ in range(sp.max_new_tokens)]
-        logprobs = [-rng.random() * 4.0 for _ in ids]
+        n = sp.max_new_tokens
+        # 32 random bits per token and per logprob, drawn in one call each (cheap for long outputs).
+        ids = [x % vocab for x in array("I", rng.randbytes(4 * n))]
+        logprobs = [x * (-4.0 / 4294967296.0) for x in array("I", rng.randbytes(4 * n))]
         return ids, logprobs
 
     def _token_ms(self, request: GenerationRequest) -> float:
@@ -82,38 +88,43 @@ class SyntheticEngine:
         self.info.weight_version = weight_version if weight_version is not None else model_path
 
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
+        abort_ev = asyncio.Event()  # registered first: an abort while waiting for a slot counts
+        self._abort_events[handle] = abort_ev
+        try:
+            if self._slots is None:
+                return await self._generate(request, abort_ev)
+            async with self._slots:  # waits for a free slot, like a request in an engine's queue
+                return await self._generate(request, abort_ev)
+        finally:
+            self._abort_events.pop(handle, None)
+
+    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event) -> EngineOutput:
         self._inject_faults(request)
         weight_version = self.info.weight_version
         sp = request.sampling_params
         token_ms = self._token_ms(request)
         prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
-        abort_ev = asyncio.Event()
-        self._abort_events[handle] = abort_ev
         started = time.monotonic()
-        try:
-            budget = sp.max_new_tokens * token_ms / 1000.0
-            if budget > 0:
-                try:
-                    await asyncio.wait_for(abort_ev.wait(), timeout=budget)
-                except asyncio.TimeoutError:
-                    pass
-            aborted = abort_ev.is_set()
+        budget = sp.max_new_tokens * token_ms / 1000.0
+        if budget > 0:
+            try:
+                await asyncio.wait_for(abort_ev.wait(), timeout=budget)
+            except asyncio.TimeoutError:
+                pass
+        aborted = abort_ev.is_set()
+        produced = sp.max_new_tokens
+        if aborted:
             elapsed_ms = (time.monotonic() - started) * 1000.0
-            produced = sp.max_new_tokens
-            if aborted:
-                produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
-            samples = []
-            for i in range(sp.n):
-                ids, lps = self.tokens_for(request, i)
-                reason = "length"
-                for j, t in enumerate(ids):
-                    if t in sp.stop_token_ids:
-                        ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
-                        break
-                if aborted and produced < len(ids):
-                    ids, lps, reason = ids[:produced], lps[:produced], "abort"
-                samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
-            return EngineOutput(samples=samples, prompt_tokens=prompt_tokens,
-                                weight_version=weight_version)
-        finally:
-            self._abort_events.pop(handle, None)
+            produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
+        samples = []
+        for i in range(sp.n):
+            ids, lps = self.tokens_for(request, i)
+            reason = "length"
+            for j, t in enumerate(ids):
+                if t in sp.stop_token_ids:
+                    ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
+                    break
+            if aborted and produced < len(ids):
+                ids, lps, reason = ids[:produced], lps[:produced], "abort"
+            samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
+        return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=weight_version)

@@ -1,0 +1,189 @@
+"""Least-privilege Redis ACL rules for the roles of a pipeline (see docs/acl.md).
+
+``acl_rules(role, namespace)`` renders the rules of one role as the text that follows
+``ACL SETUSER <name> reset on ><password>`` (or ``user <name> on ><password>`` in an ACL file).
+
+How the rules are built (Redis 7 / Valkey 7.2+ ACL semantics, checked by tests/test_security.py):
+
+- The root permissions hold only commands without keys (PING, MULTI/EXEC, SCRIPT LOAD|EXISTS,
+  SCAN) and the Lua entry points EVALSHA (and EVAL for the worker's housekeeping). Redis checks
+  a script's declared KEYS as read+write, so the root lists, read+write, exactly the keys this
+  role passes to its scripts — and no command that could use them directly.
+- Every command a role runs on keys, directly *or inside one of the Lua scripts* (Redis checks the
+  commands a script calls against the calling user too), is granted in a selector ``(...)`` that
+  names only the keys it may touch, read (``%R~``), write (``%W~``) or both (``~``). So the
+  producer may DEL only ``rid`` keys, XACK only its reply stream; the worker may XACK only
+  the request streams; the consumer may write nothing but its result stream, the dead-letter
+  stream and its de-duplication sets.
+- No pub/sub channels (``resetchannels``), no other namespace, no admin or dangerous commands
+  (FLUSHALL, CONFIG, KEYS, ACL, SCRIPT FLUSH, DEBUG, ...).
+
+Limits of Redis ACLs that no rule can close: commands are granted per key pattern, not per call
+site, so a command a script needs is also allowed outside the script (the producer can XDEL a
+queued request of its namespace because cancelling one does); SCAN (worker housekeeping) lists key
+names of the whole database, although it cannot read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.keys import Keys
+
+ROLES = ("producer", "worker", "consumer", "operator")
+
+READ, WRITE, READ_WRITE = "%R~", "%W~", "~"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Commands allowed on some key patterns (a selector), and why the role needs them."""
+
+    commands: tuple[str, ...]
+    keys: tuple[str, ...]
+    """Each with its permission prefix: ``~`` (read+write), ``%R~`` or ``%W~``."""
+    why: str
+
+    def render(self) -> str:
+        return " ".join([*(f"+{c}" for c in self.commands), *self.keys])
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as a literal in an ACL key pattern (``*``, ``?``, ``[``, ``]`` and ``\\`` escaped)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def connection_commands(server_version: str | None = None) -> tuple[str, ...]:
+    """What every redis-py client sends outside its own calls.
+
+    PING: connection health checks. CLIENT SETINFO: redis-py announces its library name and
+    version on connect (Redis 7.2+ and Valkey; 7.0 does not know the subcommand and refuses it in
+    an ACL rule, so it is left out for ``server_version`` < 7.2; redis-py ignores the refusal).
+    AUTH and HELLO need no grant.
+    """
+    cmds = ["ping"]
+    if server_version is None or _version_tuple(server_version) >= (7, 2):
+        cmds.append("client|setinfo")
+    return tuple(cmds)
+
+
+def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version: str | None = None,
+                producer: str | None = None, group: str | None = None, stream: str | None = None) -> list[Grant]:
+    """The grants of ``role``; the first is the root, the others become selectors.
+
+    ``producer``: restrict a producer to the reply stream of that producer name (default: every
+    reply stream of the namespace, as producers get unique names per process unless named).
+    ``group`` / ``stream``: restrict a consumer's de-duplication sets to one consumer group / let
+    it consume another result stream of the pipeline than ``{ns}:results``.
+    """
+    keys = namespace if isinstance(namespace, Keys) else Keys(namespace)
+    t = glob_escape(keys.tag)
+    requests, requests_high = f"{t}:requests", f"{t}:requests:high"
+    results, dead, control = f"{t}:results", f"{t}:dead", f"{t}:control"
+    weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
+    rid = f"{t}:rid:*"
+    replies = f"{t}:reply:*"
+    conn = connection_commands(server_version)
+    rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
+    rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
+    wr = lambda *ks: tuple(WRITE + k for k in ks)  # noqa: E731
+    scripts = ("script|load", "script|exists", "evalsha")
+
+    if role == "producer":
+        own = f"{t}:reply:{glob_escape(producer)}" if producer else replies
+        return [
+            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, rid, own, results, dead),
+                  "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
+                  "cancel_queued and dead_letter with the keys they are given (checked read+write)"),
+            Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high),
+                  "submit (XADD in submit.lua); cancel a queued request on abort (XRANGE, XPENDING, "
+                  "XINFO GROUPS, XDEL in cancel_queued.lua)"),
+            Grant(("get", "set", "mget", "del"), rw(rid),
+                  "submit de-duplication keys: set with the XADD, read to find a queued request, "
+                  "deleted when a queued request is cancelled"),
+            Grant(("xgroup|create", "expire", "xreadgroup", "xpending", "xack", "xdel", "xadd"), rw(own),
+                  "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
+                  "records, dead-letter an undecodable one, receive the record of a cancelled request"),
+            Grant(("xadd",), wr(results, dead, control),
+                  "the aborted record of a cancelled fire-and-forget request (results), dead letters of "
+                  "undecodable records, abort / weight / drain commands on the control stream"),
+            Grant(("zadd", "zremrangebyscore"), wr(aborted), "mark request/group ids aborted, prune old marks"),
+            Grant(("hset", "hgetall"), rw(weights), "set (and show) the desired weights"),
+            Grant(("hgetall",), rd(workers), "wait until every live worker runs the new weights"),
+        ]
+    if role == "worker":
+        return [
+            Grant((*conn, *scripts, "eval", "scan"), rw(requests, requests_high, rid, results, replies, dead),
+                  "connection upkeep; the Lua scripts finish, dead_letter and renew, and housekeeping's "
+                  "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
+                  "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
+            Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
+                   "xgroup|delconsumer"), rw(requests, requests_high),
+                  "claim (XREADGROUP), reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
+                  "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
+            Grant(("get", "del"), rw(rid), "release the submit de-duplication key in the finish"),
+            Grant(("xadd",), wr(results, dead), "publish records (finish.lua, MAXLEN ~ cap) and dead letters"),
+            Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
+                  "publish records to producers' reply streams; housekeeping finds reply streams of "
+                  "producers that never came back (TTL, XINFO) and deletes them"),
+            Grant(("xread", "xrevrange"), rd(control), "follow the control stream (abort, drain, weights)"),
+            Grant(("hget", "hgetall"), rd(weights), "load the desired weights at start and check a min_weight_version"),
+            Grant(("hset", "hdel", "hgetall"), rw(workers), "heartbeat, deregister, drop stale heartbeats"),
+            Grant(("hset", "hget", "hmget", "hdel"), rw(errors), "last engine error / hand-back note per entry"),
+            Grant(("zrangebyscore",), rd(aborted), "load the aborted ids at start (later ones come on the control stream)"),
+        ]
+    if role == "consumer":
+        source = glob_escape(stream) if stream else results
+        applied = f"{t}:applied:{glob_escape(group)}:*" if group else f"{t}:applied:*"
+        return [
+            Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
+                  "connection upkeep; MULTI/EXEC (mark applied + ack); the Lua scripts dead_letter and "
+                  "renew with their keys"),
+            Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xclaim", "xack", "xinfo|groups",
+                   "xtrim"), rw(source),
+                  "read records through the group, reclaim a dead consumer's (XAUTOCLAIM), hand back a failed "
+                  "callback (renew.lua), ack, trim below what every group acked (XINFO GROUPS, XTRIM MINID)"),
+            Grant(("xadd",), wr(dead), "dead-letter records that cannot be applied"),
+            Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
+        ]
+    if role == "operator":
+        everything = f"{t}:*"
+        return [
+            Grant(conn, (), "connection upkeep"),
+            Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
+                   "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(everything),
+                  "read-only: redroll status, dead list, weights show, and the README's redis-cli "
+                  "inspection commands; nothing that writes"),
+        ]
+    raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
+
+
+def acl_rule_list(role: str, namespace: str | Keys = "redroll", **kw) -> list[str]:
+    """The rules as ``ACL SETUSER`` arguments (each selector one argument)."""
+    grants = role_grants(role, namespace, **kw)
+    root = ["resetkeys", "resetchannels", "clearselectors", "-@all", *grants[0].render().split()]
+    return root + [f"({g.render()})" for g in grants[1:]]
+
+
+def acl_rules(role: str, namespace: str | Keys = "redroll", **kw) -> str:
+    """The ACL rules of ``role`` in ``namespace`` as one line, without user name or password.
+
+    Use as ``ACL SETUSER <name> reset on ><password> <rules>`` or in an ACL file as
+    ``user <name> on ><password> <rules>``. ``server_version`` (e.g. "7.0.15") leaves out what
+    older servers do not know; see :func:`role_grants` for the other options.
+    """
+    return " ".join(acl_rule_list(role, namespace, **kw))
+
+
+def setuser_args(username: str, password: str, role: str, namespace: str | Keys = "redroll", **kw) -> list[str]:
+    """``ACL SETUSER`` arguments creating (or resetting) ``username`` for ``role``:
+    ``client.execute_command("ACL", "SETUSER", *setuser_args(...))``."""
+    return [username, "reset", "on", f">{password}", *acl_rule_list(role, namespace, **kw)]

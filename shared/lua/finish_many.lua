@@ -1,0 +1,32 @@
+-- Fenced finish of many requests of one stream in one call (same checks as finish.lua, per item).
+-- KEYS[1] request stream, then per item i (1-based): KEYS[2i] reply stream, KEYS[2i+1] rid key
+-- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
+-- then per item 5 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none)
+-- Returns one integer per item: 1 published, 0 fenced (this consumer no longer owns the entry).
+local out = {}
+local n = (#KEYS - 1) / 2
+for i = 1, n do
+  local a = 3 + (i - 1) * 5
+  local entry = ARGV[a + 1]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    out[i] = 0
+  else
+    local reply = KEYS[2 * i]
+    local cap = tonumber(ARGV[a + 5])
+    if cap > 0 then
+      redis.call('XADD', reply, 'MAXLEN', '~', cap, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3], 'data', ARGV[a + 4])
+    else
+      redis.call('XADD', reply, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3], 'data', ARGV[a + 4])
+    end
+    redis.call('XACK', KEYS[1], ARGV[1], entry)
+    redis.call('XDEL', KEYS[1], entry)
+    local ridkey = KEYS[2 * i + 1]
+    local held = redis.call('GET', ridkey)
+    if held and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
+      redis.call('DEL', ridkey)
+    end
+    out[i] = 1
+  end
+end
+return out
