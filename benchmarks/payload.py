@@ -1,0 +1,68 @@
+"""The benchmark's request and record shapes (one place, so every section and peer agrees).
+
+A request is ROLL-shaped: a 34-character request_id (``<uuid hex>_<step>``), a short prompt as
+``input_ids`` (8 tokens by default), ``max_new_tokens`` 8, a callback name. Its msgpack ``data``
+field is ~245 bytes in namespace ``bench``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Iterator
+
+from shared.types import GenerationRequest
+
+INPUT_LEN = 8
+MAX_NEW_TOKENS = 8
+
+
+def input_ids(i: int, length: int = INPUT_LEN) -> list[int]:
+    return [(1000 + 37 * (i + j)) % 32000 for j in range(length)]
+
+
+def request_id(step: int = 0) -> str:
+    return f"{uuid.uuid4().hex}_{step}"
+
+
+def make_requests(count: int, *, input_len: int = INPUT_LEN, max_new_tokens: int = MAX_NEW_TOKENS, n: int = 1,
+                  logprob: bool = False, callback: str | None = "h", start: int = 0) -> Iterator[GenerationRequest]:
+    from producer.client import make_request
+
+    sp = {"max_new_tokens": max_new_tokens}
+    if n != 1:
+        sp["n"] = n
+    for i in range(start, start + count):
+        yield make_request(request_id=request_id(i % 7), input_ids=input_ids(i, input_len), sampling_params=sp,
+                           callback=callback, return_logprob=logprob)
+
+
+def sample_request_fields(namespace: str, **kw) -> dict[str, bytes]:
+    """Stream fields of one request as the producer writes them (``rid``, ``reply_to``, ``data``)."""
+    from shared.codec import encode_request
+    from shared.keys import Keys
+
+    req = next(make_requests(1, **kw))
+    req.reply_to = Keys(namespace).results
+    return encode_request(req)
+
+
+def sample_record_fields(namespace: str, **kw) -> dict[str, bytes]:
+    """Stream fields of the record the stock synthetic engine publishes for such a request."""
+    from engine_worker.engines.base import EngineOutput, SampleOutput
+    from engine_worker.engines.synthetic import SyntheticEngine
+    from engine_worker.records import build_record
+    from shared.codec import encode_record
+    from shared.keys import Keys
+    from shared.types import RecordStatus
+
+    req: GenerationRequest = next(make_requests(1, **kw))
+    req.reply_to = Keys(namespace).results
+    engine = SyntheticEngine()
+    samples = []
+    for i in range(req.n):
+        ids, lps = engine.tokens_for(req, i)
+        samples.append(SampleOutput(ids, lps if req.return_logprob else None, "length"))
+    out = EngineOutput(samples=samples, prompt_tokens=len(req.input_ids or []), weight_version="0")
+    rec = build_record(req, out, status=RecordStatus.FINISHED, worker="worker-benchhost-12345-abcdef",
+                       info=engine.info, attempt=1, queue_ms=1.234, engine_ms=0.123)
+    return encode_record(rec)

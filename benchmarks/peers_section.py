@@ -1,0 +1,192 @@
+"""Section 5, ``peers``: the same three-hop flow on taskiq-redis, arq and Celery, side by side.
+
+Each peer runs in a virtualenv of its own under the cache directory (``$REDROLL_BENCH_CACHE`` or
+``~/.cache/redroll-bench``), created and installed on first use from ``requirements-peers.txt``
+(taskiq-redis, Celery) and ``requirements-arq.txt`` (arq: redis-py < 6); a peer whose install
+fails is skipped with the reason. Nothing is installed into redroll's own environment.
+
+Flow per peer, one process per role, same host, same redis-server (emptied before each run):
+producer process → job worker process (makes the 8-token result) → callback worker process
+(counts; the last callback writes the done file). redroll runs the same count the same way
+(``send`` → ``redroll worker --engine synthetic`` → ``redroll consume``) for the side-by-side row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import ROOT, BenchError, Procs, Server, new_run_dir, read_json, wait_for
+from benchmarks.results import SectionResult
+from benchmarks.runs import pipeline_run, producer_argv, redroll_worker_argv
+
+HERE = Path(__file__).resolve().parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("REDROLL_BENCH_CACHE") or Path.home() / ".cache" / "redroll-bench")
+
+
+class PeerUnavailable(RuntimeError):
+    pass
+
+
+def ensure_venv(name: str, requirements: Path, check_import: str, log: list[str]) -> Path:
+    """A virtualenv with ``requirements`` installed; reinstalled when the file changes."""
+    venv = cache_dir() / name
+    py = venv / "bin" / "python"
+    stamp = venv / ".requirements.sha256"
+    want = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    if py.exists() and stamp.exists() and stamp.read_text().strip() == want:
+        ok = subprocess.run([str(py), "-c", f"import {check_import}"], capture_output=True)
+        if ok.returncode == 0:
+            return py
+    log.append(f"installing {requirements.name} into {venv} (first run; takes a minute)")
+    print(f"  peers: installing {requirements.name} into {venv} ...", file=sys.stderr, flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, capture_output=True,
+                       timeout=300)
+        subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
+                        str(requirements)], check=True, capture_output=True, timeout=900)
+        subprocess.run([str(py), "-c", f"import {check_import}"], check=True, capture_output=True, timeout=120)
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-6:]
+        raise PeerUnavailable(f"could not install {requirements.name} into {venv}: " + " | ".join(tail)) from None
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise PeerUnavailable(f"could not install {requirements.name} into {venv}: {exc}") from None
+    stamp.write_text(want)
+    return py
+
+
+def _versions(py: Path, dists: list[str]) -> dict[str, str]:
+    code = ("import importlib.metadata as m, json; print(json.dumps({d: m.version(d) for d in %r}))" % dists)
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    try:
+        import json
+
+        return json.loads(out.stdout)
+    except ValueError:
+        return {}
+
+
+def _peer_argv(peer: str, py: Path, role: str, count: int, out: Path) -> list[str]:
+    bindir = py.parent
+    if peer == "taskiq":
+        if role == "producer":
+            return [str(py), "-m", "benchmarks.peers.peer_taskiq", "--count", str(count), "--out", str(out)]
+        broker = "job_broker" if role == "worker" else "result_broker"
+        return [str(bindir / "taskiq"), "worker", f"benchmarks.peers.peer_taskiq:{broker}", "--workers", "1",
+                "--max-async-tasks", "256", "--no-configure-logging", "--log-level", "WARNING"]
+    if peer == "celery":
+        if role == "producer":
+            return [str(py), "-m", "benchmarks.peers.peer_celery", "--count", str(count), "--out", str(out)]
+        queue = "jobs" if role == "worker" else "results"
+        return [str(py), "-m", "celery", "-A", "benchmarks.peers.peer_celery", "worker", "-Q", queue, "-P", "solo",
+                "-c", "1", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
+                "-n", f"{queue}@bench"]
+    if peer == "arq":
+        if role == "producer":
+            return [str(py), "-m", "benchmarks.peers.peer_arq", "--count", str(count), "--out", str(out)]
+        cls = "JobWorker" if role == "worker" else "ResultWorker"
+        return [str(bindir / "arq"), f"benchmarks.peers.peer_arq.{cls}"]
+    raise ValueError(peer)
+
+
+def run_peer(server: Server, base: Path, peer: str, py: Path, count: int) -> dict[str, Any]:
+    server.fresh()
+    run_dir = new_run_dir(base, f"peer-{peer}")
+    done, prod = run_dir / "consumer.json", run_dir / "producer.json"
+    env = {"BENCH_REDIS_URL": server.url, "BENCH_EXPECT": str(count), "BENCH_DONE_FILE": str(done),
+           "BENCH_READY_DIR": str(run_dir), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "VIRTUAL_ENV": str(py.parent.parent), "PATH": f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with Procs(run_dir) as procs:
+        for role in ("worker", "consumer"):
+            procs.spawn(role, _peer_argv(peer, py, role, count, prod), env)
+        wait_for(lambda: (run_dir / "worker.ready").exists() and (run_dir / "consumer.ready").exists(), 90,
+                 f"{peer} workers to start", procs=procs)
+        time.sleep(0.3)
+        cpu0 = procs.sample_cpu()
+        r0 = server.cpu_s()
+        procs.spawn("producer", _peer_argv(peer, py, "producer", count, prod), env)
+        try:
+            wait_for(lambda: done.exists(), max(120, count / 20), f"{count} {peer} callbacks", procs=procs,
+                     allow_exited=("producer",), interval=0.05)
+        except BenchError as exc:
+            raise BenchError(f"{exc}\n" + "\n".join(f"--- {p.name}\n{p.tail(10)}" for p in procs.items)) from None
+        cpu1 = procs.sample_cpu()
+        r1 = server.cpu_s()
+        wait_for(lambda: prod.exists(), 60, f"the {peer} producer's report", procs=procs, allow_exited=("producer",))
+    p, c = read_json(prod), read_json(done)
+    elapsed = c["t_last"] - p["t_first"]
+    cpu = {k: round((cpu1[k] - cpu0.get(k, 0.0)) * 1e6 / count, 1) for k in cpu1 if k != "producer"}
+    cpu["producer"] = round(p["cpu_s"] * 1e6 / count, 1)
+    cpu["redis-server"] = round((r1 - r0) * 1e6 / count, 1)
+    return {"rate": count / elapsed, "elapsed_s": round(elapsed, 3), "jobs": count,
+            "producer_submit_s": round(p["t_last"] - p["t_first"], 3), "job_fields_as_json_bytes": p.get("job_bytes"),
+            "cpu_us_per_job": cpu}
+
+
+PEERS = {
+    "taskiq": ("peers-venv", "requirements-peers.txt", "taskiq_redis", ["taskiq", "taskiq-redis", "redis"]),
+    "celery": ("peers-venv", "requirements-peers.txt", "celery", ["celery", "kombu", "redis"]),
+    "arq": ("arq-venv", "requirements-arq.txt", "arq", ["arq", "redis"]),
+}
+
+
+def peers(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
+    n = cfg.peer_jobs
+    log: list[str] = []
+    rates: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for peer, (venv, reqs, mod, dists) in PEERS.items():
+        try:
+            py = ensure_venv(venv, HERE / reqs, mod, log)
+        except PeerUnavailable as exc:
+            skipped[peer] = str(exc)
+            print(f"  peers: skipping {peer}: {exc}", file=sys.stderr, flush=True)
+            continue
+        try:
+            out = run_peer(server, base, peer, py, n)
+        except BenchError as exc:
+            skipped[peer] = f"run failed: {exc}"
+            print(f"  peers: {peer} failed: {exc}", file=sys.stderr, flush=True)
+            continue
+        out["versions"] = _versions(py, dists)
+        res.details[peer] = out
+        rates[peer] = out["rate"]
+        res.fig(f"{peer}_rps", out["rate"], "jobs/s")
+    # redroll, same count, same shape of run
+    run_dir = new_run_dir(base, "peer-redroll")
+    run = pipeline_run(server, run_dir, count=n, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
+                       producer=producer_argv(n, run_dir / "producer.json", chunk=500), timeout=max(120, n / 50))
+    res.fig("redroll_rps", run.rate, "req/s", note=f"{n} requests, same flow as the peers")
+    res.details["redroll"] = {"requests": n, "elapsed_s": round(run.elapsed, 3),
+                              "cpu_us_per_request": run.cpu_us_per_item()}
+    if rates:
+        best = max(rates, key=rates.get)
+        res.fig("redroll_vs_best_peer", run.rate / rates[best], "x", target=">= 10", check=lambda v: v >= 10,
+                note=f"best peer: {best}")
+        res.details["best_peer"] = best
+        ceiling = (res.details.get("_context") or {}).get("ceiling_rps")
+        if ceiling:  # the ceiling section's figure from this same invocation (more requests)
+            res.details["ceiling_redroll_rps_vs_best_peer"] = round(ceiling / rates[best], 3)
+    if skipped:
+        res.details["skipped"] = skipped
+        if not rates:
+            res.skipped = "; ".join(f"{k}: {v[:200]}" for k, v in skipped.items())
+    if log:
+        res.details["install_log"] = log
+    res.details["how"] = (
+        "one process per role on the suite's redis-server: producer -> job worker (makes the 8-token "
+        "result like the synthetic engine) -> callback worker (counts; done file at the last one). "
+        "taskiq: RedisStreamBroker for jobs and for callbacks (the job kicks on_result), `taskiq worker "
+        "--workers 1 --max-async-tasks 256`, groups from id 0, xread_count 256; Celery: Redis broker, "
+        "job.apply_async(link=on_result.s()) routed to queues jobs/results, `-P solo`, prefetch 64, "
+        "no result backend; arq: the job enqueues on_result on a second queue, max_jobs 256, poll_delay "
+        "10 ms, keep_result 0. Jobs are JSON (arq: pickle) of the same fields as a redroll request.")

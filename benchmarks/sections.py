@@ -1,0 +1,423 @@
+"""The benchmark sections: ceiling, latency, utilisation, large, memory (peers: benchmarks.peers_section)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import BenchError, Procs, Server, new_run_dir, percentile, read_json, redroll_env, wait_for
+from benchmarks.results import SectionResult
+from benchmarks.runs import NAMESPACE, PY, bench_worker_argv, pipeline_run, producer_argv, redroll_worker_argv
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Config:
+    quick: bool = False
+    ceiling_requests: int = 20_000
+    latency_requests: int = 3_000
+    latency_rate: float = 200.0
+    latency_token_ms: float = 0.25
+    util_slots: int = 32
+    util_token_ms: float = 20.0
+    util_tokens: int = 16
+    util_rounds: int = 15
+    large_records: int = 200
+    large_n: int = 8
+    large_tokens: int = 4096
+    memory_requests: int = 100_000
+    memory_dedup_window_s: int = 5
+    peer_jobs: int = 3_000
+
+    @classmethod
+    def make(cls, quick: bool) -> "Config":
+        if not quick:
+            return cls()
+        return cls(quick=True, ceiling_requests=2_000, latency_requests=300, util_slots=8, util_token_ms=5.0,
+                   util_tokens=8, util_rounds=6, large_records=12, memory_requests=3_000,
+                   memory_dedup_window_s=1, peer_jobs=300)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    return {"p50": round(percentile(values, 50), 3), "p90": round(percentile(values, 90), 3),
+            "p99": round(percentile(values, 99), 3), "max": round(max(values), 3),
+            "mean": round(statistics.fmean(values), 3), "n": len(values)}
+
+
+# ====================================================================== 1. ceiling
+
+
+def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
+    n = cfg.ceiling_requests
+    run_dir = new_run_dir(base, "ceiling")
+    run = pipeline_run(server, run_dir, count=n, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
+                       producer=producer_argv(n, run_dir / "producer.json", chunk=500), timeout=max(120, n / 50))
+    res.details["redroll"] = {
+        "requests": n, "elapsed_s": round(run.elapsed, 3),
+        "producer_submit_s": round(run.producer["t_last"] - run.producer["t_first"], 3),
+        "request_data_bytes": run.producer.get("data_bytes"),
+        "cpu_us_per_request": run.cpu_us_per_item(),
+        "how": "producer process: producer.client.send, 500 per pipelined round trip; worker: `python -m "
+               "redroll.cli worker --engine synthetic --token-ms 0 --max-inflight 256`; consumer: `python -m "
+               "redroll.cli consume --group bench --handler h=benchmarks.bench_handlers:count` (in-process "
+               "counter, one file write at the last callback); timed from first submit to last callback",
+    }
+    raw = {}
+    for mode in ("sync", "async"):
+        raw[mode] = raw_three_hop(server, new_run_dir(base, f"raw-{mode}"), n, mode)
+        res.details[f"raw_{mode}"] = {"requests": n, "elapsed_s": round(raw[mode]["elapsed"], 3),
+                                      "cpu_us_per_request": raw[mode]["cpu_us"]}
+    best_raw = max(raw["sync"]["rate"], raw["async"]["rate"])
+    res.fig("redroll_rps", run.rate, "req/s")
+    res.fig("raw_sync_rps", raw["sync"]["rate"], "req/s")
+    res.fig("raw_async_rps", raw["async"]["rate"], "req/s")
+    res.fig("ratio_vs_raw", run.rate / best_raw, "x", target=">= 0.5", check=lambda v: v >= 0.5,
+            note="redroll / the faster raw variant")
+    res.details["ratio_vs_raw_sync"] = round(run.rate / raw["sync"]["rate"], 4)
+    res.details["ratio_vs_raw_async"] = round(run.rate / raw["async"]["rate"], 4)
+    res.details["raw_how"] = ("same bytes, same three processes: producer pipelined XADD (500 per round trip); "
+                              "worker XREADGROUP COUNT 256 -> one pipeline of XADD(result) per entry + one XACK; "
+                              "consumer XREADGROUP COUNT 256 -> XACK. No XDEL, no decoding, no Lua.")
+
+
+def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str, Any]:
+    server.fresh()
+    ns = "raw"
+    server.r.xgroup_create("{raw}:requests", "workers", id="0", mkstream=True)
+    server.r.xgroup_create("{raw}:results", "bench", id="0", mkstream=True)
+    outs = {role: run_dir / f"{role}.json" for role in ("producer", "worker", "consumer")}
+
+    def argv(role: str) -> list[str]:
+        return [PY, "-m", "benchmarks.proc_raw", "--role", role, "--mode", mode, "--url", server.url,
+                "--namespace", ns, "--count", str(n), "--out", str(outs[role])]
+
+    env = redroll_env(server, ns)
+    roles = ("producer", "worker", "consumer")
+    with Procs(run_dir) as procs:
+        procs.spawn("worker", argv("worker"), env)
+        procs.spawn("consumer", argv("consumer"), env)
+        wait_for(lambda: len(server.r.client_list()) >= 3, 30, "raw worker and consumer to connect", procs=procs)
+        time.sleep(0.2)
+        r0 = server.cpu_s()
+        procs.spawn("producer", argv("producer"), env)
+        wait_for(lambda: all(o.exists() for o in outs.values()), max(60, n / 200), f"the raw {mode} run",
+                 procs=procs, allow_exited=roles)
+        r1 = server.cpu_s()
+    rep = {role: read_json(o) for role, o in outs.items()}
+    elapsed = rep["consumer"]["t_last"] - rep["producer"]["t_first"]
+    cpu = {role: round(rep[role]["cpu_s"] * 1e6 / n, 1) for role in roles}
+    cpu["redis-server"] = round((r1 - r0) * 1e6 / n, 1)
+    return {"rate": n / elapsed, "elapsed": elapsed, "cpu_us": cpu}
+
+
+# ====================================================================== 2. latency
+
+
+def latency(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
+    n, rate = cfg.latency_requests, cfg.latency_rate
+    warm = min(50, n // 10)
+    # (a) the in-process Producer, private reply stream, one worker process
+    run_dir = new_run_dir(base, "latency-producer")
+    server.fresh()
+    with Procs(run_dir) as procs:
+        procs.spawn("worker", redroll_worker_argv(token_ms=cfg.latency_token_ms, max_inflight=256),
+                    redroll_env(server, NAMESPACE))
+        wait_for(lambda: server.r.hlen("{" + NAMESPACE + "}:workers") >= 1, 60, "the worker", procs=procs)
+        samples = asyncio.run(_latency_producer(server, n, rate))
+        procs.check_alive()
+    added = [s["added_ms"] for s in samples[warm:]]
+    res.fig("producer_p50_added_ms", percentile(added, 50), "ms", target="< 2", check=lambda v: v < 2)
+    res.fig("producer_p99_added_ms", percentile(added, 99), "ms", target="< 10", check=lambda v: v < 10)
+    res.details["producer_path"] = {
+        "added_ms": _stats_ms(added),
+        "queue_ms": _stats_ms([s["queue_ms"] for s in samples[warm:]]),
+        "engine_ms": _stats_ms([s["engine_ms"] for s in samples[warm:]]),
+        "submit_call_ms": _stats_ms([s["submit_ms"] for s in samples[warm:]]),
+        "how": f"{n} requests paced at {rate:g}/s, each `await producer.submit(...)` (in this process, private "
+               f"reply stream); added = (callback time - time before submit) - meta_info.engine_ms; first {warm} "
+               f"dropped as warm-up; worker: redroll.cli worker --engine synthetic --token-ms "
+               f"{cfg.latency_token_ms:g}, max_new_tokens 8",
+    }
+    # (b) the consumer path: producer process (send) -> worker -> consumer-group callback
+    run_dir = new_run_dir(base, "latency-consumer")
+    out = run_dir / "producer.json"
+    run = pipeline_run(server, run_dir, count=n,
+                       workers=[redroll_worker_argv(token_ms=cfg.latency_token_ms, max_inflight=256)],
+                       producer=producer_argv(n, out, rate=rate), handler="latency", timeout=max(60, 3 * n / rate))
+    rows = run.consumer.get("samples") or []
+    added_c = [total - eng for total, eng, _q in rows[warm:]]
+    if not added_c:
+        raise BenchError("the latency handler recorded no samples")
+    res.fig("consumer_p50_added_ms", percentile(added_c, 50), "ms", target="< 2", check=lambda v: v < 2)
+    res.fig("consumer_p99_added_ms", percentile(added_c, 99), "ms", target="< 10", check=lambda v: v < 10)
+    res.details["consumer_path"] = {
+        "added_ms": _stats_ms(added_c),
+        "queue_ms": _stats_ms([q for _t, _e, q in rows[warm:]]),
+        "engine_ms": _stats_ms([e for _t, e, _q in rows[warm:]]),
+        "how": f"producer process sends one request per round trip at {rate:g}/s with meta_info.bench_submitted_at "
+               f"= time.time() just before send; the consumer's handler takes time.time() - bench_submitted_at - "
+               f"engine_ms (same host clock)",
+    }
+
+
+async def _latency_producer(server: Server, n: int, rate: float) -> list[dict[str, float]]:
+    from benchmarks.payload import make_requests
+    from producer.client import Producer
+    from shared.settings import Settings
+
+    settings = Settings(redis_url=server.url, namespace=NAMESPACE)
+    arrived: dict[str, float] = {}
+    records: dict[str, Any] = {}
+    sent: dict[str, tuple[float, float]] = {}
+
+    def on_record(rec: Any) -> None:
+        arrived[rec.request_id] = time.perf_counter()
+        records[rec.request_id] = rec
+
+    async with Producer(settings, name="bench-latency", block_ms=1000) as producer:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        futures = []
+        for i, req in enumerate(make_requests(n, callback=None)):
+            delay = start + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            req.submitted_at = time.time()  # (made before the pacing sleep)
+            t0 = time.perf_counter()
+            futures.append(await producer.submit(req, callback=on_record))
+            sent[req.request_id] = (t0, time.perf_counter())
+        await asyncio.wait_for(asyncio.gather(*futures), timeout=60)
+    out = []
+    for rid, (t0, t1) in sent.items():
+        meta = records[rid].meta_info
+        total = (arrived[rid] - t0) * 1000.0
+        out.append({"added_ms": total - float(meta["engine_ms"]), "queue_ms": float(meta["queue_ms"]),
+                    "engine_ms": float(meta["engine_ms"]), "submit_ms": (t1 - t0) * 1000.0})
+    return out
+
+
+# ====================================================================== 3. utilisation
+
+
+def utilisation(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
+    C, t, tokens, rounds = cfg.util_slots, cfg.util_token_ms, cfg.util_tokens, cfg.util_rounds
+    ideal = C / (tokens * t / 1000.0)
+    # direct: the engine in one process, C requests in flight at all times
+    run_dir = new_run_dir(base, "util-direct")
+    out = run_dir / "direct.json"
+    with Procs(run_dir) as procs:
+        p = procs.spawn("direct", [PY, "-m", "benchmarks.proc_worker", "--engine", "slots", "--slots", str(C),
+                                   "--token-ms", str(t), "--direct", str(C * rounds), "--concurrency", str(C),
+                                   "--max-new-tokens", str(tokens), "--stats-out", str(out)],
+                        redroll_env(server, NAMESPACE))
+        wait_for(lambda: out.exists(), 60 + rounds * tokens * t / 1000 * 3, "the direct run", procs=procs,
+                 allow_exited=("direct",))
+        p.popen.wait(10)
+    direct = read_json(out)
+    direct_rate = direct["count"] / (direct["t_last"] - direct["t_first"])
+    res.fig("direct_rps", direct_rate, "req/s", note=f"ideal {ideal:.1f}")
+    res.details["engine"] = {"slots": C, "token_ms": t, "max_new_tokens": tokens, "ideal_rps_per_engine": ideal,
+                             "direct_occupancy": round(direct["occupancy"], 4), "direct_requests": direct["count"]}
+    runs: dict[str, Any] = {}
+    for workers in (1, 4):
+        for inflight_mult in (2, 1):
+            inflight = C * inflight_mult
+            count = workers * C * rounds
+            run_dir = new_run_dir(base, f"util-w{workers}-i{inflight}")
+            stats_files = [run_dir / f"engine{i}.json" for i in range(workers)]
+            run = pipeline_run(
+                server, run_dir, count=count,
+                workers=[bench_worker_argv(engine="slots", max_inflight=inflight, slots=C, token_ms=t,
+                                           stats_out=f) for f in stats_files],
+                producer=producer_argv(count, run_dir / "producer.json", max_new_tokens=tokens),
+                timeout=60 + 5 * rounds * tokens * t / 1000)
+            engines = [read_json(f) or {} for f in stats_files]
+            ratio = run.rate / (workers * direct_rate)
+            key = f"w{workers}_inflight{inflight_mult}C"
+            runs[key] = {"workers": workers, "max_inflight": inflight, "requests": count,
+                         "rps": round(run.rate, 2), "ratio": round(ratio, 4),
+                         "engine_occupancy": [round(e.get("occupancy", 0.0), 4) for e in engines],
+                         "engine_late_s": [round(e.get("late_s", 0.0), 3) for e in engines],
+                         "cpu_us_per_request": run.cpu_us_per_item()}
+            if inflight_mult == 2:
+                res.fig(f"ratio_{workers}w", ratio, "x", target=">= 0.95", check=lambda v: v >= 0.95,
+                        note=f"max_inflight = 2 x slots ({inflight})")
+            else:
+                res.fig(f"ratio_{workers}w_inflight_eq_slots", ratio, "x",
+                        note=f"max_inflight = slots ({inflight})")
+    res.details["runs"] = runs
+    res.details["how"] = ("benchmarks.engines.SlotEngine: C slots decode together, one token per slot per step of "
+                          "token_ms; direct = one process keeping C requests in the engine at all times; pipeline "
+                          "= producer process bursts workers*C*rounds requests, W processes each run "
+                          "engine_worker.worker.Worker on its own SlotEngine (benchmarks/proc_worker.py), one "
+                          "consumer process; ratio = pipeline req/s / (W x direct req/s)")
+
+
+# ====================================================================== 4. large
+
+
+def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
+    import msgpack
+
+    from benchmarks.engines import CannedEngine
+    from benchmarks.payload import make_requests
+    from engine_worker.engines.synthetic import SyntheticEngine
+    from engine_worker.records import build_record
+    from shared.codec import decode_record, encode_record
+    from shared.types import RecordStatus
+
+    n, tokens = cfg.large_n, cfg.large_tokens
+    engine = CannedEngine()
+    req = next(make_requests(1, n=n, max_new_tokens=tokens, logprob=True))
+    out = asyncio.run(engine.generate(req, "h"))
+    rec = build_record(req, out, status=RecordStatus.FINISHED, worker="worker-benchhost-12345-abcdef",
+                       info=engine.info, attempt=1, queue_ms=1.0, engine_ms=1.0)
+    fields = encode_record(rec)
+    size = len(fields["data"])
+
+    def timed(fn, min_s: float) -> float:
+        k, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            k += 1
+            el = time.perf_counter() - t0
+            if el >= min_s and k >= 3:
+                return el / k
+
+    min_s = 0.3 if cfg.quick else 2.0
+    enc_s = timed(lambda: encode_record(rec), min_s)
+    dec_s = timed(lambda: decode_record(fields), min_s)
+    raw_pack_s = timed(lambda: msgpack.packb(fields["data"] and {"a": rec.output_token_ids,
+                                                                 "b": rec.output_logprobs}), min_s / 2)
+    raw_unpack_s = timed(lambda: msgpack.unpackb(fields["data"], raw=False), min_s / 2)
+    res.fig("encode_MBps", size / enc_s / MB, "MB/s")
+    res.fig("decode_MBps", size / dec_s / MB, "MB/s")
+    res.fig("record_MB", size / MB, "MB")
+    syn = SyntheticEngine()
+    t0 = time.perf_counter()
+    for i in range(n):
+        syn.tokens_for(req, i)
+    syn_ms = (time.perf_counter() - t0) * 1000
+    res.details["codec"] = {
+        "record_bytes": size, "encode_ms": round(enc_s * 1000, 3), "decode_ms": round(dec_s * 1000, 3),
+        "plain_msgpack_pack_ms": round(raw_pack_s * 1000, 3), "plain_msgpack_unpack_ms": round(raw_unpack_s * 1000, 3),
+        "shape": f"n={n} samples x {tokens} tokens, ids + float logprobs",
+    }
+    count = cfg.large_records
+    run_dir = new_run_dir(base, "large")
+    run = pipeline_run(server, run_dir, count=count,
+                       workers=[bench_worker_argv(engine="canned", max_inflight=32)],
+                       producer=producer_argv(count, run_dir / "producer.json", chunk=50, max_new_tokens=tokens,
+                                              n=n, logprob=True),
+                       timeout=120 + count)
+    res.fig("e2e_records_per_s", run.rate, "records/s")
+    res.fig("e2e_MBps", run.rate * size / MB, "MB/s")
+    res.details["e2e"] = {"records": count, "elapsed_s": round(run.elapsed, 3),
+                          "cpu_us_per_record": run.cpu_us_per_item(),
+                          "synthetic_engine_generate_ms_per_record": round(syn_ms, 1),
+                          "how": "worker: benchmarks/proc_worker.py --engine canned (a precomputed n x tokens "
+                                 "output, so the run measures moving records, not the synthetic engine's "
+                                 "per-token Python RNG, which alone costs the ms shown above), max_inflight 32; "
+                                 "consumer: redroll.cli consume with the counting handler"}
+
+
+# ====================================================================== 6. memory
+
+
+def memory(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
+    n, window = cfg.memory_requests, cfg.memory_dedup_window_s
+    run_dir = new_run_dir(base, "memory")
+    applied_pattern = "{" + NAMESPACE + "}:applied:*"
+    best = {"members": 0, "bytes": 0}
+    peak = {"used_memory": 0}
+    marks: dict[str, int] = {}
+
+    def applied_usage() -> tuple[int, int, int]:
+        keys = list(server.r.scan_iter(match=applied_pattern, count=1000))
+        total = members = 0
+        for k in keys:
+            total += int(server.r.memory_usage(k, samples=0) or 0)
+            members += int(server.r.scard(k))
+        return len(keys), total, members
+
+    def sample() -> None:
+        _k, total, members = applied_usage()
+        if members > best["members"]:
+            best.update(members=members, bytes=total)
+        peak["used_memory"] = max(peak["used_memory"], server.used_memory())
+
+    breakdown: dict[str, dict] = {}
+    fields = ("used_memory", "used_memory_dataset", "used_memory_overhead", "used_memory_scripts",
+              "mem_clients_normal", "used_memory_lua")
+
+    def snapshot(label: str) -> int:
+        info = server.r.info("memory")
+        breakdown[label] = {k: int(info[k]) for k in fields if k in info}
+        breakdown[label]["keys"] = int(server.r.dbsize())
+        return int(info["used_memory"])
+
+    def top_keys(k: int = 6) -> list:
+        sizes = [(int(server.r.memory_usage(key, samples=0) or 0), key.decode(errors="replace"))
+                 for key in server.r.scan_iter(count=1000)]
+        return [[name, size] for size, name in sorted(sizes, reverse=True)[:k]]
+
+    def on_ready() -> dict:
+        marks["before"] = snapshot("before")
+        breakdown["before"]["top_keys"] = top_keys()
+        return {}
+
+    def after_done(procs: Procs) -> dict:
+        marks["after_processed"] = snapshot("after_processed")
+        sample()
+        # wait out the window: every applied bucket expired, results trimmed (consumer trim loop, 5 s)
+        t0 = time.monotonic()
+
+        def settled() -> bool:
+            k, _t, _m = applied_usage()
+            return k == 0 and server.r.xlen("{" + NAMESPACE + "}:results") == 0 \
+                and server.r.xlen("{" + NAMESPACE + "}:requests") == 0
+
+        try:
+            wait_for(settled, 3 * window + 30, "the de-duplication window to pass", procs=procs,
+                     allow_exited=("producer",), interval=0.25)
+        except BenchError as exc:
+            res.details["settle_error"] = str(exc)
+        marks["settle_s"] = int(time.monotonic() - t0)
+        marks["after_window"] = snapshot("after_window")
+        breakdown["after_window"]["top_keys"] = top_keys()
+        # Redis 7 keeps a latency histogram per command type it has run (latency-tracking): a few
+        # hundred KB that no key holds and CONFIG RESETSTAT frees; say how much of the growth it is
+        server.r.config_resetstat()
+        marks["freed_by_resetstat"] = marks["after_window"] - server.used_memory()
+        return {}
+
+    env = {"REDROLL_DEDUP_WINDOW_S": window}
+    # the baseline is taken when the worker and the consumer are up (streams and groups exist), just
+    # before the producer starts
+    run = pipeline_run(server, run_dir, count=n, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
+                       producer=producer_argv(n, run_dir / "producer.json", chunk=1000), env=env,
+                       timeout=max(120, n / 100), on_ready=on_ready, while_waiting=sample, after_done=after_done)
+    before, after_p, after_w = marks["before"], marks["after_processed"], marks["after_window"]
+    res.fig("used_memory_before_MB", before / MB, "MB")
+    res.fig("used_memory_after_processed_MB", after_p / MB, "MB")
+    res.fig("used_memory_after_window_MB", after_w / MB, "MB")
+    res.fig("growth_after_window_MB", (after_w - before) / MB, "MB", target="<= 10", check=lambda v: v <= 10,
+            note="used_memory after the window - before", signed=True)
+    per = best["bytes"] / best["members"] if best["members"] else float("nan")
+    res.fig("dedup_bytes_per_request", per, "B/request", target="<= 150", check=lambda v: v <= 150)
+    res.details.update({
+        "requests": n, "dedup_window_s": window, "rate_rps": round(run.rate, 1),
+        "growth_after_window_bytes": after_w - before, "growth_after_processed_bytes": after_p - before,
+        "peak_used_memory_MB": round(peak["used_memory"] / MB, 2), "settle_wait_s": marks.get("settle_s"),
+        "freed_by_config_resetstat_bytes": marks.get("freed_by_resetstat"),
+        "dedup_sample": best, "cpu_us_per_request": run.cpu_us_per_item(), "info_memory": breakdown,
+        "how": "used_memory (INFO memory) with the worker and consumer up, right after the last callback, and once "
+               "every {ns}:applied:* bucket expired and the consumer trimmed the results stream; dedup bytes = "
+               "sum of MEMORY USAGE (SAMPLES 0) of the live applied buckets / their members, sampled every 0.5 s "
+               "during the run (largest sample kept); REDROLL_DEDUP_WINDOW_S set for worker and consumer",
+    })

@@ -1,0 +1,67 @@
+"""The benchmark suite runs end to end and reports every figure (it does not judge speed).
+
+Speed is measured by ``python -m benchmarks.bench``, never asserted by a timed unit test: this test
+only runs the ``--quick`` smoke variant (no peers: no network installs in tests) and checks that
+each section produced all of its figures as positive numbers (differences, listed under
+``signed``, only need to be finite).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("ceiling", "latency", "utilisation", "large", "memory")
+EXPECTED = {
+    "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw"},
+    "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
+                "consumer_p99_added_ms"},
+    "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
+                    "ratio_4w_inflight_eq_slots"},
+    "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps"},
+    "memory": {"used_memory_before_MB", "used_memory_after_processed_MB", "used_memory_after_window_MB",
+               "growth_after_window_MB", "dedup_bytes_per_request"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_bench_reports_every_figure(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (the benchmark starts its own)")
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--quick", "--only", ",".join(SECTIONS), "--json-out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, f"bench failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-4000:]}"
+
+    doc = json.loads(out.read_text())
+    # the same document is printed on stdout after the table
+    printed = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])
+    assert printed["sections"].keys() == doc["sections"].keys()
+    assert doc["quick"] is True and doc["machine"]["cpus"] >= 1
+    assert set(doc["sections"]) == set(SECTIONS)
+    for name in SECTIONS:
+        section = doc["sections"][name]
+        assert "error" not in section, f"{name}: {section['error']}"
+        figures = section["figures"]
+        missing = EXPECTED[name] - set(figures)
+        assert not missing, f"{name} lacks {sorted(missing)}"
+        signed = set(section.get("signed", []))
+        for key, value in figures.items():
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{name}.{key} = {value!r}"
+            assert math.isfinite(value), f"{name}.{key} = {value!r}"
+            if key not in signed:
+                assert value > 0, f"{name}.{key} = {value!r} is not positive"
+            assert section["units"][key], f"{name}.{key} has no unit"
