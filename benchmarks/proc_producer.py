@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from redroll.runtime import run as run_async_main
 import time
 
 from benchmarks.harness import write_json_atomic
@@ -69,4 +70,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_async_main(main())

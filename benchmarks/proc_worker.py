@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from redroll.runtime import run as run_async_main
 import signal
 import time
 
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--stats-out", default=None)
     a = ap.parse_args()
-    out = asyncio.run(run_direct(a) if a.direct else run_pipeline(a))
+    out = run_async_main(run_direct(a) if a.direct else run_pipeline(a))
     if a.stats_out:
         write_json_atomic(a.stats_out, out)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from redroll.runtime import run as run_async_main
 import json
 import os
 import signal
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--stale-worker-s", type=float, default=3600.0)
     p.add_argument("--idle-consumer-s", type=float, default=3600.0)
+
+    p = sub.add_parser("bench", help="the benchmark suite (from a source checkout): python -m benchmarks.bench",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
@@ -408,9 +413,22 @@ async def _run_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench(argv: list[str]) -> int:
+    try:
+        from benchmarks.bench import main as bench_main
+    except ImportError:
+        print("redroll bench: the benchmark suite lives in the source checkout (benchmarks/); run it from there",
+              file=sys.stderr)
+        return 2
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from redroll.logs import setup_logging
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark suite's own parser
+        return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", os.environ.get("REDROLL_LOG_LEVEL", "info")),
                   getattr(args, "log_format", os.environ.get("REDROLL_LOG_FORMAT", "text")))
@@ -425,14 +443,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from redroll.submit import InputError, submit_file
 
             try:
-                return asyncio.run(submit_file(_settings(args), args.file, wait=args.wait, out=args.out,
+                return run_async_main(submit_file(_settings(args), args.file, wait=args.wait, out=args.out,
                                                progress=not args.no_progress, timeout=args.timeout))
             except InputError as exc:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
                   "weights": _run_weights, "drain": _run_drain, "dead": _run_dead, "gc": _run_gc}
-        return asyncio.run(runner[args.command](args))
+        return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130
     except (redis.RedisError, RedisConfigError) as exc:

@@ -16,6 +16,7 @@ from engine_worker.engines import create_engine
 from engine_worker.worker import Worker
 from producer.client import Producer, make_request, send
 from redroll.embedded import embedded_redis
+from redroll.runtime import run as run_async_main
 from shared.connection import connect
 from shared.settings import Settings
 from shared.types import CompletionRecord
@@ -104,11 +105,11 @@ def main_demo(namespace: str, prompts: int, engine_name: str | None, redis_url: 
     env_url = redis_url
     if env_url:
         settings = Settings.from_env(redis_url=env_url, namespace=namespace)
-        return asyncio.run(run_demo(settings, prompts=prompts, engine_name=engine_name))
+        return run_async_main(run_demo(settings, prompts=prompts, engine_name=engine_name))
     with embedded_redis() as (url, how):
         print(f"redis: {how}")
         settings = Settings.from_env(redis_url=url, namespace=namespace)
-        return asyncio.run(run_demo(settings, prompts=prompts, engine_name=engine_name))
+        return run_async_main(run_demo(settings, prompts=prompts, engine_name=engine_name))
 
 
 if __name__ == "__main__":

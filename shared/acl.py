@@ -138,7 +138,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("hget", "hgetall"), rd(weights), "load the desired weights at start and check a min_weight_version"),
             Grant(("hset", "hdel", "hgetall"), rw(workers), "heartbeat, deregister, drop stale heartbeats"),
             Grant(("hset", "hget", "hmget", "hdel"), rw(errors), "last engine error / hand-back note per entry"),
-            Grant(("zrangebyscore",), rd(aborted), "load the aborted ids at start (later ones come on the control stream)"),
+            Grant(("zrangebyscore",), rd(aborted),
+                  "load the aborted ids at start (later ones come on the control stream)"),
         ]
     if role == "consumer":
         source = glob_escape(stream) if stream else results

@@ -55,13 +55,35 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
     return kw
 
 
+class _AsyncRetry(AsyncRetry):
+    """Retries transient errors, but not a refused login: a wrong password will not get right."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, redis.AuthenticationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+class _SyncRetry(Retry):
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, redis.AuthenticationError):
+                return False
+            return is_retryable(error) if is_retryable is not None else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:
     """An asyncio client (hiredis parser when installed) that retries transient errors with backoff.
 
     The pool blocks (up to 20 s) for a free connection instead of failing under a burst.
     """
     kw = connection_kwargs(settings)
-    retry = AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=20, retry=retry, **kw)
     client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
@@ -71,7 +93,7 @@ def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redi
 
 def connect_sync(settings: Settings) -> redis.Redis:
     kw = connection_kwargs(settings)
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    retry = _SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     return redis.Redis.from_url(settings.redis_url, retry=retry, **kw)
 
 

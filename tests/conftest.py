@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -20,12 +21,62 @@ from shared.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TEST_SERVER_ENV = "REDROLL_TEST_SERVER"
+"""Path or name of the server binary the suite runs against (default redis-server; e.g. valkey-server)."""
+
+
+def server_executable() -> str:
+    """The server binary under test: $REDROLL_TEST_SERVER, else redis-server (fails when missing)."""
+    name = os.environ.get(TEST_SERVER_ENV) or "redis-server"
+    exe = shutil.which(name)
+    if exe is None:
+        if name == "redis-server":
+            pytest.fail("redis-server is not installed: the delivery promises are tested against a real server "
+                        "(apt-get install -y redis-server)")
+        pytest.fail(f"{TEST_SERVER_ENV}={name!r} is not an executable on PATH")
+    return exe
+
+
+def start_test_server(*extra: str, **kw) -> RedisServer:
+    """``start_redis_server`` on the server under test, for tests that need a server of their own."""
+    return start_redis_server(*extra, executable=server_executable(), **kw)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With $REDROLL_TEST_SERVER set, put a ``redis-server`` link to it first on PATH, so tests and
+    subprocesses that start their own server by that name (reliability, chaos, bench, demo) run on
+    the same server as the rest of the suite."""
+    name = os.environ.get(TEST_SERVER_ENV)
+    exe = shutil.which(name) if name else None
+    if exe is None or os.path.basename(exe) == "redis-server":
+        return
+    shim = Path(tempfile.mkdtemp(prefix="redroll-test-server-"))
+    (shim / "redis-server").symlink_to(exe)
+    os.environ["PATH"] = f"{shim}{os.pathsep}{os.environ.get('PATH', '')}"
+    config._redroll_server_shim = shim  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shim = getattr(config, "_redroll_server_shim", None)
+    if shim is not None:
+        shutil.rmtree(shim, ignore_errors=True)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    name = os.environ.get(TEST_SERVER_ENV) or "redis-server"
+    exe = shutil.which(name)
+    if exe is None:
+        return f"test server: {name} (not found)"
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        version = f"version unknown: {exc}"
+    return f"test server: {exe} ({version})"
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: the delivery promises are tested against a real server "
-                    "(apt-get install -y redis-server)")
-    server = start_redis_server()
+    server = start_test_server()
     yield server
     server.stop()
     shutil.rmtree(server.directory, ignore_errors=True)

@@ -180,10 +180,10 @@ async def test_second_signal_exits_at_once(settings, r):
     assert code == 128 + signal.SIGTERM and time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize("fsync", ["always"])
-async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, fsync):
-    """Worker, consumer and producer survive a SIGKILLed redis-server; with appendfsync always no
-    acknowledged request is lost."""
+@pytest.mark.parametrize("fsync,stop_signal", [("always", signal.SIGKILL), ("everysec", signal.SIGTERM)])
+async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, fsync, stop_signal):
+    """Worker, consumer and producer survive redis-server restarts. With appendfsync always a
+    SIGKILLed server loses no acknowledged request; with everysec a clean (SIGTERM) restart loses none."""
     server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, directory=str(tmp_path))
     port = server.port
     s = settings.with_(redis_url=server.url)
@@ -195,7 +195,7 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             # Requests acknowledged before the crash, with no worker running yet.
             first = await p.submit_many([dict(request_id=f"before-{i}", prompt=str(i), callback="apply",
                                               sampling_params={"max_new_tokens": 3}) for i in range(50)])
-            os.kill(server.process.pid, signal.SIGKILL)
+            os.kill(server.process.pid, stop_signal)
             server.process.wait()
             server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,
                                         directory=str(tmp_path))
@@ -212,7 +212,7 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             await send(s, rc, [make_request(request_id=f"cb-{i}", prompt=str(i), callback="apply",
                                             sampling_params={"max_new_tokens": 3}) for i in range(30)])
             await wait_until(lambda: applied.exists() and len(applied.read_text().splitlines()) >= 30, timeout=60)
-            os.kill(server.process.pid, signal.SIGKILL)
+            os.kill(server.process.pid, stop_signal)
             server.process.wait()
             await asyncio.sleep(1.0)
             server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,

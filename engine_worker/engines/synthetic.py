@@ -58,7 +58,7 @@ class SyntheticEngine:
         sp = request.sampling_params
         h = hashlib.blake2b(digest_size=8)
         if request.input_ids is not None:
-            h.update(b"ids:" + ",".join(map(str, request.input_ids)).encode())
+            h.update(b"ids:" + array("q", request.input_ids).tobytes())
         else:
             h.update(b"prompt:" + (request.prompt or "").encode())
         h.update(f"|seed:{sp.sampling_seed if sp.sampling_seed is not None else request.request_id}|{sample}".encode())

@@ -1,0 +1,557 @@
+"""Security on a real server: least-privilege ACL users per role (shared/acl.py, docs/acl.md),
+authentication errors, password files, TLS with server and client certificates.
+
+Every role runs for real with its own ACL user; the happy path must leave no ACL denial in
+``ACL LOG`` (a denied command inside a worker loop would otherwise only be logged and retried),
+and forbidden operations fail with NOPERM and a clear one-line message from ``describe_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+import redis.asyncio
+import redis.exceptions
+
+from consumer.runner import ConsumerRunner
+from engine_worker.engines.synthetic import SyntheticEngine
+from engine_worker.worker import Worker
+from producer.client import Producer, make_request, send
+from redroll.embedded import RedisServer, free_port
+from redroll.status import collect_status
+from shared.acl import ROLES, acl_rules, setuser_args
+from shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
+from shared.control import send_abort
+from shared.gc import collect_garbage
+from shared.keys import WORKERS_GROUP
+from shared.scripts import Scripts
+from shared.settings import Settings
+from shared.types import RecordStatus
+from tests.conftest import ROOT, server_executable, start_test_server, wait_until
+
+ADMIN_PASSWORD = "admin-" + uuid.uuid4().hex
+SP = {"max_new_tokens": 4}
+
+
+# ---------------------------------------------------------------- a server with ACL users
+
+
+@pytest.fixture(scope="module")
+def acl_server() -> Iterator[RedisServer]:
+    """A private server whose ``default`` user is disabled; ``admin`` can do anything."""
+    server = start_test_server()
+    with redis.Redis(port=server.port) as c:
+        c.execute_command("ACL", "SETUSER", "admin", "on", f">{ADMIN_PASSWORD}", "~*", "&*", "+@all")
+        c.execute_command("ACL", "SETUSER", "default", "off")
+    yield server
+    server.stop()
+    shutil.rmtree(server.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def admin(acl_server: RedisServer) -> Iterator[redis.Redis]:
+    with redis.Redis(port=acl_server.port, username="admin", password=ADMIN_PASSWORD) as c:
+        yield c
+
+
+def server_version(admin: redis.Redis) -> str:
+    return admin.info("server")["redis_version"]
+
+
+def make_user(admin: redis.Redis, server: RedisServer, namespace: str, role: str, **kw) -> Settings:
+    """An ACL user for ``role`` in ``namespace``; returns the Settings that connect as it."""
+    username = f"{role}-{namespace}" + (f"-{kw['producer']}" if kw.get("producer") else "")
+    password = uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", *setuser_args(username, password, role, namespace,
+                                                          server_version=server_version(admin), **kw))
+    return Settings(redis_url=server.url, namespace=namespace, redis_username=username, redis_password=password,
+                    claim_idle_ms=800, heartbeat_s=0.3, drain_timeout_s=5.0, max_deliveries=3)
+
+
+def acl_denials(admin: redis.Redis, namespace: str) -> list[dict]:
+    return [e for e in admin.acl_log(count=1000) if namespace in str(e.get("username"))]
+
+
+def assert_denied(exc: BaseException, settings: Settings) -> str:
+    """``exc`` is an ACL refusal and describe_error says so on one line, without the password."""
+    message = describe_error(exc, settings)
+    assert "lacks a permission" in message, message
+    assert "\n" not in message
+    assert settings.redis_password not in message
+    return message
+
+
+# ---------------------------------------------------------------- the roles, end to end
+
+
+async def test_every_role_runs_with_only_its_acl_user(acl_server, admin):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    keys = Settings(namespace=ns).keys
+    prod_s = make_user(admin, acl_server, ns, "producer", producer="trainer-0")
+    work_s = make_user(admin, acl_server, ns, "worker").with_(gc_interval_s=0.3)
+    cons_s = make_user(admin, acl_server, ns, "consumer", group="trainer")
+    oper_s = make_user(admin, acl_server, ns, "operator")
+    admin.acl_log_reset()
+
+    applied: list[tuple[str, str]] = []
+    flaky_failures = []
+
+    def handler(record):
+        if record.request_id == "ff-flaky" and not flaky_failures:
+            flaky_failures.append(1)
+            raise RuntimeError("first try fails")
+        applied.append((record.request_id, record.status.value))
+
+    def applied_ids() -> set[str]:
+        return {rid for rid, _ in applied}
+
+    # A request taken by a worker that then died: the real worker must reclaim it (XPENDING IDLE, XCLAIM).
+    async with Producer(prod_s, name="trainer-0", block_ms=100) as p:
+        orphan = await p.submit(request_id="orphan-1", prompt="o", sampling_params=SP)
+        admin.xgroup_create(keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+        assert admin.xreadgroup(WORKERS_GROUP, "ghost-worker", {keys.requests: ">"}, count=1)
+
+        worker = Worker(work_s, SyntheticEngine(token_ms=5), max_inflight=2, block_ms=100)
+        consumer = ConsumerRunner(cons_s, group="trainer", handlers={"apply": handler}, block_ms=100,
+                                  trim_interval_s=0.2)
+        tasks = [asyncio.create_task(worker.run()), asyncio.create_task(consumer.run())]
+        try:
+            rec = await asyncio.wait_for(orphan, 15)
+            assert rec.status is RecordStatus.FINISHED and rec.meta_info["attempt"] == 2
+
+            # Submit and await; fire-and-forget to the consumer group (one callback fails once).
+            futs = await p.submit_many([make_request(request_id=f"p-{i}", prompt=f"p{i}", sampling_params=SP)
+                                        for i in range(5)])
+            recs = await asyncio.wait_for(asyncio.gather(*futs), 15)
+            assert all(x.status is RecordStatus.FINISHED for x in recs)
+            await send(prod_s, p.redis, [make_request(request_id=x, prompt=x, sampling_params=SP, callback="apply")
+                                         for x in ("ff-0", "ff-1", "ff-flaky")])
+            await wait_until(lambda: {"ff-0", "ff-1", "ff-flaky"} <= applied_ids(), timeout=15)
+            assert flaky_failures == [1]  # handed back (renew.lua), reclaimed (XAUTOCLAIM), applied
+
+            # Abort: two long requests fill the worker; a third and a fire-and-forget one stay queued.
+            long_sp = {"max_new_tokens": 2000}
+            running = await p.submit_many([make_request(request_id=f"long-{i}", prompt="l", sampling_params=long_sp)
+                                           for i in range(2)])
+            await wait_until(lambda: worker.inflight_count == 2, timeout=10)
+            queued = await p.submit(request_id="queued-1", prompt="q", sampling_params=SP)
+            await send(prod_s, p.redis, [make_request(request_id="ff-queued", prompt="q", sampling_params=SP,
+                                                      callback="apply")])
+            # (queued ones first: aborting the running ones frees the slots they wait for)
+            assert sorted(await p.abort(["queued-1", "ff-queued"])) == ["ff-queued", "queued-1"]
+            assert await p.abort(["long-0", "long-1"]) == []  # in flight: the worker stops them
+            for fut in [queued, *running]:
+                assert (await asyncio.wait_for(fut, 15)).status is RecordStatus.ABORTED
+            await wait_until(lambda: ("ff-queued", "aborted") in applied, timeout=10)
+
+            # Dead letters from each role: a malformed request (worker), a malformed record on the
+            # producer's reply stream (producer) and on the results stream (consumer).
+            admin.xadd(keys.requests, {"rid": "poison-1", "data": b"\xc1 not msgpack"})
+            admin.xadd(p.reply_to, {"rid": "junk", "status": "finished", "worker": "w", "data": b"\xc1"})
+            admin.xadd(keys.results, {"rid": "junk2", "status": "finished", "worker": "w", "data": b"\xc1"})
+
+            def dead_sources() -> set[str]:
+                return {f[b"source"].decode() for _i, f in admin.xrange(keys.dead)}
+
+            await wait_until(lambda: {"worker", "producer", "consumer:trainer"} <= dead_sources(), timeout=10)
+
+            # Weight update from the producer: every live worker switches, later records carry it.
+            live = await p.update_weights("/ckpt/step-2", "2", timeout=15)
+            assert [b["weight_version"] for b in live.values()] == ["2"]
+            rec = await asyncio.wait_for(await p.submit(request_id="after-weights", prompt="w", sampling_params=SP), 10)
+            assert rec.meta_info["weight_version"] == "2"
+
+            # Status as the read-only operator, in process and through the CLI.
+            op = connect(oper_s)
+            try:
+                status = await collect_status(op, keys)
+            finally:
+                await op.aclose()
+            assert status["workers_alive"] == 1 and status["dead_letters"] >= 3
+            cli = await asyncio.to_thread(run_cli, oper_s, "status", "--json")
+            assert cli.returncode == 0, cli.stderr
+            assert json.loads(cli.stdout)["namespace"] == ns
+            await asyncio.sleep(0.5)  # let the worker's own housekeeping loop run at least once more
+        finally:
+            worker.request_stop()
+            consumer.request_stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+        # Housekeeping as the worker: a reply stream of a producer that never came back, a stale
+        # heartbeat, idle consumers that own nothing (the ghost and the stopped worker).
+        admin.xadd(keys.reply("gone"), {"rid": "x"})
+        admin.hset(keys.workers, "old-worker", json.dumps({"seen": 0}))
+        w = connect(work_s)
+        try:
+            report = await collect_garbage(w, keys, reply_ttl_s=0, stale_worker_s=60, idle_consumer_s=0)
+        finally:
+            await w.aclose()
+        assert report.reply_streams == [keys.reply("gone")]
+        assert report.heartbeats == ["old-worker"]
+        assert set(report.consumers) == {"ghost-worker", worker.name}
+        assert admin.exists(p.reply_to)  # a live producer's stream (it has its TTL) is kept
+
+    # Each path ran: reclaim and dead letter in the worker, retry, reclaim, dead letter and trim in the consumer.
+    assert worker.stats.reclaimed >= 1 and worker.stats.dead_lettered >= 1
+    assert consumer.stats.reclaimed >= 1 and consumer.stats.dead_lettered >= 1 and consumer.stats.trimmed >= 1
+    assert acl_denials(admin, ns) == [], "the happy path was refused something"
+    assert admin.xlen(keys.requests) == 0
+
+
+# ---------------------------------------------------------------- what each role may not do
+
+
+async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    keys = Settings(namespace=ns).keys
+    other = Settings(namespace="other" + uuid.uuid4().hex[:6]).keys
+    users = {role: make_user(admin, acl_server, ns, role) for role in ("worker", "consumer", "operator")}
+    users["producer"] = make_user(admin, acl_server, ns, "producer", producer="trainer-0")
+    admin.xgroup_create(keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+    admin.xgroup_create(keys.results, "trainer", id="0", mkstream=True)
+    admin.xadd(keys.results, {"rid": "r1", "status": "finished", "data": b""})
+
+    forbidden = {
+        "producer": [
+            ("XACK", keys.requests, WORKERS_GROUP, "0-1"),                           # ack work it did not do
+            ("XREADGROUP", "GROUP", WORKERS_GROUP, "p", "STREAMS", keys.requests, ">"),  # take requests
+            ("XREADGROUP", "GROUP", "trainer", "p", "STREAMS", keys.results, ">"),  # read a consumer group
+            ("XREADGROUP", "GROUP", "producer", "p", "STREAMS", keys.reply("trainer-1"), ">"),  # another producer
+            ("DEL", keys.requests), ("XTRIM", keys.results, "MAXLEN", "0"),        # delete or trim
+            ("XADD", other.requests, "*", "rid", "x"),                              # another namespace
+            ("HSET", keys.workers, "fake", "{}"), ("FLUSHALL",), ("KEYS", "*"),
+        ],
+        "consumer": [
+            ("XADD", keys.requests, "*", "rid", "x"),                               # enqueue requests
+            ("XACK", keys.requests, WORKERS_GROUP, "0-1"), ("XADD", keys.control, "*", "kind", "drain"),
+            ("DEL", keys.results), ("HGETALL", keys.workers), ("SMISMEMBER", f"{other.tag}:applied:x:1", "a"),
+        ],
+        "worker": [
+            ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "SET", "appendonly", "no"), ("CONFIG", "GET", "*"),
+            ("ACL", "LIST"), ("KEYS", "*"), ("SCRIPT", "FLUSH"), ("SHUTDOWN",),
+            ("XADD", keys.requests, "*", "rid", "x"), ("XADD", keys.control, "*", "kind", "drain"),
+            ("DEL", keys.requests), ("ZADD", keys.aborted, "1", "r:x"), ("HSET", keys.weights, "v", "9"),
+            ("XRANGE", keys.dead, "-", "+"), ("XREADGROUP", "GROUP", "trainer", "w", "STREAMS", keys.results, ">"),
+        ],
+        "operator": [
+            ("XADD", keys.control, "*", "kind", "drain"), ("HSET", keys.weights, "v", "9"), ("DEL", keys.dead),
+            ("XREADGROUP", "GROUP", "trainer", "o", "STREAMS", keys.results, ">"), ("XLEN", other.requests),
+            ("EVAL", "return 1", "0"), ("KEYS", "*"),
+        ],
+    }
+    for role, commands in forbidden.items():
+        settings = users[role]
+        client = connect(settings)
+        try:
+            assert await client.ping()
+            for command in commands:
+                with pytest.raises(redis.exceptions.NoPermissionError) as info:
+                    await client.execute_command(*command)
+                assert_denied(info.value, settings)
+        finally:
+            await client.aclose()
+
+    # Inside a Lua script the commands are checked too: the worker holds the keys of the submit
+    # script (it releases rid keys) but may not XADD a request, so the script fails, clearly.
+    w = connect(users["worker"])
+    try:
+        with pytest.raises(redis.ResponseError) as info:
+            await Scripts(w).submit_in(w, keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
+        message = assert_denied(info.value, users["worker"])
+        assert "script" in message
+        # ... and a consumer may not even name the request stream to a script.
+        c = connect(users["consumer"])
+        try:
+            with pytest.raises(redis.exceptions.NoPermissionError) as info:
+                await Scripts(c).submit_in(c, keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
+            assert_denied(info.value, users["consumer"])
+        finally:
+            await c.aclose()
+    finally:
+        await w.aclose()
+    assert admin.xlen(keys.requests) == 0 and not admin.exists(keys.rid("x"))
+
+    # The library calls surface the same error: an operator cannot abort.
+    op = connect(users["operator"])
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError) as info:
+            await send_abort(op, keys, ["x"])
+        assert_denied(info.value, users["operator"])
+    finally:
+        await op.aclose()
+
+    # ... and the command line prints that one line and exits 1.
+    proc = await asyncio.to_thread(run_cli, users["operator"], "abort", "some-request")
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("redroll abort: redis at redis://127.0.0.1:") and "lacks a permission" in line, line
+    assert users["operator"].redis_password not in proc.stderr
+
+
+def test_rule_lines_are_what_the_docs_show():
+    doc = (ROOT / "docs" / "acl.md").read_text()
+    for role in ROLES:
+        assert acl_rules(role) in doc, f"docs/acl.md does not show the current {role} rules"
+
+
+# ---------------------------------------------------------------- authentication
+
+
+async def test_wrong_password_and_no_credentials_are_refused_clearly(acl_server, admin):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    good = make_user(admin, acl_server, ns, "operator")
+    for settings in (good.with_(redis_password="not-the-password"),
+                     good.with_(redis_username=None, redis_password=None),   # default user is off
+                     good.with_(redis_username="nobody")):
+        client = one_attempt_client(settings)
+        try:
+            with pytest.raises(redis.AuthenticationError) as info:
+                await client.ping()
+        finally:
+            await client.aclose()
+        message = describe_error(info.value, settings)
+        assert "refused authentication" in message and "\n" not in message, message
+        assert "not-the-password" not in message
+
+
+async def test_password_from_file(acl_server, admin, tmp_path):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    good = make_user(admin, acl_server, ns, "operator")
+    secret = tmp_path / "redis-password"
+    secret.write_text(good.redis_password + "\n")
+    settings = good.with_(redis_password=None, redis_password_file=str(secret))
+    client = connect(settings)
+    try:
+        assert await client.ping()
+        assert await client.xlen(settings.keys.requests) == 0
+    finally:
+        await client.aclose()
+    missing = settings.with_(redis_password_file=str(tmp_path / "nope"))
+    with pytest.raises(RedisConfigError) as info:
+        connect(missing)
+    assert "cannot read redis password file" in describe_error(info.value, missing)
+
+
+# ---------------------------------------------------------------- TLS
+
+
+def _certificates(directory: Path) -> dict[str, str]:
+    """A self-signed CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem: str, key, cert) -> None:
+        (directory / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()))
+        (directory / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("redroll test CA")).issuer_name(name("redroll test CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    write("ca", ca_key, ca)
+    for stem, usage, san in (("server", ExtendedKeyUsageOID.SERVER_AUTH,
+                              [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                             ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("redroll-client")])):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(f"redroll test {stem}")).issuer_name(ca.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(x509.SubjectAlternativeName(san), critical=False)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(stem, key, cert)
+    return {stem: str(directory / stem) for stem in ("ca", "server", "client")}
+
+
+class TlsServer:
+    """A server listening on TLS only (``--port 0``), started and probed here: the plain-text
+    readiness check of start_redis_server cannot reach it."""
+
+    def __init__(self, certs: dict[str, str], auth_clients: str, directory: Path):
+        exe = server_executable()
+        self.port = free_port()
+        self.log = directory / "server.log"
+        args = [exe, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
+                "--save", "", "--appendonly", "no", "--logfile", str(self.log),
+                "--tls-cert-file", certs["server"] + ".crt", "--tls-key-file", certs["server"] + ".key",
+                "--tls-ca-cert-file", certs["ca"] + ".crt", "--tls-auth-clients", auth_clients]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        context = ssl.create_default_context(cafile=certs["ca"] + ".crt")
+        context.load_cert_chain(certs["client"] + ".crt", certs["client"] + ".key")
+        deadline = time.monotonic() + 10
+        while True:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                log = self.log.read_text() if self.log.exists() else ""
+                raise RuntimeError(f"{exe} with TLS exited ({self.process.returncode}): {err} {log[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw, \
+                        context.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"TLS server did not answer on port {self.port}")
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def certs() -> Iterator[dict[str, str]]:
+    pytest.importorskip("cryptography")
+    directory = Path(tempfile.mkdtemp(prefix="redroll-certs-"))
+    yield _certificates(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _server_has_tls() -> str | None:
+    """None when the server under test was built with TLS, else why not."""
+    exe = server_executable()
+    proc = subprocess.run([exe, "--port", "0", "--tls-port", "0"], capture_output=True, text=True, timeout=10)
+    out = proc.stdout + proc.stderr
+    if "tls-port" in out and ("Bad directive" in out or "unsupported" in out.lower()):
+        return f"{exe} was built without TLS support: {out.strip().splitlines()[-1]}"
+    return None
+
+
+@pytest.fixture
+def tls_server(certs, tmp_path, request) -> Iterator[TlsServer]:
+    reason = _server_has_tls()
+    if reason:
+        pytest.skip(reason)
+    server = TlsServer(certs, request.param, tmp_path)
+    yield server
+    server.stop()
+
+
+async def _round_trip(settings: Settings, n: int = 5) -> None:
+    worker = Worker(settings, SyntheticEngine(), block_ms=100)
+    task = asyncio.create_task(worker.run())
+    try:
+        async with Producer(settings, block_ms=100) as p:
+            futs = await p.submit_many([make_request(request_id=f"tls-{i}", prompt=f"t{i}", sampling_params=SP)
+                                        for i in range(n)])
+            recs = await asyncio.wait_for(asyncio.gather(*futs), 15)
+        assert [r.status for r in recs] == [RecordStatus.FINISHED] * n
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 15)
+
+
+async def _refused(settings: Settings) -> str:
+    """The error a client with these settings meets."""
+    client = one_attempt_client(settings)
+    try:
+        with pytest.raises(redis.ConnectionError) as info:
+            await client.ping()
+    finally:
+        await client.aclose()
+    message = describe_error(info.value, settings)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("tls_server", ["optional"], indirect=True)
+async def test_tls_round_trip_and_untrusted_server_is_refused(tls_server, certs):
+    settings = Settings(redis_url=tls_server.url, namespace="tls" + uuid.uuid4().hex[:8],
+                        tls_ca_file=certs["ca"] + ".crt")
+    await _round_trip(settings)
+    # Without the CA that signed the server certificate the client refuses the server, clearly.
+    message = await _refused(settings.with_(tls_ca_file=None))
+    assert "certificate" in message.lower() and "REDROLL_TLS_CA_FILE" in message, message
+    # Plain redis:// to a TLS-only port fails too (the server only speaks TLS there).
+    message = await _refused(settings.with_(redis_url=f"redis://127.0.0.1:{tls_server.port}/0"))
+    assert message.startswith(f"cannot reach redis at redis://127.0.0.1:{tls_server.port}/0"), message
+
+
+@pytest.mark.parametrize("tls_server", ["yes"], indirect=True)
+async def test_tls_client_certificate_authentication(tls_server, certs):
+    settings = Settings(redis_url=tls_server.url, namespace="tls" + uuid.uuid4().hex[:8],
+                        tls_ca_file=certs["ca"] + ".crt", tls_cert_file=certs["client"] + ".crt",
+                        tls_key_file=certs["client"] + ".key")
+    await _round_trip(settings, n=3)
+    # A client with the CA but no certificate of its own is turned away.
+    message = await _refused(settings.with_(tls_cert_file=None, tls_key_file=None))
+    # (the server's "certificate required" alert, or the reset that follows it, whichever arrives first)
+    assert (message.startswith(f"redis at {tls_server.url} requires a TLS client certificate")
+            or message.startswith(f"cannot reach redis at {tls_server.url}")), message
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def one_attempt_client(settings: Settings) -> redis.asyncio.Redis:
+    """A client with the connection settings of ``connect(settings)`` that tries once: connect()
+    retries connection errors with backoff, and redis-py counts a refused login or a missing TLS
+    client certificate as one, so the error would surface only after 3-20 s."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return redis.asyncio.Redis.from_url(settings.redis_url, retry=Retry(NoBackoff(), 0), **connection_kwargs(settings))
+
+
+def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
+    env.update(REDROLL_REDIS_URL=settings.redis_url, REDROLL_NAMESPACE=settings.namespace,
+               REDROLL_REDIS_USERNAME=settings.redis_username or "",
+               REDROLL_REDIS_PASSWORD=settings.redis_password or "", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "redroll.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_rules_options_and_escaping():
+    assert "+client|setinfo" in acl_rules("worker") and "+client|setinfo" not in acl_rules("worker",
+                                                                                          server_version="7.0.15")
+    assert "+client|setinfo" in acl_rules("worker", server_version="7.2.4")
+    odd = acl_rules("producer", "a*b?", producer="p[1]")
+    assert "~{a\\*b\\?}:requests " in odd and "~{a\\*b\\?}:reply:p\\[1\\] " in odd and "reply:*" not in odd
+    assert "~{redroll}:applied:trainer:*)" in acl_rules("consumer", group="trainer")
+    with pytest.raises(ValueError, match="unknown role"):
+        acl_rules("admin")
