@@ -103,8 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     server = Server()
     results: list[SectionResult] = []
     context: dict = {}
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("sections"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    bar = progress.add_task("bench", total=len(selected))
+    progress.start()
     try:
         for name in selected:
+            progress.update(bar, description=name)
             res = SectionResult(name)
             res.details["_context"] = context  # lets peers read the ceiling figure of this run
             console.print(f"[bold]{name}[/bold] ...")
@@ -124,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 console.print(f"[bold]{name}[/bold] done in {res.wall_s:.1f}s")
             results.append(res)
+            progress.advance(bar)
         redis_version = server.version()
     finally:
+        progress.stop()
         server.stop()
         if not args.keep_logs:
             shutil.rmtree(base, ignore_errors=True)

@@ -25,7 +25,7 @@ from shared.keys import Keys
 from shared.retention import trim_acked
 from shared.scripts import DeadLetter, Scripts
 from shared.settings import Settings
-from shared.streams import ensure_group, text, unique_consumer_name
+from shared.streams import ensure_group, run_resilient, text, unique_consumer_name
 from shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.consumer")
@@ -116,24 +116,8 @@ class ConsumerRunner:
             log.info("consumer %s stopped: %s", self.name, self.stats)
 
     async def _guard(self, loop_fn: Any) -> None:
-        delay = 0.1
-        while not self._stopping.is_set():
-            try:
-                await loop_fn()
-                return
-            except asyncio.CancelledError:
-                raise
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
-            except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    await ensure_group(self.redis, self.stream, self.group)
-                    continue
-                log.exception("%s: redis error", loop_fn.__name__)
-            except Exception:
-                log.exception("%s crashed; restarting it", loop_fn.__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        await run_resilient(loop_fn, stopping=self._stopping, log=log,
+                            recreate_groups=lambda: ensure_group(self.redis, self.stream, self.group))
 
     # ------------------------------------------------------------------ loops
 

@@ -32,7 +32,7 @@ from shared.gc import collect_garbage
 from shared.keys import WORKERS_GROUP, Keys
 from shared.scripts import DeadLetter, Scripts
 from shared.settings import Settings
-from shared.streams import ensure_group, text, unique_consumer_name
+from shared.streams import ensure_group, run_resilient, text, unique_consumer_name
 from shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 log = logging.getLogger("redroll.worker")
@@ -203,24 +203,7 @@ class Worker:
 
     async def _guard(self, loop_fn: Any) -> None:
         """Run a loop; on Redis errors back off and resume, so an outage never kills the worker."""
-        delay = 0.1
-        while not self._stopping.is_set():
-            try:
-                await loop_fn()
-                return
-            except asyncio.CancelledError:
-                raise
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
-            except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    await self._ensure_groups()
-                    continue
-                log.exception("%s: redis error", loop_fn.__name__)
-            except Exception:
-                log.exception("%s crashed; restarting it", loop_fn.__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        await run_resilient(loop_fn, stopping=self._stopping, recreate_groups=self._ensure_groups, log=log)
 
     async def _ensure_groups(self) -> None:
         for stream in self.keys.request_streams:

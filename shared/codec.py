@@ -330,7 +330,7 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
         meta = {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise ValidationError("meta_info", "must be a map with string keys")
-    if len(_pack(meta)) > limits.max_meta_bytes:
+    if meta and len(_pack(meta)) > limits.max_meta_bytes:
         raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     reply_to = _opt_str(obj, "reply_to", max_len=512)
     callback = _opt_str(obj, "callback", max_len=256)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import secrets
 import socket
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import redis
 from redis.asyncio import Redis
@@ -35,3 +37,28 @@ def text(value: Any) -> str:
 def id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+async def run_resilient(loop_fn: Callable[[], Awaitable[None]], *, stopping: asyncio.Event,
+                        recreate_groups: Callable[[], Awaitable[None]], log: logging.Logger) -> None:
+    """Run a process loop until it returns or ``stopping`` is set; on Redis errors back off and run
+    it again (an outage never kills a worker or consumer), recreating consumer groups on NOGROUP
+    (a restarted server without persistence)."""
+    delay = 0.1
+    while not stopping.is_set():
+        try:
+            await loop_fn()
+            return
+        except asyncio.CancelledError:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            log.warning("%s: redis unavailable (%s); retrying in %.1fs", loop_fn.__name__, exc, delay)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                await recreate_groups()
+                continue
+            log.exception("%s: redis error", loop_fn.__name__)
+        except Exception:
+            log.exception("%s crashed; restarting it", loop_fn.__name__)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)

@@ -56,18 +56,19 @@ class SyntheticEngine:
     def tokens_for(self, request: GenerationRequest, sample: int) -> tuple[list[int], list[float]]:
         """The full (unaborted) output of one sample: ids and logprobs."""
         sp = request.sampling_params
-        h = hashlib.blake2b(digest_size=8)
+        # An extendable-output hash of (input, seed, sample) gives 32 bits per token and per
+        # logprob in one C call, whatever the length.
+        h = hashlib.shake_256()
         if request.input_ids is not None:
             h.update(b"ids:" + array("q", request.input_ids).tobytes())
         else:
             h.update(b"prompt:" + (request.prompt or "").encode())
         h.update(f"|seed:{sp.sampling_seed if sp.sampling_seed is not None else request.request_id}|{sample}".encode())
-        rng = random.Random(int.from_bytes(h.digest(), "big"))
         vocab = self.info.vocab_size or 32000
         n = sp.max_new_tokens
-        # 32 random bits per token and per logprob, drawn in one call each (cheap for long outputs).
-        ids = [x % vocab for x in array("I", rng.randbytes(4 * n))]
-        logprobs = [x * (-4.0 / 4294967296.0) for x in array("I", rng.randbytes(4 * n))]
+        words = array("I", h.digest(8 * n))
+        ids = [x % vocab for x in words[:n]]
+        logprobs = [x * (-4.0 / 4294967296.0) for x in words[n:]]
         return ids, logprobs
 
     def _token_ms(self, request: GenerationRequest) -> float:
