@@ -68,7 +68,11 @@ class ConsumerRunner:
         self.settings = settings
         self.keys: Keys = settings.keys
         self.group = group
-        self.stream = stream or self.keys.results
+        parts = settings.partition_keys
+        # One results stream per partition, or the one stream asked for (e.g. a reply stream).
+        self.streams = [stream] if stream else [part.results for part in parts]
+        self.stream = self.streams[0]
+        self._part_of = {s: next((p for p in parts if s.startswith(p.tag)), self.keys) for s in self.streams}
         self.registry = HandlerRegistry(handlers, default_handler)
         self.name = name or unique_consumer_name(f"consumer-{group}")
         self.batch = batch
@@ -81,7 +85,7 @@ class ConsumerRunner:
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
-        self._cursor = "0-0"
+        self._cursors = {s: "0-0" for s in self.streams}
         self._last_errors: dict[str, str] = {}
 
     @property
@@ -99,8 +103,8 @@ class ConsumerRunner:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis)
-        await ensure_group(self.redis, self.stream, self.group)
-        log.info("consumer %s on %s group %s: handlers %s", self.name, self.stream, self.group,
+        await self._ensure_groups()
+        log.info("consumer %s on %s group %s: handlers %s", self.name, ", ".join(self.streams), self.group,
                  self.registry.names())
         tasks = [asyncio.create_task(self._guard(fn)) for fn in (self._read_loop, self._reclaim_loop, self._trim_loop)]
         try:
@@ -117,68 +121,81 @@ class ConsumerRunner:
 
     async def _guard(self, loop_fn: Any) -> None:
         await run_resilient(loop_fn, stopping=self._stopping, log=log,
-                            recreate_groups=lambda: ensure_group(self.redis, self.stream, self.group))
+                            recreate_groups=self._ensure_groups)
+
+    async def _ensure_groups(self) -> None:
+        for stream in self.streams:
+            await ensure_group(self.redis, stream, self.group)
 
     # ------------------------------------------------------------------ loops
 
     async def _read_loop(self) -> None:
         while not self._stopping.is_set():
-            resp = await self.redis.xreadgroup(self.group, self.name, {self.stream: ">"}, count=self.batch,
-                                               block=self.block_ms)
-            items = [_Item(text(i), f or {}, 1) for _s, es in (resp or []) for i, f in es]
-            if items:
-                await self.process(items)
+            resp = await self.redis.xreadgroup(self.group, self.name, {s: ">" for s in self.streams},
+                                               count=self.batch, block=self.block_ms)
+            for stream, entries in resp or []:
+                items = [_Item(text(i), f or {}, 1) for i, f in entries]
+                if items:
+                    await self.process(items, text(stream))
 
     async def _reclaim_loop(self) -> None:
         while not self._stopping.is_set():
             await asyncio.sleep(self.reclaim_interval_s)
-            next_cursor, entries, *_ = await self.redis.xautoclaim(
-                self.stream, self.group, self.name, self.settings.claim_idle_ms,
-                start_id=self._cursor, count=self.batch)
-            self._cursor = text(next_cursor)
-            entries = [(text(i), f) for i, f in entries if f]
-            if not entries:
-                continue
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i, _ in entries:
-                    pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1)
-                pend = await pipe.execute()
-            items = [_Item(i, f, int(p[0]["times_delivered"]) if p else 1) for (i, f), p in zip(entries, pend)]
-            self.stats.reclaimed += len(items)
-            await self.process(items)
+            for stream in self.streams:
+                await self._reclaim(stream)
+
+    async def _reclaim(self, stream: str) -> None:
+        next_cursor, entries, *_ = await self.redis.xautoclaim(
+            stream, self.group, self.name, self.settings.claim_idle_ms,
+            start_id=self._cursors[stream], count=self.batch)
+        self._cursors[stream] = text(next_cursor)
+        entries = [(text(i), f) for i, f in entries if f]
+        if not entries:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i, _ in entries:
+                pipe.xpending_range(stream, self.group, min=i, max=i, count=1)
+            pend = await pipe.execute()
+        items = [_Item(i, f, int(p[0]["times_delivered"]) if p else 1) for (i, f), p in zip(entries, pend)]
+        self.stats.reclaimed += len(items)
+        await self.process(items, stream)
 
     async def _trim_loop(self) -> None:
         while not self._stopping.is_set():
             await asyncio.sleep(self.trim_interval_s)
-            self.stats.trimmed += await trim_acked(self.redis, self.stream)
+            for stream in self.streams:
+                self.stats.trimmed += await trim_acked(self.redis, stream)
 
     # ------------------------------------------------------------------ one batch
 
-    async def process(self, items: list[_Item]) -> None:
-        """Apply one batch: dead-letter what cannot be applied, skip duplicates, ack what succeeded."""
+    async def process(self, items: list[_Item], stream: str | None = None) -> None:
+        """Apply one batch of ``stream`` (default: the first stream): dead-letter what cannot be
+        applied, skip duplicates, ack what succeeded."""
+        stream = stream or self.stream
+        part = self._part_of[stream]
         runnable: list[_Item] = []
         for item in items:
             try:
                 item.record = decode_record(item.fields)
             except ValidationError as exc:
-                await self._dead_letter(item, exc.reason)
+                await self._dead_letter(item, exc.reason, stream)
                 continue
             if item.deliveries > self.settings.max_deliveries:
-                last = self._last_errors.pop(item.entry_id, None)
+                last = self._last_errors.pop(f"{stream}/{item.entry_id}", None)
                 reason = f"callback failed: delivered {item.deliveries} times (max_deliveries=" \
                          f"{self.settings.max_deliveries})" + (f"; last error: {last}" if last else "")
-                await self._dead_letter(item, reason)
+                await self._dead_letter(item, reason, stream)
                 continue
             if self.registry.resolve(item.record) is None:
                 name = item.record.callback
                 reason = (f"no handler registered under {name!r}" if name is not None
                           else "record names no callback and this consumer has no default handler")
-                await self._dead_letter(item, reason)
+                await self._dead_letter(item, reason, stream)
                 continue
             runnable.append(item)
         if not runnable:
             return
-        already = await self._applied_already([i.record.request_id for i in runnable])  # type: ignore[union-attr]
+        already = await self._applied_already(part, [i.record.request_id for i in runnable])  # type: ignore[union-attr]
         # Skip ids the group applied before and copies of one record within this batch (a replayed
         # record read together with its original): only the first copy of each request_id runs.
         to_apply: list[_Item] = []
@@ -194,15 +211,15 @@ class ConsumerRunner:
         results = await self._apply_all(to_apply)
         succeeded = [i for i, r in zip(to_apply, results) if r is None]
         failed = [(i, r) for i, r in zip(to_apply, results) if r is not None]
-        await self._ack(succeeded, skipped)
+        await self._ack(part, stream, succeeded, skipped)
         for item, exc in failed:
             self.stats.failures += 1
-            self._last_errors[item.entry_id] = f"{type(exc).__name__}: {exc}"[:500]
+            self._last_errors[f"{stream}/{item.entry_id}"] = f"{type(exc).__name__}: {exc}"[:500]
             log.warning("callback for request %s failed (delivery %d): %s", item.record.request_id,  # type: ignore[union-attr]
                         item.deliveries, exc)
         if failed:
             # Hand back at once: the next reclaim pass retries it (and counts the delivery).
-            await self.scripts.renew(self.stream, self.group, self.name, [i.entry_id for i, _ in failed],
+            await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i, _ in failed],
                                      idle_ms=self.settings.claim_idle_ms)
 
     async def _apply_all(self, items: list[_Item]) -> list[BaseException | None]:
@@ -237,8 +254,8 @@ class ConsumerRunner:
             if self.metrics is not None:
                 self.metrics.observe(time.perf_counter() - started)
 
-    async def _applied_already(self, request_ids: list[str]) -> set[str]:
-        buckets = self.keys.applied_buckets(self.group, self.settings.dedup_window_s)
+    async def _applied_already(self, part: Keys, request_ids: list[str]) -> set[str]:
+        buckets = part.applied_buckets(self.group, self.settings.dedup_window_s)
         async with self.redis.pipeline(transaction=False) as pipe:
             for b in buckets:
                 pipe.smismember(b, request_ids)
@@ -248,28 +265,29 @@ class ConsumerRunner:
             seen.update(rid for rid, f in zip(request_ids, flags) if int(f))
         return seen
 
-    async def _ack(self, applied: list[_Item], skipped: list[_Item]) -> None:
+    async def _ack(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
+        """Mark applied ids and ack, in one transaction (the markers share the stream's hash tag)."""
         if not applied and not skipped:
             return
         window = self.settings.dedup_window_s
         now = time.time()
-        bucket_key = self.keys.applied(self.group, int(now // window))
+        bucket_key = part.applied(self.group, int(now // window))
         expire_at = (int(now // window) + 2) * window
         async with self.redis.pipeline(transaction=True) as pipe:
             if applied:
                 pipe.sadd(bucket_key, *[i.record.request_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
-            pipe.xack(self.stream, self.group, *[i.entry_id for i in applied + skipped])
+            pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
             await pipe.execute()
         self.stats.applied += len(applied)
         for i in applied:
-            self._last_errors.pop(i.entry_id, None)
+            self._last_errors.pop(f"{stream}/{i.entry_id}", None)
 
-    async def _dead_letter(self, item: _Item, reason: str) -> None:
-        letter = DeadLetter(stream=self.stream, entry_id=item.entry_id, reason=reason,
+    async def _dead_letter(self, item: _Item, reason: str, stream: str) -> None:
+        letter = DeadLetter(stream=stream, entry_id=item.entry_id, reason=reason,
                             source=f"consumer:{self.group}", fields=item.fields, deliveries=item.deliveries,
                             delete_entry=False)
-        done = await self.scripts.dead_letter_in(self.redis, dead_key=self.keys.dead, group=self.group,
+        done = await self.scripts.dead_letter_in(self.redis, dead_key=self._part_of[stream].dead, group=self.group,
                                                  consumer=self.name, letter=letter)
         if int(done):
             self.stats.dead_lettered += 1

@@ -109,6 +109,12 @@ class Worker:
     ):
         self.settings = settings
         self.keys: Keys = settings.keys
+        """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
+        self.parts: list[Keys] = settings.partition_keys
+        """Per-request keys, one set per partition (just ``[self.keys]`` with one partition)."""
+        # Claiming order: every partition's high-priority stream, then every normal one.
+        self.request_streams = [k.requests_high for k in self.parts] + [k.requests for k in self.parts]
+        self._part_of = {stream: k for k in self.parts for stream in k.request_streams}
         self.engine = engine
         self.max_inflight = max(1, int(max_inflight))
         self.name = name or unique_consumer_name("worker")
@@ -206,11 +212,12 @@ class Worker:
         await run_resilient(loop_fn, stopping=self._stopping, recreate_groups=self._ensure_groups, log=log)
 
     async def _ensure_groups(self) -> None:
-        for stream in self.keys.request_streams:
+        for stream in self.request_streams:
             await ensure_group(self.redis, stream, WORKERS_GROUP)
 
     def _flight_key(self, stream: str, entry_id: str) -> str:
-        return entry_id if stream == self.keys.requests else f"high:{entry_id}"
+        """Unique over every request stream (the plain normal stream keeps bare entry ids)."""
+        return entry_id if stream == self.keys.requests else f"{stream}/{entry_id}"
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when a stop is requested."""
@@ -235,7 +242,7 @@ class Worker:
             # suspects of killing a worker.
             await self.redis.hset(self.keys.errors, mapping={f.key: f"handed back by {self.name} (drain)" for f in rest})
             handed = 0
-            for stream in self.keys.request_streams:
+            for stream in self.request_streams:
                 ids = [f.entry_id for f in rest if f.stream == stream]
                 lost = await self.scripts.renew(stream, WORKERS_GROUP, self.name, ids,
                                                 idle_ms=self.settings.claim_idle_ms)
@@ -263,13 +270,13 @@ class Worker:
             if self._stopping.is_set():
                 return
             free = self.max_inflight - self._occupied
-            high = self.keys.requests_high
-            # High priority first, without blocking; then block on both streams.
-            resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">"}, count=free)
-            if not resp or not resp[0][1]:
-                resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {high: ">", self.keys.requests: ">"},
+            highs = {k.requests_high: ">" for k in self.parts}
+            # High priority first, without blocking; then block on every request stream.
+            resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, highs, count=free)
+            if not any(entries for _, entries in resp or []):
+                resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {s: ">" for s in self.request_streams},
                                                    count=free, block=self.block_ms)
-            resp = sorted(resp or [], key=lambda item: text(item[0]) != high)
+            resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
             running = sum(1 for f in self._inflight.values() if f.task is not None and not f.released)
             for stream, entries in resp:
                 for entry_id, fields in entries:
@@ -310,7 +317,7 @@ class Worker:
         suspects: list[tuple[str, str, int]] = []
         if self._holds:
             return False
-        for stream in self.keys.request_streams:  # high priority first
+        for stream in self.request_streams:  # high priority first
             # Even with every slot taken, look: suspects are run in isolation, which waits for the
             # slots to empty, so a busy worker still takes over a dead one's work.
             free = max(0, self.max_inflight - self._occupied - len(bulk))
@@ -349,7 +356,7 @@ class Worker:
 
     async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
         flights = []
-        for stream in self.keys.request_streams:
+        for stream in self.request_streams:
             counts = {entry_id: n for s, entry_id, n in chosen if s == stream}
             if not counts:
                 continue
@@ -436,7 +443,7 @@ class Worker:
         request: GenerationRequest | None = None
         try:
             request = decode_request(fields, self.settings.limits)
-            self._check_served(request)
+            self._check_served(request, self._part_of[flight.stream])
             self.engine.validate(request)
         except NewerSchemaError as exc:
             log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc, extra=_ctx(flight))
@@ -509,8 +516,8 @@ class Worker:
             if self._inflight.get(flight.key) is flight:
                 flight.task = asyncio.create_task(self._handle(flight, fields))
 
-    def _check_served(self, request: GenerationRequest) -> None:
-        if request.reply_to is not None and not self.keys.is_reply_key(request.reply_to):
+    def _check_served(self, request: GenerationRequest, part: Keys) -> None:
+        if request.reply_to is not None and not part.is_reply_key(request.reply_to):
             raise ValidationError("reply_to", f"{request.reply_to!r} is not a result or reply stream of this pipeline")
         if request.model is not None and request.model != self.engine.info.model:
             raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves "
@@ -561,10 +568,11 @@ class Worker:
     # ------------------------------------------------------------------ publishing
 
     async def _finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
-        reply_key = request.reply_to or self.keys.results
-        cap = self.settings.results_max_len if reply_key == self.keys.results else 0
+        part = self._part_of[flight.stream]
+        reply_key = request.reply_to or part.results
+        cap = self.settings.results_max_len if reply_key == part.results else 0
         flight.publishing = True
-        rid_key = self.keys.rid(request.request_id)
+        rid_key = part.rid(request.request_id)
         published = await self._retrying(lambda: self.publisher.finish(
             stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key, rid_key=rid_key,
             record=record, cap=cap))
@@ -583,11 +591,12 @@ class Worker:
 
     async def _dead_letter(self, flight: InFlight, fields: dict, reason: str, *,
                            error: ValidationError | None = None, request: GenerationRequest | None = None) -> None:
+        part = self._part_of[flight.stream]
         request_id = request.request_id if request else (error.request_id if error else None)
         reply_to = request.reply_to if request else (error.reply_to if error else None)
         if request_id is not None and reply_to is None:
-            reply_to = self.keys.results
-        if reply_to is not None and not self.keys.is_reply_key(reply_to):
+            reply_to = part.results
+        if reply_to is not None and not part.is_reply_key(reply_to):
             reply_to = None  # never write outside the pipeline's own streams
         record = None
         if request_id is not None and reply_to is not None:
@@ -599,9 +608,9 @@ class Worker:
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
-                            rid_key=self.keys.rid(request_id) if request_id else None)
+                            rid_key=part.rid(request_id) if request_id else None)
         done = await self._retrying(lambda: self.batcher.call(lambda pipe: self.scripts.dead_letter_in(
-            pipe, dead_key=self.keys.dead, group=WORKERS_GROUP, consumer=self.name, letter=letter)))
+            pipe, dead_key=part.dead, group=WORKERS_GROUP, consumer=self.name, letter=letter)))
         if int(done) == 1:
             self.stats.dead_lettered += 1
             if flight.deliveries > 1:
@@ -754,7 +763,8 @@ class Worker:
             await self._pause(self.settings.gc_interval_s)
             if self._stopping.is_set():
                 return
-            report = await collect_garbage(self.redis, self.keys, reply_ttl_s=self.settings.reply_ttl_s)
+            report = await collect_garbage(self.redis, self.keys, reply_ttl_s=self.settings.reply_ttl_s,
+                                           partitions=self.parts)
             if report.total:
                 log.info("housekeeping removed %s", report.to_json())
 
@@ -769,7 +779,7 @@ class Worker:
         if not flights:
             return
         lost: set[str] = set()
-        for stream in self.keys.request_streams:
+        for stream in self.request_streams:
             ids = [f.entry_id for f in flights if f.stream == stream]
             lost |= {self._flight_key(stream, i) for i in await self.scripts.renew(stream, WORKERS_GROUP, self.name, ids)}
         for f in flights:

@@ -109,7 +109,11 @@ class Producer:
         self.keys: Keys = self.settings.keys
         self.name = name or unique_consumer_name("producer")
         check_request_id(self.name, "producer name")
-        self.reply_to = self.keys.reply(self.name)
+        self.parts: list[Keys] = self.settings.partition_keys
+        self.reply_streams = [part.reply(self.name) for part in self.parts]
+        """One private reply stream per partition (a record is written in its request's partition)."""
+        self.reply_to = self.reply_streams[0]
+        """The reply stream (of partition 0 when the pipeline is partitioned)."""
         self.block_ms = block_ms
         self.read_count = read_count
         self._redis = redis_client
@@ -135,8 +139,9 @@ class Producer:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self._redis)
-        await ensure_group(self._redis, self.reply_to, PRODUCER_GROUP)
-        await self._redis.expire(self.reply_to, self.settings.reply_ttl_s)
+        for stream in self.reply_streams:
+            await ensure_group(self._redis, stream, PRODUCER_GROUP)
+            await self._redis.expire(stream, self.settings.reply_ttl_s)
         self._reader = asyncio.create_task(self._read_loop(), name=f"producer-reader-{self.name}")
         return self
 
@@ -225,7 +230,7 @@ class Producer:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         for item in requests:
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
-            req.reply_to = self.reply_to
+            req.reply_to = self.settings.keys_for(req).reply(self.name)
             fields = encode_request(req, self.settings.limits)
             prepared.append((req, fields, f"{self.name}:{secrets.token_hex(8)}"))
         loop = asyncio.get_running_loop()
@@ -265,7 +270,7 @@ class Producer:
         delay = 0.1
         for attempt in range(attempts):
             try:
-                return await submit_batch(self.redis, self.scripts, self.keys, self.settings.rid_ttl_s,
+                return await submit_batch(self.redis, self.scripts, self.settings,
                                           [(req, fields["data"], token) for req, fields, token in prepared])
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 if attempt == attempts - 1:
@@ -328,7 +333,7 @@ class Producer:
         await send_abort(self.redis, self.keys, ids, [group_id] if group_id else [])
         if group_id is not None:
             ids += [x for x in self._groups.get(group_id, []) if x not in ids]
-        return await cancel_queued(self.redis, self.keys, ids)
+        return await cancel_queued(self.redis, self.keys, ids, parts=self.parts)
 
     async def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
                            **fields: Any) -> RolloutGroup:
@@ -376,24 +381,32 @@ class Producer:
         return workers
 
     async def _read_loop(self) -> None:
-        last_id = "0"  # first our own pending entries (a restart resumes them), then new ones
+        # First our own pending entries on each reply stream (a restart resumes them), then new ones.
+        last_ids = {stream: "0" for stream in self.reply_streams}
         delay = 0.1
         while not self._closed:
             try:
-                resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {self.reply_to: last_id},
-                                                   count=self.read_count,
-                                                   block=self.block_ms if last_id == ">" else None)
-                entries = [e for _s, es in (resp or []) for e in es]
-                if last_id != ">":  # paging through our pending history
-                    last_id = ">" if len(entries) < self.read_count else text(entries[-1][0])
-                await self._deliver(entries)
+                paging = {s: i for s, i in last_ids.items() if i != ">"}
+                if paging:
+                    stream, last_id = next(iter(paging.items()))
+                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id},
+                                                       count=self.read_count)
+                    entries = [e for _s, es in (resp or []) for e in es]
+                    last_ids[stream] = ">" if len(entries) < self.read_count else text(entries[-1][0])
+                    batch = [(stream, e) for e in entries]
+                else:
+                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, last_ids, count=self.read_count,
+                                                       block=self.block_ms)
+                    batch = [(text(s), e) for s, es in (resp or []) for e in es]
+                await self._deliver(batch)
                 await self._refresh_ttl()
                 delay = 0.1
             except asyncio.CancelledError:
                 raise
             except redis.ResponseError as exc:
                 if "NOGROUP" in str(exc):
-                    await ensure_group(self.redis, self.reply_to, PRODUCER_GROUP)
+                    for stream in self.reply_streams:
+                        await ensure_group(self.redis, stream, PRODUCER_GROUP)
                     continue
                 log.exception("reply reader failed")
                 await asyncio.sleep(delay)
@@ -403,9 +416,9 @@ class Producer:
                 delay = min(delay * 2, 5.0)
 
     async def _deliver(self, entries: list) -> None:
-        done: list[str] = []
-        for raw_id, fields in entries:
-            entry_id = text(raw_id)
+        done: list[tuple[str, str]] = []
+        for stream, (raw_id, fields) in entries:
+            entry_id = (stream, text(raw_id))
             if not fields:
                 done.append(entry_id)
                 continue
@@ -450,26 +463,32 @@ class Producer:
         if len(self._recent) > self.RECENT_LIMIT:
             self._recent.pop(next(iter(self._recent)))
 
-    async def _ack(self, entry_ids: list[str]) -> None:
-        if not entry_ids:
-            return
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(self.reply_to, PRODUCER_GROUP, *entry_ids)
-            pipe.xdel(self.reply_to, *entry_ids)
-            await pipe.execute()
+    async def _ack(self, entries: list[tuple[str, str]]) -> None:
+        """Ack and delete (stream, entry id) pairs: one transaction per reply stream."""
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(stream, PRODUCER_GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                await pipe.execute()
 
-    async def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
-        letter = DeadLetter(stream=self.reply_to, entry_id=entry_id, reason=reason, source="producer",
+    async def _dead_letter(self, entry: tuple[str, str], fields: dict, reason: str) -> None:
+        stream, entry_id = entry
+        part = self.parts[self.reply_streams.index(stream)]
+        letter = DeadLetter(stream=stream, entry_id=entry_id, reason=reason, source="producer",
                             fields=fields, delete_entry=True)
-        await self.scripts.dead_letter_in(self.redis, dead_key=self.keys.dead, group=PRODUCER_GROUP,
+        await self.scripts.dead_letter_in(self.redis, dead_key=part.dead, group=PRODUCER_GROUP,
                                           consumer=self.name, letter=letter)
-        log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, self.reply_to, reason)
+        log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
 
     async def _refresh_ttl(self) -> None:
         now = time.monotonic()
         if now - self._last_expire > min(60.0, self.settings.reply_ttl_s / 4):
             self._last_expire = now
-            await self.redis.expire(self.reply_to, self.settings.reply_ttl_s)
+            for stream in self.reply_streams:
+                await self.redis.expire(stream, self.settings.reply_ttl_s)
 
 
 async def send(
@@ -481,17 +500,18 @@ async def send(
 ) -> list[str]:
     """Fire-and-forget: queue requests whose records go to ``reply_to`` (default ``{ns}:results``),
     for consumer groups to handle. Returns the request entry ids."""
-    keys = settings.keys
     scripts = Scripts(redis_client)
-    target = reply_to or keys.results
-    if not keys.is_reply_key(target):
-        raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this pipeline")
     prepared = []
     for req in requests:
+        part = settings.keys_for(req)
+        target = reply_to or part.results
+        if not part.is_reply_key(target):
+            raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this request's "
+                                              f"partition ({part.tag})")
         req.reply_to = target
         prepared.append((req, encode_request(req, settings.limits)))
     token_base = secrets.token_hex(8)
-    replies = await submit_batch(redis_client, scripts, keys, settings.rid_ttl_s,
+    replies = await submit_batch(redis_client, scripts, settings,
                                  [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)])
     return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]
 
@@ -500,20 +520,22 @@ SUBMIT_CHUNK = 500
 """Requests per submit_many script call (a script blocks the server while it runs)."""
 
 
-async def submit_batch(r: Redis, scripts: Scripts, keys: Keys, rid_ttl_s: int,
+async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                        items: list[tuple[GenerationRequest, bytes, str]]) -> list:
-    """Submit (request, data, token) items with ``submit_many`` calls in one round trip; returns
-    one [code, value] reply per item, in order (see :meth:`Scripts.submit_outcome`)."""
-    groups: dict[str, list[int]] = {}
+    """Submit (request, data, token) items with ``submit_many`` calls (one per request stream, in
+    each request's partition) in one round trip; returns one [code, value] reply per item, in order
+    (see :meth:`Scripts.submit_outcome`)."""
+    groups: dict[tuple[str, Keys], list[int]] = {}
     for i, (req, _, _) in enumerate(items):
-        groups.setdefault(request_stream(keys, req), []).append(i)
-    calls = [(stream, idx[j:j + SUBMIT_CHUNK]) for stream, idx in groups.items()
+        part = settings.keys_for(req)
+        groups.setdefault((request_stream(part, req), part), []).append(i)
+    calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
              for j in range(0, len(idx), SUBMIT_CHUNK)]
     for attempt in (1, 2):
         async with r.pipeline(transaction=False) as pipe:
-            for stream, idx in calls:
-                scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=rid_ttl_s, items=[
-                    (keys.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
+            for stream, part, idx in calls:
+                scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
+                    (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
                      items[i][1]) for i in idx])
             try:
                 replies = await pipe.execute()
@@ -523,7 +545,7 @@ async def submit_batch(r: Redis, scripts: Scripts, keys: Keys, rid_ttl_s: int,
                     raise
                 await scripts.load_all()  # the server restarted and lost its script cache
     out: list = [None] * len(items)
-    for (_, idx), reply in zip(calls, replies):
+    for (_, _, idx), reply in zip(calls, replies):
         for i, rep in zip(idx, reply):
             out[i] = rep
     return out

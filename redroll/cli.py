@@ -22,6 +22,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=argparse.SUPPRESS,
                    help="redis://, rediss:// or unix:// URL (env REDROLL_REDIS_URL)")
     g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
+    g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
+                   help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
     g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
     g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
                    help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
@@ -173,7 +175,7 @@ def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("redis_url", "namespace", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
+    keys = ("redis_url", "namespace", "partitions", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
             "tls_key_file")
     overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
@@ -267,24 +269,24 @@ async def _run_consume(args: argparse.Namespace) -> int:
 
 
 async def _run_status(args: argparse.Namespace) -> int:
-    from redroll.status import collect_status, render_status
+    from redroll.status import collect_pipeline_status, render_status
 
     settings = _settings(args)
     r = connect(settings)
     try:
         if args.json and not args.watch:
-            print(json.dumps(await collect_status(r, settings.keys), indent=2, sort_keys=True))
+            print(json.dumps(await collect_pipeline_status(r, settings.keys, settings.partition_keys), indent=2, sort_keys=True))
             return 0
         from rich.console import Console
         from rich.live import Live
 
         if not args.watch:
-            Console().print(render_status(await collect_status(r, settings.keys)))
+            Console().print(render_status(await collect_pipeline_status(r, settings.keys, settings.partition_keys)))
             return 0
-        with Live(render_status(await collect_status(r, settings.keys)), refresh_per_second=4) as live:
+        with Live(render_status(await collect_pipeline_status(r, settings.keys, settings.partition_keys)), refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(args.interval)
-                snap = await collect_status(r, settings.keys)
+                snap = await collect_pipeline_status(r, settings.keys, settings.partition_keys)
                 if args.json:
                     print(json.dumps(snap, sort_keys=True), flush=True)
                 else:
@@ -347,7 +349,8 @@ async def _run_dead(args: argparse.Namespace) -> int:
     r = connect(settings)
     try:
         if args.dead_command == "list":
-            entries = await dead.list_dead(r, settings.keys, reason=args.reason, count=args.count)
+            entries = [e for part in settings.partition_keys
+                       for e in await dead.list_dead(r, part, reason=args.reason, count=args.count)]
             if args.json:
                 print(json.dumps([e.to_json() for e in entries], indent=2))
                 return 0
@@ -374,7 +377,9 @@ async def _run_dead(args: argparse.Namespace) -> int:
         if not args.ids and args.older_than is None and not args.all:
             print("redroll dead purge: name entry ids, --older-than SECONDS or --all", file=sys.stderr)
             return 2
-        n = await dead.purge(r, settings.keys, args.ids or None, older_than_s=args.older_than)
+        n = 0
+        for part in settings.partition_keys:
+            n += await dead.purge(r, part, args.ids or None, older_than_s=args.older_than)
         print(f"purged {n} dead letter(s)")
         return 0
     finally:
@@ -388,6 +393,7 @@ async def _run_gc(args: argparse.Namespace) -> int:
     r = connect(settings)
     try:
         report = await collect_garbage(r, settings.keys, reply_ttl_s=settings.reply_ttl_s,
+                                       partitions=settings.partition_keys,
                                        stale_worker_s=args.stale_worker_s, idle_consumer_s=args.idle_consumer_s,
                                        dry_run=args.dry_run)
     finally:

@@ -78,7 +78,8 @@ def _patch(obj: dict, path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: Settings) -> tuple[str, dict]:
+def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: Settings,
+                           keys: Keys | None = None) -> tuple[str, dict]:
     """Validate (after patches) a dead request; returns (request_id, fields to XADD)."""
     data = entry.original.get(b"data")
     if patches:
@@ -97,7 +98,7 @@ def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: 
         req = decode_request(fields, settings.limits)
     except ValidationError as exc:
         raise RequeueRefused(f"{entry.id}: still invalid: {exc.reason}") from None
-    keys = settings.keys
+    keys = keys or settings.keys
     if req.reply_to is not None and not keys.is_reply_key(req.reply_to):
         raise RequeueRefused(f"{entry.id}: still invalid: reply_to {req.reply_to!r} is not a stream of this pipeline")
     req.submitted_at = time.time()
@@ -115,11 +116,20 @@ async def requeue(r: Redis, settings: Settings, ids: Sequence[str] | None, *,
     Requests go back to ``{ns}:requests`` through the de-duplicating submit script; records
     dead-lettered by a consumer go back to the stream they came from. Each is re-validated first.
     """
-    keys = settings.keys
     scripts = Scripts(r)
     wanted = None if ids is None else set(ids)
     done: list[str] = []
     refused: list[str] = []
+    for keys in settings.partition_keys:
+        await _requeue_partition(r, settings, keys, scripts, wanted, patches or {}, done, refused)
+    if wanted is not None:
+        refused += [f"{i}: no such dead letter" for i in sorted(wanted - set(done)) if
+                    not any(m.startswith(f"{i}:") for m in refused)]
+    return done, refused
+
+
+async def _requeue_partition(r: Redis, settings: Settings, keys: Keys, scripts: Scripts, wanted: set[str] | None,
+                             patches: dict[str, Any], done: list[str], refused: list[str]) -> None:
     for entry in await list_dead(r, keys, count=100_000):
         if wanted is not None and entry.id not in wanted:
             continue
@@ -127,7 +137,7 @@ async def requeue(r: Redis, settings: Settings, ids: Sequence[str] | None, *,
             if entry.source.startswith("consumer:"):
                 await _requeue_record(r, keys, entry)
             else:
-                request_id, fields = patched_request_fields(entry, patches or {}, settings)
+                request_id, fields = patched_request_fields(entry, patches, settings, keys)
                 reply = await scripts.submit_in(r, keys.requests, keys.rid(request_id),
                                                 f"requeue:{secrets.token_hex(8)}", request_id,
                                                 text(fields[b"reply_to"]) if b"reply_to" in fields else None,
@@ -141,10 +151,6 @@ async def requeue(r: Redis, settings: Settings, ids: Sequence[str] | None, *,
             continue
         await r.xdel(keys.dead, entry.id)
         done.append(entry.id)
-    if wanted is not None:
-        refused += [f"{i}: no such dead letter" for i in sorted(wanted - set(done)) if
-                    not any(m.startswith(f"{i}:") for m in refused)]
-    return done, refused
 
 
 async def _requeue_record(r: Redis, keys: Keys, entry: DeadEntry) -> None:

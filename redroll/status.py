@@ -127,6 +127,45 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
     }
 
 
+async def collect_pipeline_status(r: Redis, keys: Keys, parts: list[Keys]) -> dict[str, Any]:
+    """:func:`collect_status` summed over the partitions of a partitioned pipeline (one partition:
+    exactly :func:`collect_status`). Workers and aborts are pipeline-wide; queues are per partition."""
+    if len(parts) == 1:
+        return await collect_status(r, parts[0])
+    overall = await collect_status(r, keys)  # workers, aborts, rates
+    per_part = [await collect_status(r, part) for part in parts]
+    req = overall["requests"]
+    req.update(stream=[p["requests"]["stream"] for p in per_part], groups=[])
+    for name in ("length", "pending", "backlog"):
+        req[name] = sum(p["requests"][name] for p in per_part)
+        overall["requests_high"][name] = sum(p["requests_high"][name] for p in per_part)
+    overall["requests_high"]["stream"] = [p["requests_high"]["stream"] for p in per_part]
+    for name in ("oldest_pending_idle_ms", "oldest_pending_age_ms"):
+        values = [p["requests"][name] for p in per_part if p["requests"][name] is not None]
+        req[name] = max(values) if values else None
+    req["pending_per_consumer"], req["delivery_histogram"] = {}, {}
+    for p in per_part:
+        for field in ("pending_per_consumer", "delivery_histogram"):
+            for k, v in p["requests"][field].items():
+                req[field][k] = req[field].get(k, 0) + v
+        req["groups"] += p["requests"]["groups"]
+    req["delivery_histogram"] = dict(sorted(req["delivery_histogram"].items(), key=lambda kv: int(kv[0])))
+    groups: dict[str, dict[str, Any]] = {}
+    for p in per_part:
+        for g in p["results"]["groups"]:
+            agg = groups.setdefault(g["group"], {"group": g["group"], "consumers": 0, "pending": 0, "backlog": 0})
+            for field in ("consumers", "pending", "backlog"):
+                agg[field] += g[field]
+    overall["results"] = {"stream": [p["results"]["stream"] for p in per_part],
+                          "length": sum(p["results"]["length"] for p in per_part), "groups": list(groups.values())}
+    overall["dead_letters"] = sum(p["dead_letters"] for p in per_part)
+    overall["warnings"] = [w for p in per_part for w in p["warnings"]]
+    overall["partitions"] = [{"tag": part.tag, "queued": p["requests"]["backlog"], "in_flight": p["requests"]["pending"],
+                              "results": p["results"]["length"], "dead_letters": p["dead_letters"]}
+                             for part, p in zip(parts, per_part)]
+    return overall
+
+
 def render_status(status: dict[str, Any]) -> Any:
     """A rich renderable for a terminal."""
     from rich.console import Group

@@ -68,7 +68,8 @@ async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), grou
         await pipe.execute()
 
 
-async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str]) -> list[str]:
+async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
+                        parts: Sequence[Keys] | None = None) -> list[str]:
     """Report aborted requests that no worker has taken yet at once (their record is published
     here and the entry deleted), instead of when a worker reaches them in the backlog.
 
@@ -78,11 +79,14 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str]) -> lis
     from shared.scripts import Scripts
 
     scripts = Scripts(r)
-    held = await r.mget([keys.rid(x) for x in request_ids]) if request_ids else []
+    parts = list(parts or [keys])
+    # A request lives in one partition; look for its rid key in each (one MGET per partition).
+    located: list[tuple[str, Keys, bytes]] = []
+    for part in parts:
+        held = await r.mget([part.rid(x) for x in request_ids]) if request_ids else []
+        located += [(rid, part, value) for rid, value in zip(request_ids, held) if value is not None]
     cancelled: list[str] = []
-    for request_id, value in zip(request_ids, held):
-        if value is None:
-            continue
+    for request_id, keys, value in located:
         entry_id = value.decode().rpartition(" ")[2]
         for stream in keys.request_streams:
             found = await r.xrange(stream, entry_id, entry_id)

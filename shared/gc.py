@@ -49,10 +49,25 @@ async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
 
 
 async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_worker_s: float = 3600.0,
-                          idle_consumer_s: float = 3600.0, dry_run: bool = False) -> GcReport:
+                          idle_consumer_s: float = 3600.0, dry_run: bool = False,
+                          partitions: list[Keys] | None = None) -> GcReport:
+    """``keys``: the pipeline-wide keys (heartbeats); ``partitions``: the per-request key sets
+    (reply streams, request streams), default ``[keys]``."""
     report = GcReport()
     now = time.time()
-    # 1. Reply streams idle past their TTL with no expiry set (a worker re-created an expired one).
+    parts = partitions or [keys]
+    for part in parts:
+        await _collect_reply_streams(r, part, reply_ttl_s, now, dry_run, report)
+    await _collect_heartbeats(r, keys, stale_worker_s, now, dry_run, report)
+    for part in parts:
+        for stream in part.request_streams:
+            await _collect_consumers(r, stream, idle_consumer_s, dry_run, report)
+    return report
+
+
+async def _collect_reply_streams(r: Redis, keys: Keys, reply_ttl_s: float, now: float, dry_run: bool,
+                                 report: GcReport) -> None:
+    """Reply streams idle past their TTL with no expiry set (a worker re-created an expired one)."""
     async for raw in r.scan_iter(match=keys.reply_prefix + "*", count=500, _type="stream"):
         key = text(raw)
         if await r.ttl(key) != -1:
@@ -62,7 +77,11 @@ async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_wor
             report.reply_streams.append(key)
             if not dry_run:
                 await r.delete(key)
-    # 2. Heartbeats of workers gone for a long time (a SIGKILLed worker cannot deregister).
+
+
+async def _collect_heartbeats(r: Redis, keys: Keys, stale_worker_s: float, now: float, dry_run: bool,
+                              report: GcReport) -> None:
+    """Heartbeats of workers gone for a long time (a SIGKILLed worker cannot deregister)."""
     for name, beat in (await r.hgetall(keys.workers)).items():
         try:
             seen = float(json.loads(beat).get("seen", 0))
@@ -72,20 +91,22 @@ async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_wor
             report.heartbeats.append(text(name))
             if not dry_run:
                 await r.hdel(keys.workers, name)
-    # 3. Consumers of the workers group with nothing pending and idle for long.
+
+
+async def _collect_consumers(r: Redis, stream: str, idle_consumer_s: float, dry_run: bool,
+                             report: GcReport) -> None:
+    """Consumers of the workers group with nothing pending and idle for long."""
     try:
-        consumers = await r.xinfo_consumers(keys.requests, WORKERS_GROUP)
+        consumers = await r.xinfo_consumers(stream, WORKERS_GROUP)
     except redis.ResponseError:
-        consumers = []
+        return
     for c in consumers:
         if int(c["pending"]) == 0 and int(c["idle"]) / 1000.0 > idle_consumer_s:
             name = text(c["name"])
-            report.consumers.append(name)
-            if not dry_run:
-                # Atomic re-check: a consumer that gained pending entries meanwhile is kept.
-                if int(await r.eval(DELETE_IF_EMPTY_LUA, 1, keys.requests, WORKERS_GROUP, name)) < 0:
-                    report.consumers.remove(name)
-    return report
+            if not dry_run and int(await r.eval(DELETE_IF_EMPTY_LUA, 1, stream, WORKERS_GROUP, name)) < 0:
+                continue  # atomic re-check: a consumer that gained pending entries meanwhile is kept
+            if name not in report.consumers:
+                report.consumers.append(name)
 
 
 DELETE_IF_EMPTY_LUA = """

@@ -7,6 +7,7 @@ inside one Redis Cluster slot.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 
 WORKERS_GROUP = "workers"
@@ -14,6 +15,21 @@ WORKERS_GROUP = "workers"
 
 PRODUCER_GROUP = "producer"
 """Consumer group a producer uses on its private reply stream."""
+
+
+def partition_keys(namespace: str, partitions: int) -> list["Keys"]:
+    """The per-request key sets of a pipeline: the plain ``{ns}`` layout for one partition,
+    else P complete copies tagged ``{ns:0}`` … ``{ns:P-1}`` (each can live on its own cluster node)."""
+    if partitions < 1:
+        raise ValueError("partitions must be at least 1")
+    if partitions == 1:
+        return [Keys(namespace)]
+    return [Keys(namespace, i) for i in range(partitions)]
+
+
+def partition_index(placement_key: str, partitions: int) -> int:
+    """Stable placement (CRC-32) of a group_id or request_id among ``partitions``."""
+    return zlib.crc32(placement_key.encode()) % partitions if partitions > 1 else 0
 
 
 @dataclass(frozen=True)

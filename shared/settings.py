@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from shared.codec import Limits
-from shared.keys import Keys
+from shared.keys import Keys, partition_index, partition_keys
+from shared.types import GenerationRequest
 
 ENV_PREFIX = "REDROLL_"
 
@@ -36,6 +37,8 @@ class Settings:
     max_new_tokens: int = 32768
     max_n: int = 64
 
+    partitions: int = 1
+    """P > 1 spreads the per-request keys over P hash tags ``{ns:i}`` (see DESIGN.md)."""
     dedup_window_s: int = 3600
     """How long a consumer group remembers which request_ids it applied."""
     results_max_len: int = 1_000_000
@@ -50,6 +53,17 @@ class Settings:
     @property
     def keys(self) -> Keys:
         return Keys(self.namespace)
+
+    @property
+    def partition_keys(self) -> list[Keys]:
+        """The per-request key sets: ``[Keys(ns)]`` for one partition, else one per ``{ns:i}``."""
+        return partition_keys(self.namespace, self.partitions)
+
+    def keys_for(self, request: GenerationRequest) -> Keys:
+        """The partition a request lives in: by group_id (all samples of a prompt together, for
+        prefix-cache reuse), else by request_id."""
+        parts = self.partition_keys
+        return parts[partition_index(request.group_id or request.request_id, len(parts))]
 
     @property
     def limits(self) -> Limits:
