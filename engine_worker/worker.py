@@ -769,8 +769,10 @@ class Worker:
                 log.info("housekeeping removed %s", report.to_json())
 
     async def _lease_loop(self) -> None:
-        while not self._stopping.is_set():
-            await self._pause(self.lease_interval_s)
+        # Runs through the drain too (it is cancelled once the worker has stopped): work that is
+        # still finishing keeps its leases, and the heartbeat says "draining".
+        while True:
+            await asyncio.sleep(self.lease_interval_s)
             await self.renew_leases()
             await self._heartbeat()
 

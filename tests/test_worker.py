@@ -144,3 +144,20 @@ async def test_lease_renewal_keeps_long_generation(settings, r):
     await stop(w2, t2)
     assert rec.status is RecordStatus.FINISHED and rec.meta_info["worker"] == w1.name
     assert w2.stats.reclaimed == 0 and w1.stats.fenced == 0
+
+
+async def test_drain_longer_than_claim_idle_keeps_leases(settings, r):
+    """Work finishing during a drain that outlasts claim_idle is not stolen: leases are renewed."""
+    s = settings.with_(drain_timeout_s=10.0)
+    long_ms = 2 * s.claim_idle_ms
+    w1, t1 = await start_worker(s, token_ms=long_ms / 10)
+    async with Producer(s) as p:
+        fut = await p.submit(prompt="long", sampling_params={"max_new_tokens": 10})
+        await wait_until(lambda: w1.inflight_count == 1)
+        w1.request_stop()  # drain begins; the generation needs about 2 x claim_idle more
+        w2, t2 = await start_worker(s)
+        rec = await asyncio.wait_for(fut, long_ms / 1000 + 10)
+        await asyncio.wait_for(t1, 15)
+    await stop(w2, t2)
+    assert rec.status is RecordStatus.FINISHED and rec.meta_info["worker"] == w1.name
+    assert w2.stats.reclaimed == 0 and w1.stats.fenced == 0
