@@ -105,7 +105,8 @@ def redroll_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(REDROLL_REDIS_URL=settings.redis_url, REDROLL_NAMESPACE=settings.namespace,
                REDROLL_CLAIM_IDLE_MS=str(settings.claim_idle_ms), REDROLL_HEARTBEAT_S=str(settings.heartbeat_s),
-               REDROLL_MAX_DELIVERIES=str(settings.max_deliveries), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+               REDROLL_MAX_DELIVERIES=str(settings.max_deliveries),
+               REDROLL_DRAIN_TIMEOUT_S=str(settings.drain_timeout_s), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
