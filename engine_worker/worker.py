@@ -154,7 +154,13 @@ class Worker:
 
     @property
     def inflight_count(self) -> int:
+        """Entries this worker holds (generating, waiting, or being published)."""
         return len(self._inflight)
+
+    @property
+    def generating_count(self) -> int:
+        """Entries holding an engine slot: ``max_inflight`` bounds this."""
+        return self._occupied
 
     def request_stop(self) -> None:
         """Begin a graceful drain: stop claiming, finish in-flight work up to the drain timeout."""

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["sglang", "transformers", "synthetic"], default=os.environ.get("REDROLL_ENGINE", "synthetic"))
     p.add_argument("--model-path", default=os.environ.get("REDROLL_MODEL_PATH", "tiny-random"),
                    help="local model directory, or 'tiny-random' for the built-in tiny model")
-    p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")))
+    p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")),
+                   help="requests in the engine at once (enough for it to batch; for a continuous-batching "
+                        "engine about 2x its capacity keeps it busy while finished work is published)")
     p.add_argument("--token-ms", type=float, default=0.0, help="synthetic engine: milliseconds per token")
     p.add_argument("--vocab-size", type=int, default=32000, help="synthetic engine: vocabulary size")
     p.add_argument("--slots", type=int, default=None,
