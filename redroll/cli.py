@@ -193,16 +193,22 @@ def _tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def _install_signals(stop: Any) -> None:
-    """First SIGTERM/SIGINT: graceful drain. Second: exit at once."""
+def _install_signals(stop: Any, grace_s: float) -> None:
+    """First SIGTERM/SIGINT: graceful drain, bounded by ``grace_s`` (then exit: whatever was still
+    held is reclaimed by the fleet after claim_idle). Second: exit at once."""
     loop = asyncio.get_running_loop()
     hits = {"n": 0}
+
+    def give_up() -> None:
+        print(f"shutdown took longer than {grace_s:.0f}s: exiting now", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def handler(signum: int) -> None:
         hits["n"] += 1
         if hits["n"] > 1:
             print("second signal: exiting now", file=sys.stderr)
             os._exit(128 + signum)
+        loop.call_later(grace_s, give_up)
         stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -240,7 +246,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
 
         worker.metrics = WorkerMetrics(worker)
         serve(worker.metrics, args.metrics_port)
-    _install_signals(worker.request_stop)
+    _install_signals(worker.request_stop, settings.drain_timeout_s + 10)
     _tune_gc()
     await worker.run()
     return 0
@@ -264,7 +270,7 @@ async def _run_consume(args: argparse.Namespace) -> int:
 
         runner.metrics = ConsumerMetrics(runner)
         serve(runner.metrics, args.metrics_port)
-    _install_signals(runner.request_stop)
+    _install_signals(runner.request_stop, settings.drain_timeout_s + 10)
     _tune_gc()
     await runner.run()
     return 0

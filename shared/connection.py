@@ -34,7 +34,10 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise RedisConfigError(f"redis URL {redact(url)!r} must start with redis://, rediss:// or unix://")
-    kw: dict[str, Any] = {"decode_responses": False, "health_check_interval": 30}
+    # A read that hears nothing for socket_timeout raises (and is retried) instead of hanging on a
+    # half-dead connection; it is well above the longest blocking read (1 s).
+    kw: dict[str, Any] = {"decode_responses": False, "health_check_interval": 30, "socket_timeout": 30,
+                          "socket_connect_timeout": 5}
     if settings.redis_username:
         kw["username"] = settings.redis_username
     password = settings.redis_password

@@ -118,6 +118,21 @@ def spawn(settings: Settings, *args: str, log: Path | None = None, **env: str) -
                             env=redroll_env(settings, **env), stdout=out, stderr=subprocess.STDOUT)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM a spawned process and wait for it. One that does not exit in time has its stacks
+    printed (py-spy, when installed) for the failure report, is killed, and fails the test."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        if shutil.which("py-spy"):
+            subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], timeout=30)
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"process {proc.pid} ({' '.join(map(str, proc.args[-4:]))}) ignored SIGTERM for {timeout}s")
+
+
 async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> None:
     """Await until ``predicate()`` (sync or async) is truthy, or fail."""
     deadline = asyncio.get_running_loop().time() + timeout

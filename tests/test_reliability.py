@@ -23,7 +23,7 @@ from producer import Producer
 from redroll.embedded import start_redis_server
 from shared.keys import WORKERS_GROUP
 from shared.types import RecordStatus
-from tests.conftest import spawn, wait_until
+from tests.conftest import spawn, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ async def test_process_killing_request_is_dead_lettered(settings, r, tmp_path):
     finally:
         for w in workers:
             w.terminate()
-        codes = [w.wait(40) for w in workers]
+        codes = [stop_process(w, 40) for w in workers]
     if any(code not in (0, 86) for code in codes):
         print(log.read_text()[-4000:])
     assert rec.status is RecordStatus.ERROR and "delivered" in rec.error
@@ -123,7 +123,9 @@ async def test_paused_worker_is_fenced(settings, r, tmp_path):
         for proc in (a, b):
             if proc is not None:
                 proc.terminate()
-                proc.wait(20)
+        for proc in (a, b):
+            if proc is not None:
+                stop_process(proc)
     assert "lease lost" in log.read_text()
 
 
