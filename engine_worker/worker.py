@@ -88,6 +88,12 @@ def _version_number(version: Any) -> int | None:
         return None
 
 
+def _describe_task(task: asyncio.Task) -> str:
+    frames = task.get_stack(limit=3)
+    where = " < ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in frames) or "?"
+    return f"{task.get_name()} at {where}"
+
+
 def _ctx(flight: InFlight) -> dict[str, Any]:
     """Log context: every line about a request names it (the JSON log format emits these fields)."""
     return {"request_id": flight.request.request_id if flight.request else None, "entry_id": flight.entry_id}
@@ -195,8 +201,13 @@ class Worker:
         ]
         try:
             await self._stopping.wait()
-            await asyncio.gather(*loops, return_exceptions=True)
-            await self._drain()
+            try:
+                await asyncio.wait_for(self._shutdown(loops), self.settings.drain_timeout_s + 10)
+            except asyncio.TimeoutError:
+                # Bounded whatever happens: what is still held is reclaimed by the fleet.
+                stuck = [t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()]
+                log.error("worker %s: shutdown did not finish in %.0fs; still running: %s", self.name,
+                          self.settings.drain_timeout_s + 10, "; ".join(_describe_task(t) for t in stuck[:20]))
         finally:
             for t in background + loops + list(self._control_tasks):
                 t.cancel()
@@ -212,6 +223,10 @@ class Worker:
                 await self.redis.aclose()
             self._stopped.set()
             log.info("worker %s stopped: %s", self.name, self.stats)
+
+    async def _shutdown(self, loops: list[asyncio.Task]) -> None:
+        await asyncio.gather(*loops, return_exceptions=True)
+        await self._drain()
 
     async def _guard(self, loop_fn: Any) -> None:
         """Run a loop; on Redis errors back off and resume, so an outage never kills the worker."""
@@ -237,7 +252,8 @@ class Worker:
             log.info("draining %d in-flight request(s) for up to %.1fs", len(self._inflight),
                      self.settings.drain_timeout_s)
             tasks = [f.task for f in self._inflight.values() if f.task is not None]
-            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+            if tasks:  # (entries waiting for a slot, a hold or new weights have no task)
+                await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
         rest = list(self._inflight.values())
         if rest:
             for f in rest:
