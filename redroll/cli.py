@@ -215,6 +215,19 @@ def _install_signals(stop: Any, grace_s: float) -> None:
         loop.add_signal_handler(sig, handler, sig)
 
 
+async def _serve(process: Any, metrics_class: Any, metrics_port: int | None, settings: Settings) -> int:
+    """Run a long-lived worker or consumer: metrics if asked, signals, GC tuning, until stopped."""
+    if metrics_port is not None:
+        from shared.metrics import serve
+
+        process.metrics = metrics_class(process)
+        serve(process.metrics, metrics_port)
+    _install_signals(process.request_stop, settings.drain_timeout_s + 10)
+    _tune_gc()
+    await process.run()
+    return 0
+
+
 async def _run_worker(args: argparse.Namespace) -> int:
     from engine_worker.engines import create_engine
     from engine_worker.worker import Worker
@@ -241,15 +254,9 @@ async def _run_worker(args: argparse.Namespace) -> int:
         options["weight_version"] = args.weight_version
     engine = create_engine(args.engine, **options)
     worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name)
-    if args.metrics_port is not None:
-        from shared.metrics import WorkerMetrics, serve
+    from shared.metrics import WorkerMetrics
 
-        worker.metrics = WorkerMetrics(worker)
-        serve(worker.metrics, args.metrics_port)
-    _install_signals(worker.request_stop, settings.drain_timeout_s + 10)
-    _tune_gc()
-    await worker.run()
-    return 0
+    return await _serve(worker, WorkerMetrics, args.metrics_port, settings)
 
 
 async def _run_consume(args: argparse.Namespace) -> int:
@@ -265,15 +272,9 @@ async def _run_consume(args: argparse.Namespace) -> int:
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
                             stream=args.stream, batch=args.batch)
-    if args.metrics_port is not None:
-        from shared.metrics import ConsumerMetrics, serve
+    from shared.metrics import ConsumerMetrics
 
-        runner.metrics = ConsumerMetrics(runner)
-        serve(runner.metrics, args.metrics_port)
-    _install_signals(runner.request_stop, settings.drain_timeout_s + 10)
-    _tune_gc()
-    await runner.run()
-    return 0
+    return await _serve(runner, ConsumerMetrics, args.metrics_port, settings)
 
 
 async def _run_status(args: argparse.Namespace) -> int:

@@ -58,26 +58,25 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
     return kw
 
 
+def _not_a_refused_login(is_retryable: Any) -> Any:
+    """Wrap redis-py's retry predicate: a refused login is never retried (a wrong password will
+    not get right), everything else as before."""
+    def retryable(error: Exception) -> bool:
+        if isinstance(error, redis.AuthenticationError):
+            return False
+        return is_retryable(error) if is_retryable is not None else True
+
+    return retryable
+
+
 class _AsyncRetry(AsyncRetry):
-    """Retries transient errors, but not a refused login: a wrong password will not get right."""
-
     async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        def retryable(error: Exception) -> bool:
-            if isinstance(error, redis.AuthenticationError):
-                return False
-            return is_retryable(error) if is_retryable is not None else True
-
-        return await super().call_with_retry(do, fail, retryable, with_failure_count)
+        return await super().call_with_retry(do, fail, _not_a_refused_login(is_retryable), with_failure_count)
 
 
 class _SyncRetry(Retry):
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        def retryable(error: Exception) -> bool:
-            if isinstance(error, redis.AuthenticationError):
-                return False
-            return is_retryable(error) if is_retryable is not None else True
-
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        return super().call_with_retry(do, fail, _not_a_refused_login(is_retryable), with_failure_count)
 
 
 def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:
