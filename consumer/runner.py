@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from consumer.handlers import Handler, HandlerRegistry
 from shared.codec import ValidationError, decode_record
-from shared.connection import connect
+from shared.connection import connect, is_cluster
 from shared.keys import Keys
 from shared.retention import trim_acked
 from shared.scripts import DeadLetter, Scripts
@@ -106,12 +106,17 @@ class ConsumerRunner:
         await self._ensure_groups()
         log.info("consumer %s on %s group %s: handlers %s", self.name, ", ".join(self.streams), self.group,
                  self.registry.names())
-        tasks = [asyncio.create_task(self._guard(fn)) for fn in (self._read_loop, self._reclaim_loop, self._trim_loop)]
+        # One read loop over every stream, except on a cluster, where one read cannot span hash
+        # tags: there each stream has its own loop.
+        groups = [[s] for s in self.streams] if is_cluster(self.redis) else [self.streams]
+        readers = [self._read_loop_for(g) for g in groups]
+        tasks = [asyncio.create_task(self._guard(fn)) for fn in (*readers, self._reclaim_loop, self._trim_loop)]
+        n_readers = len(readers)
         try:
             await self._stopping.wait()
         finally:
-            # The read loop finishes its current batch (acks included) before it stops.
-            await asyncio.wait(tasks[:1], timeout=self.settings.drain_timeout_s)
+            # The read loops finish their current batch (acks included) before they stop.
+            await asyncio.wait(tasks[:n_readers], timeout=self.settings.drain_timeout_s)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -129,10 +134,15 @@ class ConsumerRunner:
 
     # ------------------------------------------------------------------ loops
 
-    async def _read_loop(self) -> None:
+    def _read_loop_for(self, streams: list[str]) -> Any:
+        async def read_loop() -> None:
+            await self._read_loop(streams)
+        return read_loop
+
+    async def _read_loop(self, streams: list[str] | None = None) -> None:
+        wanted = {s: ">" for s in (streams or self.streams)}
         while not self._stopping.is_set():
-            resp = await self.redis.xreadgroup(self.group, self.name, {s: ">" for s in self.streams},
-                                               count=self.batch, block=self.block_ms)
+            resp = await self.redis.xreadgroup(self.group, self.name, wanted, count=self.batch, block=self.block_ms)
             for stream, entries in resp or []:
                 items = [_Item(text(i), f or {}, 1) for i, f in entries]
                 if items:

@@ -26,7 +26,7 @@ from engine_worker.publisher import Publisher
 from engine_worker.records import build_record
 from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
-from shared.connection import connect
+from shared.connection import connect, is_cluster
 from shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
 from shared.gc import collect_garbage
 from shared.keys import WORKERS_GROUP, Keys
@@ -190,8 +190,12 @@ class Worker:
         await self._heartbeat()
         log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
                  self.engine.info.name, self.engine.info.model, self.max_inflight)
+        # One claim loop reads every partition at once, except on a cluster, where one read cannot
+        # span hash tags: there each partition has its own loop.
+        groups = [[p] for p in self.parts] if is_cluster(self.redis) else [self.parts]
         loops = [
-            asyncio.create_task(self._guard(self._claim_loop), name="claim"),
+            *(asyncio.create_task(self._guard(self._claim_loop_for(g, len(groups))), name=f"claim-{i}")
+              for i, g in enumerate(groups)),
             asyncio.create_task(self._guard(self._reclaim_loop), name="reclaim"),
         ]
         background = [
@@ -286,18 +290,28 @@ class Worker:
             self._slot_free.clear()
             await self._slot_free.wait()
 
-    async def _claim_loop(self) -> None:
+    def _claim_loop_for(self, parts: list[Keys], loops: int) -> Any:
+        """The claim loop over ``parts``; with ``loops`` loops at once each reads a share of the
+        free slots, so together they take at most about one batch more than there is room for
+        (the surplus waits, leased, for a slot)."""
+        async def claim_loop() -> None:
+            await self._claim_loop(parts, loops)
+        return claim_loop
+
+    async def _claim_loop(self, parts: list[Keys] | None = None, loops: int = 1) -> None:
+        parts = parts or self.parts
+        highs = {k.requests_high: ">" for k in parts}
+        streams = {s: ">" for s in [*highs, *(k.requests for k in parts)]}
         while not self._stopping.is_set():
             await self._wait_for_slot()
             if self._stopping.is_set():
                 return
-            free = self.max_inflight - self._occupied
-            highs = {k.requests_high: ">" for k in self.parts}
+            free = -(-(self.max_inflight - self._occupied) // loops)
             # High priority first, without blocking; then block on every request stream.
             resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, highs, count=free)
             if not any(entries for _, entries in resp or []):
-                resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, {s: ">" for s in self.request_streams},
-                                                   count=free, block=self.block_ms)
+                resp = await self.redis.xreadgroup(WORKERS_GROUP, self.name, streams, count=free,
+                                                   block=self.block_ms)
             resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
             running = sum(1 for f in self._inflight.values() if f.task is not None and not f.released)
             for stream, entries in resp:

@@ -21,13 +21,13 @@ import redis
 from redis.asyncio import Redis
 
 from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
-from shared.connection import connect
+from shared.connection import connect, is_cluster
 from shared.control import cancel_queued, send_abort
 from shared.control import update_weights as _update_weights
 from shared.keys import PRODUCER_GROUP, Keys
 from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from shared.settings import Settings
-from shared.streams import ensure_group, text, unique_consumer_name
+from shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
 from shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 from producer.rollout import RolloutGroup, continuation, group_members, stitch
 
@@ -123,7 +123,7 @@ class Producer:
         self._unclaimed_event = asyncio.Event()
         self._recent: dict[str, CompletionRecord | None] = {}
         """request_id → None once its record was applied; → a later record of the same id."""
-        self._reader: asyncio.Task | None = None
+        self._readers: list[asyncio.Task] = []
         self._closed = False
         self._last_expire = 0.0
 
@@ -142,15 +142,19 @@ class Producer:
         for stream in self.reply_streams:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)
             await self._redis.expire(stream, self.settings.reply_ttl_s)
-        self._reader = asyncio.create_task(self._read_loop(), name=f"producer-reader-{self.name}")
+        # One reader over every reply stream, except on a cluster, where one read cannot span hash
+        # tags: there each partition's reply stream has its own reader.
+        groups = [[s] for s in self.reply_streams] if is_cluster(self._redis) else [self.reply_streams]
+        self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
+                         for i, g in enumerate(groups)]
         return self
 
     async def close(self) -> None:
         self._closed = True
         await self._notify_room()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
         for w in self._waiters.values():
             if not w.future.done():
                 w.future.cancel()
@@ -380,9 +384,9 @@ class Producer:
             self.set_weight_version(int(weight_version))
         return workers
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, streams: list[str]) -> None:
         # First our own pending entries on each reply stream (a restart resumes them), then new ones.
-        last_ids = {stream: "0" for stream in self.reply_streams}
+        last_ids = {stream: "0" for stream in streams}
         delay = 0.1
         while not self._closed:
             try:
@@ -405,8 +409,10 @@ class Producer:
                 raise
             except redis.ResponseError as exc:
                 if "NOGROUP" in str(exc):
-                    for stream in self.reply_streams:
+                    for stream in streams:
                         await ensure_group(self.redis, stream, PRODUCER_GROUP)
+                    continue
+                if is_unblocked(exc):
                     continue
                 log.exception("reply reader failed")
                 await asyncio.sleep(delay)

@@ -24,6 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
     g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
                    help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
+    g.add_argument("--cluster", dest="redis_cluster", action="store_const", const=True, default=argparse.SUPPRESS,
+                   help="the URL names a node of a Redis Cluster (env REDROLL_REDIS_CLUSTER=1)")
     g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
     g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
                    help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
@@ -177,7 +179,7 @@ def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("redis_url", "namespace", "partitions", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
+    keys = ("redis_url", "namespace", "partitions", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
             "tls_key_file")
     overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})

@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def free_port() -> int:
@@ -67,6 +67,76 @@ def start_redis_server(*extra: str, port: int | None = None, directory: str | No
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not answer on port {port} within {timeout}s")
+
+
+@dataclass
+class RedisCluster:
+    """A Redis Cluster of redis-server processes on loopback ports, owned by this process."""
+
+    nodes: list[RedisServer]
+    """Primaries first (in slot order), then replicas."""
+    primaries: int
+
+    @property
+    def url(self) -> str:
+        """A seed URL: the cluster client discovers the other nodes from it."""
+        return f"redis://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        for node in self.nodes:
+            shutil.rmtree(node.directory, ignore_errors=True)
+
+
+def start_redis_cluster(primaries: int = 3, *extra: str, replicas: int = 0, executable: str | None = None,
+                        timeout: float = 30.0) -> RedisCluster:
+    """Start ``primaries`` cluster-enabled servers, give each an equal share of the 16384 slots,
+    join them (CLUSTER MEET), add ``replicas`` replicas (of the first primaries, one each, in
+    turn) and wait until every node reports ``cluster_state:ok``."""
+    import redis
+
+    total = primaries + replicas
+    started: list[RedisServer] = []
+    bus_ports: list[int] = []
+    clients: list[redis.Redis] = []
+    try:
+        for _ in range(total):
+            bus_ports.append(free_port())  # explicit: the default (port + 10000) may be taken or past 65535
+            directory = tempfile.mkdtemp(prefix="redroll-cluster-")
+            started.append(start_redis_server("--cluster-enabled", "yes", "--cluster-config-file",
+                                              "nodes.conf", "--cluster-port", str(bus_ports[-1]),
+                                              "--cluster-node-timeout", "5000",
+                                              *extra, directory=directory, executable=executable))
+        clients = [redis.Redis(port=n.port, decode_responses=True) for n in started]
+        bounds = [round(i * 16384 / primaries) for i in range(primaries + 1)]
+        for client, lo, hi in zip(clients, bounds, bounds[1:]):
+            client.execute_command("CLUSTER ADDSLOTS", *range(lo, hi))
+        for node, bus in zip(started[1:], bus_ports[1:]):
+            clients[0].execute_command("CLUSTER MEET", "127.0.0.1", node.port, bus)
+        deadline = time.monotonic() + timeout
+
+        def wait_for(what: str, ready: Any) -> None:
+            while not ready():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis cluster: {what} not done within {timeout}s")
+                time.sleep(0.1)
+
+        wait_for("join", lambda: all(int(c.cluster("INFO").get("cluster_known_nodes", 0)) == total
+                                     for c in clients))
+        for i, replica in enumerate(clients[primaries:]):
+            primary_id = clients[i % primaries].cluster("MYID")
+            replica.execute_command("CLUSTER REPLICATE", primary_id)
+        wait_for("replication", lambda: all(c.info("replication").get("master_link_status") == "up"
+                                            for c in clients[primaries:]))
+        wait_for("slot coverage", lambda: all(c.cluster("INFO").get("cluster_state") == "ok" for c in clients))
+        return RedisCluster(started, primaries)
+    except BaseException:
+        RedisCluster(started, primaries).stop()
+        raise
+    finally:
+        for c in clients:
+            c.close()
 
 
 @contextlib.contextmanager

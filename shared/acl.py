@@ -76,8 +76,13 @@ def connection_commands(server_version: str | None = None) -> tuple[str, ...]:
 
 
 def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version: str | None = None,
-                producer: str | None = None, group: str | None = None, stream: str | None = None) -> list[Grant]:
+                producer: str | None = None, group: str | None = None, stream: str | None = None,
+                partitions: int = 1) -> list[Grant]:
     """The grants of ``role``; the first is the root, the others become selectors.
+
+    ``partitions``: with P > 1 the per-request keys (requests, results, reply, dead, rid, applied)
+    are granted on the partition tags ``{ns:0}`` … (pattern ``{ns:[0-9]*}``), the pipeline-wide
+    ones (control, weights, workers, errors, aborted) on ``{ns}`` as before.
 
     ``producer``: restrict a producer to the reply stream of that producer name (default: every
     reply stream of the namespace, as producers get unique names per process unless named).
@@ -86,11 +91,14 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     """
     keys = namespace if isinstance(namespace, Keys) else Keys(namespace)
     t = glob_escape(keys.tag)
-    requests, requests_high = f"{t}:requests", f"{t}:requests:high"
-    results, dead, control = f"{t}:results", f"{t}:dead", f"{t}:control"
+    # Per-request keys: the plain tag {ns}, or with partitions every partition tag {ns:<digits>}.
+    pt = t if partitions == 1 else glob_escape("{" + keys.namespace + ":") + "[0-9]*}"
+    requests, requests_high = f"{pt}:requests", f"{pt}:requests:high"
+    results, dead = f"{pt}:results", f"{pt}:dead"
+    control = f"{t}:control"
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
-    rid = f"{t}:rid:*"
-    replies = f"{t}:reply:*"
+    rid = f"{pt}:rid:*"
+    replies = f"{pt}:reply:*"
     conn = connection_commands(server_version)
     rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
     rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
@@ -98,7 +106,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     scripts = ("script|load", "script|exists", "evalsha")
 
     if role == "producer":
-        own = f"{t}:reply:{glob_escape(producer)}" if producer else replies
+        own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         return [
             Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, rid, own, results, dead),
                   "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
@@ -143,7 +151,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         ]
     if role == "consumer":
         source = glob_escape(stream) if stream else results
-        applied = f"{t}:applied:{glob_escape(group)}:*" if group else f"{t}:applied:*"
+        applied = f"{pt}:applied:{glob_escape(group)}:*" if group else f"{pt}:applied:*"
         return [
             Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
                   "connection upkeep; MULTI/EXEC (mark applied + ack); the Lua scripts dead_letter and "
@@ -156,11 +164,11 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
         ]
     if role == "operator":
-        everything = f"{t}:*"
+        everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")
         return [
             Grant(conn, (), "connection upkeep"),
             Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
-                   "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(everything),
+                   "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(*everything),
                   "read-only: redroll status, dead list, weights show, and the README's redis-cli "
                   "inspection commands; nothing that writes"),
         ]

@@ -82,8 +82,11 @@ class _SyncRetry(Retry):
 def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:
     """An asyncio client (hiredis parser when installed) that retries transient errors with backoff.
 
-    The pool blocks (up to 20 s) for a free connection instead of failing under a burst.
+    The pool blocks (up to 20 s) for a free connection instead of failing under a burst. With
+    ``settings.redis_cluster`` it is a :class:`redis.asyncio.RedisCluster` (see :func:`connect_cluster`).
     """
+    if settings.redis_cluster:
+        return connect_cluster(settings)  # type: ignore[return-value]
     kw = connection_kwargs(settings)
     retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
@@ -93,7 +96,30 @@ def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redi
     return client
 
 
+def connect_cluster(settings: Settings) -> redis.asyncio.RedisCluster:
+    """A Redis Cluster client seeded from ``settings.redis_url`` (any node).
+
+    It follows MOVED/ASK redirections and, on connection errors or a failover, refreshes its slot
+    map and retries (``retry``, then ``cluster_error_retry_attempts``). Every multi-key command,
+    script and MULTI of redroll stays inside one hash tag, hence one slot.
+    """
+    kw = connection_kwargs(settings)
+    if urlsplit(settings.redis_url).scheme == "unix":
+        raise RedisConfigError("a Redis Cluster is reached over TCP: use a redis:// or rediss:// URL")
+    retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    return redis.asyncio.RedisCluster.from_url(settings.redis_url, retry=retry, **kw)
+
+
+def is_cluster(client: Any) -> bool:
+    """True for a Redis Cluster client (reads must then stay within one hash tag per call)."""
+    return isinstance(client, redis.asyncio.RedisCluster)
+
+
 def connect_sync(settings: Settings) -> redis.Redis:
+    if settings.redis_cluster:
+        kw = connection_kwargs(settings)
+        return redis.RedisCluster.from_url(settings.redis_url, retry=_SyncRetry(ExponentialBackoff(cap=2.0, base=0.05),
+                                                                                  retries=5), **kw)  # type: ignore[return-value]
     kw = connection_kwargs(settings)
     retry = _SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     return redis.Redis.from_url(settings.redis_url, retry=retry, **kw)

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 
 from shared.codec import encode_record
 from shared.types import CompletionRecord
@@ -74,6 +75,15 @@ def _run(script: Any, keys: list, args: list, client: Any, *, checked: bool = Tr
     execute) that the server has the script; hot paths pass ``checked=False`` and handle a
     NOSCRIPT reply themselves with :meth:`Scripts.load_all` (after a server restart).
     """
+    if isinstance(client, ClusterPipeline):
+        # redis-py refuses its eval/evalsha methods on a cluster pipeline, but routes the raw
+        # command by its keys. A cluster pipeline cannot check the script cache of the node each
+        # call lands on (a promoted replica has an empty one): checked calls send the script itself.
+        if checked:
+            client.execute_command("EVAL", script.script, len(keys), *keys, *args)
+        else:
+            client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return None
     if isinstance(client, Pipeline):
         if checked:
             client.scripts.add(script)
@@ -149,7 +159,15 @@ class Scripts:
         return _run(self._submit_many, keys, args, client, checked=False)
 
     async def load_all(self) -> None:
-        """Load every script into the server's cache (at start, and after a NOSCRIPT reply)."""
+        """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
+
+        On a cluster, SCRIPT LOAD goes to every primary."""
+        scripts = (self._submit, self._finish, self._dead, self._renew, self._cancel, self._finish_many,
+                   self._submit_many)
+        if not isinstance(self.redis, Redis):
+            for script in scripts:
+                await self.redis.script_load(script.script)
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for script in (self._submit, self._finish, self._dead, self._renew, self._cancel,
                            self._finish_many, self._submit_many):

@@ -25,6 +25,8 @@ class Settings:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    redis_cluster: bool = False
+    """Talk to a Redis Cluster (``redis_url`` is any node: the client discovers the rest)."""
 
     claim_idle_ms: int = 30_000
     """Entries idle longer than this in a dead process's pending list are reclaimed."""
@@ -92,6 +94,12 @@ class Settings:
 
 def _convert(name: str, type_: Any, raw: str) -> Any:
     t = str(type_)
+    if t.startswith("bool"):
+        if raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a boolean (use 1/0, true/false, yes/no)")
     try:
         if t.startswith("int"):
             return int(raw)

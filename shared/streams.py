@@ -39,6 +39,13 @@ def id_tuple(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def is_unblocked(exc: BaseException) -> bool:
+    """A blocking read ended because its stream went away under it: on a cluster, the stream's
+    slot moved to another node (the next read follows the redirection); or the stream was
+    deleted. Reading again is the whole remedy."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("UNBLOCKED")
+
+
 async def run_resilient(loop_fn: Callable[[], Awaitable[None]], *, stopping: asyncio.Event,
                         recreate_groups: Callable[[], Awaitable[None]], log: logging.Logger) -> None:
     """Run a process loop until it returns or ``stopping`` is set; on Redis errors back off and run
@@ -56,6 +63,9 @@ async def run_resilient(loop_fn: Callable[[], Awaitable[None]], *, stopping: asy
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):
                 await recreate_groups()
+                continue
+            if is_unblocked(exc):
+                log.info("%s: %s; reading again", loop_fn.__name__, exc)
                 continue
             log.exception("%s: redis error", loop_fn.__name__)
         except Exception:

@@ -217,6 +217,47 @@ async def test_every_role_runs_with_only_its_acl_user(acl_server, admin):
 # ---------------------------------------------------------------- what each role may not do
 
 
+async def test_partitioned_pipeline_runs_with_role_users_of_its_partitions(acl_server, admin):
+    """With --partitions 3 the roles' rules grant the partition tags {ns:0}..{ns:2}: every role
+    works, and none can reach another namespace's partitions."""
+    ns = "secp" + uuid.uuid4().hex[:8]
+    users = {role: make_user(admin, acl_server, ns, role, partitions=3).with_(partitions=3)
+             for role in ("producer", "worker", "consumer", "operator")}
+    admin.acl_log_reset()
+    applied: list[str] = []
+    worker = Worker(users["worker"], SyntheticEngine(token_ms=1), max_inflight=8, block_ms=100)
+    consumer = ConsumerRunner(users["consumer"], group="trainer", handlers={"apply": lambda r: applied.append(r.request_id)},
+                              block_ms=100)
+    tasks = [asyncio.create_task(worker.run()), asyncio.create_task(consumer.run())]
+    try:
+        async with Producer(users["producer"], block_ms=100) as p:
+            futs = await p.submit_many([make_request(request_id=f"p-{i}", prompt=f"p{i}", sampling_params=SP)
+                                        for i in range(30)])
+            assert all(r.status is RecordStatus.FINISHED for r in await asyncio.wait_for(asyncio.gather(*futs), 15))
+            await send(users["producer"], p.redis, [make_request(request_id=f"c-{i}", prompt="c", sampling_params=SP,
+                                                                 callback="apply") for i in range(30)])
+            await wait_until(lambda: len(applied) == 30, timeout=15)
+            parts = users["producer"].partition_keys
+            assert all(admin.xlen(part.results) >= 0 for part in parts)
+            assert sum(admin.exists(part.requests) for part in parts) == 3  # every partition was used
+            # Another namespace's partition is out of reach.
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await p.redis.xadd("{other:0}:requests", {"data": b"x"})
+        op = connect(users["operator"])
+        try:
+            from redroll.status import collect_pipeline_status
+            status = await collect_pipeline_status(op, users["operator"].keys, users["operator"].partition_keys)
+        finally:
+            await op.aclose()
+        assert len(status["partitions"]) == 3 and status["requests"]["backlog"] == 0
+    finally:
+        worker.request_stop()
+        consumer.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    denials = [e for e in acl_denials(admin, ns) if "other:0" not in str(e.get("object"))]
+    assert denials == [], denials
+
+
 async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
     ns = "sec" + uuid.uuid4().hex[:8]
     keys = Settings(namespace=ns).keys

@@ -1,0 +1,284 @@
+"""The pipeline on a 3-node Redis Cluster: P partitions {ns:0}..{ns:P-1} spread over the nodes.
+
+Each test module run starts its own cluster (three cluster-enabled servers of the server under
+test, primaries only) and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+from collections import Counter
+from typing import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from consumer.runner import ConsumerRunner
+from engine_worker.engines.synthetic import SyntheticEngine
+from engine_worker.worker import Worker
+from producer import Producer
+from producer.client import make_request, send
+from redroll.embedded import RedisCluster, start_redis_cluster
+from redroll.status import collect_pipeline_status
+from shared.connection import connect, is_cluster
+from redis.crc import key_slot
+
+from shared.keys import WORKERS_GROUP, Keys
+from shared.settings import Settings
+from shared.types import RecordStatus
+from tests.conftest import server_executable, spawn, stop_process, wait_until
+
+GROUP = "trainer"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    # Three primaries, and a replica of the first one (for the failover test).
+    c = start_redis_cluster(3, replicas=1, executable=server_executable())
+    yield c
+    c.stop()
+
+
+def _spread_namespace() -> str:
+    """A fresh namespace whose six partitions cover all three nodes' slot ranges (thirds)."""
+    while True:
+        ns = "t" + uuid.uuid4().hex[:10]
+        thirds = {key_slot(Keys(ns, i).requests.encode()) * 3 // 16384 for i in range(6)}
+        if len(thirds) == 3:
+            return ns
+
+
+@pytest.fixture
+def cluster_settings(cluster: RedisCluster) -> Settings:
+    return Settings(redis_url=cluster.url, redis_cluster=True, namespace=_spread_namespace(), partitions=6,
+                    claim_idle_ms=1500, heartbeat_s=0.5, drain_timeout_s=5.0, max_deliveries=3)
+
+
+@pytest.fixture
+async def rc(cluster_settings: Settings) -> AsyncIterator:
+    client = connect(cluster_settings)
+    await client.initialize()
+    yield client
+    await client.aclose()
+
+
+async def _node_of(rc, key: str) -> int:
+    return rc.get_node_from_key(key).port
+
+
+async def test_partitions_spread_over_every_node(cluster_settings, rc):
+    assert is_cluster(rc)
+    ports = {await _node_of(rc, part.requests) for part in cluster_settings.partition_keys}
+    assert len(ports) == 3, "six partitions land on all three nodes"
+    # Every key of one partition shares its slot (scripts and MULTI never cross slots).
+    for part in cluster_settings.partition_keys:
+        keys = [part.requests, part.requests_high, part.results, part.dead, part.rid("x"), part.reply("p"),
+                part.applied("g", 1)]
+        assert len({rc.keyslot(k) for k in keys}) == 1
+
+
+async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
+    """Producer futures, a group, fire-and-forget callbacks, queued aborts, status and dead letters."""
+    s = cluster_settings
+    applied: list[str] = []
+    async with Producer(s) as p:
+        futs = await p.submit_many([dict(request_id=f"r-{i}", input_ids=[i + 1], sampling_params={"max_new_tokens": 3})
+                                    for i in range(120)])
+        group = await p.submit_group(8, group_id="prompt-1", input_ids=[7], sampling_params={"max_new_tokens": 3})
+        await send(s, rc, [make_request(request_id=f"cb-{i}", input_ids=[1], callback="h",
+                                        sampling_params={"max_new_tokens": 2}) for i in range(60)])
+        queued = await p.submit_many([dict(request_id=f"q-{i}", prompt="x") for i in range(12)])
+        assert sorted(await p.abort([f"q-{i}" for i in range(12)])) == sorted(f"q-{i}" for i in range(12))
+        status = await collect_pipeline_status(rc, s.keys, s.partition_keys)
+        assert status["requests"]["backlog"] == 188 and len(status["partitions"]) == 6
+        # A malformed entry in partition 4 is dead-lettered into partition 4's dead stream.
+        await rc.xadd(s.partition_keys[4].requests, {"rid": "bad", "data": b"\xc1"})
+
+        workers = [Worker(s, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(2)]
+        consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                                  block_ms=200)
+        tasks = [asyncio.create_task(x.run()) for x in (*workers, consumer)]
+        records = await asyncio.wait_for(asyncio.gather(*futs), 30)
+        members = await group.wait(timeout=30)
+        aborted = await asyncio.wait_for(asyncio.gather(*queued), 5)
+        await wait_until(lambda: len(applied) >= 60, timeout=30)
+        await wait_until(lambda: rc.xlen(s.partition_keys[4].dead))
+    for x in (*workers, consumer):
+        x.request_stop()
+    await asyncio.gather(*tasks)
+    assert all(rec.status is RecordStatus.FINISHED for rec in records + members)
+    assert all(rec.status is RecordStatus.ABORTED for rec in aborted)
+    assert sorted(applied) == sorted(f"cb-{i}" for i in range(60))
+    assert all(w.stats.published > 0 for w in workers)
+    # The worker's dead letter, and the consumer's for the error record it published (no handler
+    # for it), both in partition 4.
+    assert [await rc.xlen(k.dead) for k in s.partition_keys] == [0, 0, 0, 0, 2, 0]
+    status = await collect_pipeline_status(rc, s.keys, s.partition_keys)
+    assert status["requests"]["backlog"] == 0 and status["requests"]["pending"] == 0
+
+
+@pytest.mark.timeout(300)
+async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster_settings, rc, tmp_path):
+    """The acceptance run: P = 6 over 3 nodes, 3 worker processes (one SIGKILLed mid-run and
+    replaced), 2 consumer processes; every callback applied exactly once."""
+    s = cluster_settings
+    applied_file = tmp_path / "applied.jsonl"
+    logs = tmp_path / "procs.log"
+    flags = ("--cluster", "--partitions", "6")
+
+    def start_worker():
+        return spawn(s, "worker", *flags, "--engine", "synthetic", "--token-ms", "1", "--max-inflight", "32", log=logs)
+
+    workers = [start_worker() for _ in range(3)]
+    consumers = [spawn(s, "consume", *flags, "--group", GROUP, "--handler", "apply=tests.handlers:append_to_file",
+                       log=logs, REDROLL_TEST_APPLIED=str(applied_file)) for _ in range(2)]
+
+    def applied_lines() -> list[dict]:
+        if not applied_file.exists():
+            return []
+        return [json.loads(x) for x in applied_file.read_text().splitlines() if x.strip()]
+
+    n = 2000
+    try:
+        await wait_until(lambda: _hlen_at_least(rc, s.keys.workers, 3), timeout=60)
+        requests = [make_request(request_id=f"c-{i}", input_ids=[1 + i % 200, 2], callback="apply",
+                                 group_id=f"g-{i // 4}", sampling_params={"max_new_tokens": 4 + i % 5})
+                    for i in range(n)]
+        await send(s, rc, requests[: n // 2])
+        await wait_until(lambda: len(applied_lines()) >= n // 8, timeout=60, interval=0.1)
+        workers[0].send_signal(signal.SIGKILL)  # its leased entries must be reclaimed, not lost
+        workers[0].wait(10)
+        workers.append(start_worker())
+        await send(s, rc, requests[n // 2:])
+        await wait_until(lambda: len(applied_lines()) >= n, timeout=180, interval=0.2)
+        await asyncio.sleep(1.0)  # let any duplicate show up before counting
+        lines = applied_lines()
+    finally:
+        codes = [stop_process(p) for p in workers[1:] + consumers]
+    if any(codes):
+        print(logs.read_text()[-5000:])
+    assert codes == [0] * len(codes)
+    assert "was in flight on a worker that died" in logs.read_text(), "the killed worker's entries were reclaimed"
+
+    counts = Counter(x["request_id"] for x in lines)
+    assert set(counts) == {req.request_id for req in requests}
+    assert max(counts.values()) == 1, "a callback was applied twice"
+    assert all(x["status"] == "finished" for x in lines)
+    # Placement: each request was generated in the partition its group_id hashes to, and every
+    # partition (so every node) took work.
+    per_partition = Counter(s.keys_for(req).tag for req in requests)
+    assert len(per_partition) == 6
+    for part in s.partition_keys:
+        assert await rc.xlen(part.requests) == 0
+        assert int((await rc.xpending(part.requests, WORKERS_GROUP))["pending"]) == 0
+        assert int((await rc.xpending(part.results, GROUP))["pending"]) == 0
+        assert await rc.xlen(part.dead) == 0
+
+
+async def _hlen_at_least(r, key: str, n: int) -> bool:
+    return await r.hlen(key) >= n
+
+
+def _migrate_slot(cluster: RedisCluster, slot: int, source: int, target: int) -> int:
+    """Move ``slot`` from primary ``source`` to primary ``target`` the way redis-cli --cluster
+    reshard does (IMPORTING/MIGRATING, MIGRATE of every key, SETSLOT NODE): clients see ASK and
+    TRYAGAIN during the move and MOVED after it. Returns the number of keys moved."""
+    src = redis.Redis(port=cluster.nodes[source].port, decode_responses=True)
+    dst = redis.Redis(port=cluster.nodes[target].port, decode_responses=True)
+    src_id, dst_id = src.cluster("MYID"), dst.cluster("MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    moved = 0
+    while True:
+        keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 10)
+        if not keys:
+            break
+        src.execute_command("MIGRATE", "127.0.0.1", cluster.nodes[target].port, "", 0, 5000, "KEYS", *keys)
+        moved += len(keys)
+        time.sleep(0.02)  # let traffic interleave with the move
+    for node in cluster.nodes[:cluster.primaries]:
+        redis.Redis(port=node.port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return moved
+
+
+@pytest.mark.timeout(120)
+async def test_resharding_and_failover_under_traffic(cluster, cluster_settings, rc):
+    """A partition's slot moves to another node (ASK/TRYAGAIN, then MOVED) and then its
+    first node fails over to its replica (CLUSTER FAILOVER), both while requests flow: nothing is
+    lost, no callback runs twice."""
+    s = cluster_settings
+    slot_owner = {part.tag: rc.get_node_from_key(part.requests).port for part in s.partition_keys}
+    part = next(p for p in s.partition_keys if slot_owner[p.tag] == cluster.nodes[0].port)
+    slot = key_slot(part.requests.encode())
+    applied: Counter = Counter()
+    workers = [Worker(s, SyntheticEngine(token_ms=1), max_inflight=16, block_ms=200) for _ in range(2)]
+    consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.update([rec.request_id])},
+                              block_ms=200)
+    tasks = [asyncio.create_task(x.run()) for x in (*workers, consumer)]
+    futures: list = []
+    sent: list[str] = []
+
+    async with Producer(s) as p:
+        async def traffic(prefix: str, batches: int) -> None:
+            for b in range(batches):
+                # Half wait on producer futures (private reply streams), half go to the results
+                # streams for the consumer group's callbacks.
+                futures.extend(await p.submit_many([dict(request_id=f"{prefix}-{b}-p{i}", input_ids=[i + 1],
+                                                         sampling_params={"max_new_tokens": 3}) for i in range(20)]))
+                reqs = [make_request(request_id=f"{prefix}-{b}-c{i}", input_ids=[i + 1], callback="h",
+                                     sampling_params={"max_new_tokens": 3}) for i in range(20)]
+                await send(s, rc, reqs)
+                sent.extend(r.request_id for r in reqs)
+                await asyncio.sleep(0.05)
+
+        flow = asyncio.create_task(traffic("m", 20))
+        await asyncio.sleep(0.2)
+        moved = await asyncio.to_thread(_migrate_slot, cluster, slot, 0, 1)
+        await flow
+        counts = [redis.Redis(port=n.port).execute_command("CLUSTER COUNTKEYSINSLOT", slot) for n in cluster.nodes[:2]]
+        assert moved >= 2 and counts[0] == 0 and counts[1] > 0
+
+        # Manual failover of the first primary (still owning other partitions' slots) to its replica.
+        flow = asyncio.create_task(traffic("f", 20))
+        await asyncio.sleep(0.2)
+        replica = redis.Redis(port=cluster.nodes[-1].port, decode_responses=True)
+        replica.execute_command("CLUSTER FAILOVER")
+        await wait_until(lambda: replica.info("replication")["role"] == "master", timeout=30)
+        await flow
+        try:
+            records = await asyncio.wait_for(asyncio.shield(asyncio.gather(*futures)), 60)
+        except asyncio.TimeoutError:
+            await _explain_missing(rc, s, p, futures, workers)
+            raise
+        await wait_until(lambda: len(applied) >= len(sent), timeout=60)
+    await asyncio.sleep(0.5)
+    for x in (*workers, consumer):
+        x.request_stop()
+    await asyncio.gather(*tasks)
+    assert all(rec.status is RecordStatus.FINISHED for rec in records)
+    assert set(applied) == set(sent) and max(applied.values()) == 1
+    status = await collect_pipeline_status(rc, s.keys, s.partition_keys)
+    assert status["requests"]["backlog"] == 0 and status["requests"]["pending"] == 0
+    assert status["dead_letters"] == 0
+
+
+async def _explain_missing(rc, s: Settings, producer, futures, workers) -> None:
+    """Print where the requests whose records never came are (for a failure report)."""
+    missing = [f for f in futures if not f.done()]
+    print(f"{len(missing)} of {len(futures)} records missing; waiters: {list(producer._waiters)[:10]}")
+    for part in s.partition_keys:
+        node = rc.get_node_from_key(part.requests).port
+        pend = await rc.xpending(part.requests, WORKERS_GROUP)
+        print(part.tag, node, "requests", await rc.xlen(part.requests), "pending", pend,
+              "reply", await rc.xlen(part.reply(producer.name)),
+              "reply pending", await rc.xpending(part.reply(producer.name), "producer"))
+    for w in workers:
+        print(w.name, w.stats, "inflight", len(w._inflight), "isolating", w._isolating, "holds", w._holds,
+              "deferred", len(w._deferred))
+    print("producer readers", [(t.get_name(), t.done()) for t in producer._readers])
+    for t in asyncio.all_tasks():
+        print("task", t.get_name(), t.get_stack(limit=2)[-1:] if not t.done() else "done")
