@@ -65,3 +65,19 @@ def test_quick_bench_reports_every_figure(tmp_path: Path) -> None:
             if key not in signed:
                 assert value > 0, f"{name}.{key} = {value!r} is not positive"
             assert section["units"][key], f"{name}.{key} has no unit"
+
+
+@pytest.mark.timeout(300)
+def test_cluster_bench_runs_each_partition_count(tmp_path: Path) -> None:
+    """``python -m benchmarks.cluster_bench`` on a small count: every run reports a rate, and with
+    P = 3 the partitions sit on all three nodes."""
+    out = tmp_path / "cluster.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cluster_bench", "--requests", "300", "--partitions",
+                           "1,3", "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["partitions"] for r in runs] == [1, 3]
+    assert all(r["rps"] > 0 and math.isfinite(r["rps"]) for r in runs)
+    assert [r["nodes_holding_partitions"] for r in runs] == [1, 3]
+    assert len(runs[1]["node_cpu_us_per_request"]) == 3
