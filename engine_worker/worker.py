@@ -16,7 +16,7 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import redis
 from redis.asyncio import Redis
@@ -112,12 +112,22 @@ class Worker:
         name: str | None = None,
         block_ms: int = 1000,
         reclaim_interval_s: float | None = None,
+        only_partitions: Sequence[int] | None = None,
     ):
         self.settings = settings
         self.keys: Keys = settings.keys
         """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
-        self.parts: list[Keys] = settings.partition_keys
-        """Per-request keys, one set per partition (just ``[self.keys]`` with one partition)."""
+        parts = settings.partition_keys
+        if only_partitions is not None:
+            wrong = sorted({i for i in only_partitions if not 0 <= i < len(parts)})
+            if wrong or not only_partitions:
+                raise ValueError(f"only_partitions {list(only_partitions)} must name partitions among "
+                                 f"0..{len(parts) - 1} (the pipeline has {len(parts)})")
+            parts = [parts[i] for i in sorted(set(only_partitions))]
+        self.parts: list[Keys] = parts
+        """Per-request keys of the partitions this worker serves, one set per partition (just
+        ``[self.keys]`` with one partition); all of them unless ``only_partitions`` names some
+        (then other workers must cover the rest: nobody else claims or reclaims them)."""
         # Claiming order: every partition's high-priority stream, then every normal one.
         self.request_streams = [k.requests_high for k in self.parts] + [k.requests for k in self.parts]
         self._part_of = {stream: k for k in self.parts for stream in k.request_streams}

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")),
                    help="requests in the engine at once (enough for it to batch; for a continuous-batching "
                         "engine about 2x its capacity keeps it busy while finished work is published)")
+    p.add_argument("--only-partitions", default=os.environ.get("REDROLL_ONLY_PARTITIONS"),
+                   help="claim only from these partitions, e.g. 0,2 (env REDROLL_ONLY_PARTITIONS; default: all)")
     p.add_argument("--token-ms", type=float, default=0.0, help="synthetic engine: milliseconds per token")
     p.add_argument("--vocab-size", type=int, default=32000, help="synthetic engine: vocabulary size")
     p.add_argument("--slots", type=int, default=None,
@@ -255,7 +257,17 @@ async def _run_worker(args: argparse.Namespace) -> int:
     if args.weight_version is not None:
         options["weight_version"] = args.weight_version
     engine = create_engine(args.engine, **options)
-    worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name)
+    only = None
+    if args.only_partitions:
+        try:
+            only = [int(x) for x in args.only_partitions.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"redroll worker: --only-partitions {args.only_partitions!r} is not a list of "
+                             "partition numbers (e.g. 0,2)") from None
+    try:
+        worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only)
+    except ValueError as exc:
+        raise SystemExit(f"redroll worker: {exc}") from None
     from shared.metrics import WorkerMetrics
 
     return await _serve(worker, WorkerMetrics, args.metrics_port, settings)

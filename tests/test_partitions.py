@@ -75,3 +75,32 @@ async def test_queued_abort_and_dead_letters_stay_in_their_partition(settings, r
     worker.request_stop()
     await task
     assert [await r.xlen(k.dead) for k in s.partition_keys] == [0, 0, 1, 0]
+
+
+async def test_a_worker_serves_only_its_assigned_partitions(settings, r):
+    s = settings.with_(partitions=4)
+    parts = s.partition_keys
+    worker = Worker(s, SyntheticEngine(), block_ms=100, only_partitions=[3, 1])
+    assert [p.tag for p in worker.parts] == [parts[1].tag, parts[3].tag]
+    task = asyncio.create_task(worker.run())
+    async with Producer(s) as p:
+        reqs = [dict(request_id=f"a-{i}", prompt="x", sampling_params={"max_new_tokens": 2}) for i in range(40)]
+        futs = await p.submit_many(reqs)
+        served = [f for req, f in zip(reqs, futs)
+                  if s.keys_for(make_request(request_id=req["request_id"], prompt="x")).partition in (1, 3)]
+        records = await asyncio.wait_for(asyncio.gather(*served), 15)
+        await asyncio.sleep(0.3)
+        assert all(rec.status is RecordStatus.FINISHED for rec in records)
+        assert [await r.xlen(part.requests) for part in parts][0::2] == [
+            sum(1 for x in reqs if s.keys_for(make_request(request_id=x["request_id"], prompt="x")).partition == i)
+            for i in (0, 2)]
+        assert await r.xlen(parts[1].requests) == await r.xlen(parts[3].requests) == 0
+    worker.request_stop()
+    await task
+    for bad in ([4], [], [-1]):
+        try:
+            Worker(s, SyntheticEngine(), only_partitions=bad)
+        except ValueError as exc:
+            assert "0..3" in str(exc)
+        else:
+            raise AssertionError(f"only_partitions={bad} accepted")
