@@ -629,7 +629,8 @@ class Worker:
                 self.metrics.observe(record.meta_info.get("queue_ms"), record.meta_info.get("engine_ms"))
             if flight.deliveries > 1:
                 await self.redis.hdel(self.keys.errors, flight.key)
-            log.debug("request %s %s", request.request_id, record.status.value, extra=_ctx(flight))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s %s", request.request_id, record.status.value, extra=_ctx(flight))
         else:
             self.stats.fenced += 1
             log.warning("request %s: lease lost (entry %s now owned elsewhere); output dropped",

@@ -8,6 +8,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio
+
+try:
+    import hiredis
+except ImportError:  # redis-py works without it, only slower
+    hiredis = None  # type: ignore[assignment]
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -79,6 +84,40 @@ class _SyncRetry(Retry):
         return super().call_with_retry(do, fail, _not_a_refused_login(is_retryable), with_failure_count)
 
 
+class _HiredisPacking:
+    """Pack commands with hiredis (C) instead of redis-py's asyncio packer (pure Python).
+
+    redis-py's sync client packs with hiredis when it is installed; its asyncio connection does
+    not. A 256-request ``finish_many`` call packs in about 135 µs instead of 990 µs. The bytes
+    are the same (tested); arguments hiredis cannot pack fall back to redis-py's packer.
+    """
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str):
+            if " " in first:  # a multi-word command name ("CLIENT SETINFO"): separate arguments
+                args = (*first.split(), *args[1:])
+        elif b" " in first:
+            args = (*first.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError:
+            return super().pack_command(*args)  # type: ignore[misc]
+
+
+_packing_classes: dict[type, type] = {}
+
+
+def _with_hiredis_packing(connection_class: type) -> type:
+    """``connection_class`` (plain, TLS or unix socket) with :class:`_HiredisPacking`."""
+    if hiredis is None or issubclass(connection_class, _HiredisPacking):
+        return connection_class
+    if connection_class not in _packing_classes:
+        _packing_classes[connection_class] = type(f"HiredisPacking{connection_class.__name__}",
+                                                  (_HiredisPacking, connection_class), {})
+    return _packing_classes[connection_class]
+
+
 def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:
     """An asyncio client (hiredis parser when installed) that retries transient errors with backoff.
 
@@ -91,6 +130,7 @@ def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redi
     retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=20, retry=retry, **kw)
+    pool.connection_class = _with_hiredis_packing(pool.connection_class)
     client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
     client.retry = retry
     return client
@@ -107,7 +147,12 @@ def connect_cluster(settings: Settings) -> redis.asyncio.RedisCluster:
     if urlsplit(settings.redis_url).scheme == "unix":
         raise RedisConfigError("a Redis Cluster is reached over TCP: use a redis:// or rediss:// URL")
     retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
-    return redis.asyncio.RedisCluster.from_url(settings.redis_url, retry=retry, **kw)
+    client = redis.asyncio.RedisCluster.from_url(settings.redis_url, retry=retry, **kw)
+    # Connections to the nodes it discovers are made with these arguments.
+    node_kwargs = client.nodes_manager.connection_kwargs
+    node_kwargs["connection_class"] = _with_hiredis_packing(node_kwargs.get("connection_class",
+                                                                            redis.asyncio.Connection))
+    return client
 
 
 def is_cluster(client: Any) -> bool:

@@ -6,6 +6,7 @@ inside one Redis Cluster slot.
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from dataclasses import dataclass
@@ -20,11 +21,18 @@ PRODUCER_GROUP = "producer"
 def partition_keys(namespace: str, partitions: int) -> list["Keys"]:
     """The per-request key sets of a pipeline: the plain ``{ns}`` layout for one partition,
     else P complete copies tagged ``{ns:0}`` … ``{ns:P-1}`` (each can live on its own cluster node)."""
+    return list(partition_key_sets(namespace, partitions))
+
+
+@functools.lru_cache(maxsize=256)
+def partition_key_sets(namespace: str, partitions: int) -> tuple["Keys", ...]:
+    """:func:`partition_keys` as a tuple, built once per (namespace, partitions): producers look
+    a request's partition up for every submit."""
     if partitions < 1:
         raise ValueError("partitions must be at least 1")
     if partitions == 1:
-        return [Keys(namespace)]
-    return [Keys(namespace, i) for i in range(partitions)]
+        return (Keys(namespace),)
+    return tuple(Keys(namespace, i) for i in range(partitions))
 
 
 def partition_index(placement_key: str, partitions: int) -> int:
@@ -48,17 +56,17 @@ class Keys:
                 f"namespace {self.namespace!r} must be non-empty without braces, colons or whitespace"
             )
 
-    @property
+    @functools.cached_property
     def tag(self) -> str:
         if self.partition is None:
             return "{" + self.namespace + "}"
         return "{" + f"{self.namespace}:{self.partition}" + "}"
 
-    @property
+    @functools.cached_property
     def requests(self) -> str:
         return f"{self.tag}:requests"
 
-    @property
+    @functools.cached_property
     def requests_high(self) -> str:
         """High-priority requests: workers claim from here before ``requests``."""
         return f"{self.tag}:requests:high"
@@ -68,36 +76,36 @@ class Keys:
         """Request streams in claiming order (high priority first)."""
         return [self.requests_high, self.requests]
 
-    @property
+    @functools.cached_property
     def results(self) -> str:
         return f"{self.tag}:results"
 
-    @property
+    @functools.cached_property
     def dead(self) -> str:
         return f"{self.tag}:dead"
 
-    @property
+    @functools.cached_property
     def control(self) -> str:
         return f"{self.tag}:control"
 
-    @property
+    @functools.cached_property
     def weights(self) -> str:
         return f"{self.tag}:weights"
 
-    @property
+    @functools.cached_property
     def aborted(self) -> str:
         return f"{self.tag}:aborted"
 
-    @property
+    @functools.cached_property
     def workers(self) -> str:
         return f"{self.tag}:workers"
 
-    @property
+    @functools.cached_property
     def errors(self) -> str:
         """Hash: request entry id → last engine error, so the dead letter can say why."""
         return f"{self.tag}:errors"
 
-    @property
+    @functools.cached_property
     def reply_prefix(self) -> str:
         return f"{self.tag}:reply:"
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from shared.codec import Limits
-from shared.keys import Keys, partition_index, partition_keys
+from shared.keys import Keys, partition_index, partition_key_sets, partition_keys
 from shared.types import GenerationRequest
 
 ENV_PREFIX = "REDROLL_"
@@ -54,7 +55,7 @@ class Settings:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.namespace)
+        return partition_key_sets(self.namespace, 1)[0]
 
     @property
     def partition_keys(self) -> list[Keys]:
@@ -64,16 +65,14 @@ class Settings:
     def keys_for(self, request: GenerationRequest) -> Keys:
         """The partition a request lives in: by group_id (all samples of a prompt together, for
         prefix-cache reuse), else by request_id."""
-        parts = self.partition_keys
+        if self.partitions == 1:
+            return partition_key_sets(self.namespace, 1)[0]
+        parts = partition_key_sets(self.namespace, self.partitions)
         return parts[partition_index(request.group_id or request.request_id, len(parts))]
 
     @property
     def limits(self) -> Limits:
-        return Limits(
-            max_payload_bytes=self.max_payload_bytes,
-            max_new_tokens=self.max_new_tokens,
-            max_n=self.max_n,
-        )
+        return _limits(self.max_payload_bytes, self.max_new_tokens, self.max_n)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
@@ -90,6 +89,12 @@ class Settings:
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(max_payload_bytes: int, max_new_tokens: int, max_n: int) -> Limits:
+    """One (frozen) Limits per distinct setting: decoding reads it for every request."""
+    return Limits(max_payload_bytes=max_payload_bytes, max_new_tokens=max_new_tokens, max_n=max_n)
 
 
 def _convert(name: str, type_: Any, raw: str) -> Any:

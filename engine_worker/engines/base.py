@@ -74,6 +74,8 @@ def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_cont
     if vocab_size is not None:
         for field_name, ids in (("input_ids", request.input_ids or []),
                                 ("sampling_params.stop_token_ids", request.sampling_params.stop_token_ids)):
+            if not ids or max(ids) < vocab_size:
+                continue  # the common case, checked in C
             for i, t in enumerate(ids):
                 if t >= vocab_size:
                     raise ValidationError(f"{field_name}[{i}]", f"token id {t} is outside the vocabulary of {vocab_size}")

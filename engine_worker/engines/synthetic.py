@@ -53,8 +53,10 @@ class SyntheticEngine:
         if ev is not None:
             ev.set()
 
-    def tokens_for(self, request: GenerationRequest, sample: int) -> tuple[list[int], list[float]]:
-        """The full (unaborted) output of one sample: ids and logprobs."""
+    def tokens_for(self, request: GenerationRequest, sample: int,
+                   with_logprobs: bool = True) -> tuple[list[int], list[float]]:
+        """The full (unaborted) output of one sample: ids and logprobs (empty without
+        ``with_logprobs``; the ids are the same either way)."""
         sp = request.sampling_params
         # An extendable-output hash of (input, seed, sample) gives 32 bits per token and per
         # logprob in one C call, whatever the length.
@@ -68,7 +70,7 @@ class SyntheticEngine:
         n = sp.max_new_tokens
         words = array("I", h.digest(8 * n))
         ids = [x % vocab for x in words[:n]]
-        logprobs = [x * (-4.0 / 4294967296.0) for x in words[n:]]
+        logprobs = [x * (-4.0 / 4294967296.0) for x in words[n:]] if with_logprobs else []
         return ids, logprobs
 
     def _token_ms(self, request: GenerationRequest) -> float:
@@ -119,12 +121,13 @@ class SyntheticEngine:
             produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
         samples = []
         for i in range(sp.n):
-            ids, lps = self.tokens_for(request, i)
+            ids, lps = self.tokens_for(request, i, with_logprobs=request.return_logprob)
             reason = "length"
-            for j, t in enumerate(ids):
-                if t in sp.stop_token_ids:
-                    ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
-                    break
+            if sp.stop_token_ids:
+                for j, t in enumerate(ids):
+                    if t in sp.stop_token_ids:
+                        ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
+                        break
             if aborted and produced < len(ids):
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
