@@ -157,7 +157,31 @@ _NUM_RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
+_SAMPLING_CACHE: dict[tuple, SamplingParams] = {}
+_SAMPLING_CACHE_MAX = 1024
+
+
 def decode_sampling_params(raw: Any, limits: Limits = DEFAULT_LIMITS) -> SamplingParams:
+    """Validate a sampling-parameter map into :class:`SamplingParams`.
+
+    A batch of requests mostly repeats a few maps: each distinct one (keys, value types and
+    values, under the same limits) is validated once and its (frozen) result shared.
+    """
+    if type(raw) is dict:
+        try:
+            key = (limits, *((k, type(v), v) for k, v in raw.items()))
+            cached = _SAMPLING_CACHE.get(key)
+        except TypeError:  # an unhashable value (a list): validate it every time
+            return _decode_sampling_params(raw, limits)
+        if cached is None:
+            cached = _decode_sampling_params(raw, limits)
+            if not cached.extra and len(_SAMPLING_CACHE) < _SAMPLING_CACHE_MAX:  # (extra is a mutable dict)
+                _SAMPLING_CACHE[key] = cached
+        return cached
+    return _decode_sampling_params(raw, limits)
+
+
+def _decode_sampling_params(raw: Any, limits: Limits) -> SamplingParams:
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):

@@ -59,13 +59,10 @@ class SamplingParams:
     def to_wire(self) -> dict[str, Any]:
         """Only the values that differ from the defaults, as plain msgpack-able types."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name == "extra":
-                continue
-            value = getattr(self, f.name)
-            default = f.default
+        for name, default in _SAMPLING_DEFAULTS:
+            value = getattr(self, name)
             if value != default:
-                out[f.name] = list(value) if isinstance(value, tuple) else value
+                out[name] = list(value) if isinstance(value, tuple) else value
         out.update(self.extra)
         return out
 
@@ -76,6 +73,11 @@ class SamplingParams:
         if not include_n:
             out.pop("n", None)
         return out
+
+
+_SAMPLING_DEFAULTS: tuple[tuple[str, Any], ...] = tuple(
+    (f.name, f.default) for f in fields(SamplingParams) if f.name != "extra")
+"""(name, default) of every sampling parameter but ``extra``, in declaration order."""
 
 
 @dataclass
