@@ -160,6 +160,8 @@ class Worker:
         self._weights_lock = asyncio.Lock()
         self._control_tasks: set[asyncio.Task] = set()
         self._control_last_id = "0-0"
+        self._reply_keys_ok: set[tuple[str, str]] = set()
+        """(partition tag, reply_to) pairs already checked to be this pipeline's streams."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -563,8 +565,13 @@ class Worker:
                 flight.task = asyncio.create_task(self._handle(flight, fields))
 
     def _check_served(self, request: GenerationRequest, part: Keys) -> None:
-        if request.reply_to is not None and not part.is_reply_key(request.reply_to):
-            raise ValidationError("reply_to", f"{request.reply_to!r} is not a result or reply stream of this pipeline")
+        reply_to = request.reply_to
+        if reply_to is not None and (part.tag, reply_to) not in self._reply_keys_ok:
+            if not part.is_reply_key(reply_to):
+                raise ValidationError("reply_to", f"{request.reply_to!r} is not a result or reply stream of this pipeline")
+            if len(self._reply_keys_ok) > 10_000:
+                self._reply_keys_ok.clear()
+            self._reply_keys_ok.add((part.tag, reply_to))
         if request.model is not None and request.model != self.engine.info.model:
             raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves "
                                            f"{self.engine.info.model!r})")
@@ -573,6 +580,8 @@ class Worker:
         """From the worker's copy of ``{ns}:aborted`` (loaded at start, then kept current from the
         control stream): no round trip per request. An abort that lands after this check finds
         the request in flight and stops it in the engine, so the outcome is the same."""
+        if not self._aborted:
+            return False
         if aborted_member(request_id=request.request_id) in self._aborted:
             return True
         return request.group_id is not None and aborted_member(group_id=request.group_id) in self._aborted
@@ -619,9 +628,14 @@ class Worker:
         cap = self.settings.results_max_len if reply_key == part.results else 0
         flight.publishing = True
         rid_key = part.rid(request.request_id)
-        published = await self._retrying(lambda: self.publisher.finish(
-            stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key, rid_key=rid_key,
-            record=record, cap=cap))
+        def publish() -> Any:
+            return self.publisher.finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
+                                         rid_key=rid_key, record=record, cap=cap)
+
+        try:
+            published = await publish()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            published = await self._retrying(publish)  # a short outage: retried while the lease holds
         if published:
             self.stats.published += 1
             self.stats.by_status[record.status.value] = self.stats.by_status.get(record.status.value, 0) + 1

@@ -91,6 +91,16 @@ def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
     return raw if isinstance(raw, str) else None
 
 
+def _worker_field(fields: Mapping[Any, Any]) -> str | None:
+    raw = fields.get(b"worker")
+    if type(raw) is bytes:
+        try:
+            return raw.decode() or None
+        except UnicodeDecodeError:
+            return None
+    return _field_str(fields, "worker") or None
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -297,7 +307,9 @@ def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS) -> d
 
 def decode_request(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> GenerationRequest:
     """Decode and validate request stream fields. Raises only :class:`ValidationError`."""
-    data = fields.get(b"data", fields.get("data"))
+    data = fields.get(b"data")
+    if data is None:
+        data = fields.get("data")
     try:
         obj = _unpack(data, "data")
     except ValidationError as exc:
@@ -423,14 +435,23 @@ def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
     }
 
 
+_STATUS_BY_FIELD: dict[Any, RecordStatus] = {
+    **{s.value.encode(): s for s in RecordStatus}, **{s.value: s for s in RecordStatus}}
+_NUMBER_TYPES = {int, float}
+_REASONS_OK = {None, *FINISH_REASONS}
+
+
 def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     """Decode and validate a result entry. Raises only :class:`ValidationError`."""
-    status_raw = _field_str(fields, "status")
-    try:
-        status = RecordStatus(status_raw)
-    except ValueError:
-        raise ValidationError("status", f"unknown status {status_raw!r}") from None
-    obj = _unpack(fields.get(b"data", fields.get("data")), "data")
+    status = _STATUS_BY_FIELD.get(fields.get(b"status"))
+    if status is None:
+        status_raw = _field_str(fields, "status")
+        try:
+            status = RecordStatus(status_raw)
+        except ValueError:
+            raise ValidationError("status", f"unknown status {status_raw!r}") from None
+    data = fields.get(b"data")
+    obj = _unpack(data if data is not None else fields.get("data"), "data")
     if not isinstance(obj, dict):
         raise ValidationError("data", f"must be a map, got {type(obj).__name__}")
     v = obj.get("v")
@@ -441,12 +462,11 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     if not isinstance(ids, list):
         raise ValidationError("output_token_ids", "must be a list per sample")
     ids = [_token_list(s, f"output_token_ids[{i}]", 10**7) for i, s in enumerate(ids)]
-    _NUMBER_TYPES = {int, float}
     reasons = obj.get("finish_reasons")
     if not isinstance(reasons, list) or len(reasons) != len(ids):
         raise ValidationError("finish_reasons", "must be a list with one entry per sample")
     for i, r in enumerate(reasons):
-        if r is not None and r not in FINISH_REASONS:
+        if r not in _REASONS_OK:
             raise ValidationError(f"finish_reasons[{i}]", f"unknown finish reason {r!r}")
     logprobs = obj.get("output_logprobs")
     if logprobs is not None:
@@ -471,7 +491,7 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
         output_logprobs=logprobs,
         meta_info=meta,
         error=error,
-        worker=_field_str(fields, "worker") or None,
+        worker=_worker_field(fields),
         callback=_opt_str(obj, "callback", max_len=256),
         group_id=_opt_str(obj, "group_id", max_len=256),
         v=v,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shared.codec import ValidationError
 from shared.types import GenerationRequest
 
 
@@ -69,8 +70,6 @@ class Engine(Protocol):
 
 def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:
     """Common engine-side checks: ids inside the vocabulary and the context window."""
-    from shared.codec import ValidationError
-
     if vocab_size is not None:
         for field_name, ids in (("input_ids", request.input_ids or []),
                                 ("sampling_params.stop_token_ids", request.sampling_params.stop_token_ids)):
