@@ -4,6 +4,7 @@
 -- then per item 5 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none)
 -- Returns one integer per item: 1 published, 0 fenced (this consumer no longer owns the entry).
 local out = {}
+local done = {}
 local n = (#KEYS - 1) / 2
 for i = 1, n do
   local a = 3 + (i - 1) * 5
@@ -19,8 +20,7 @@ for i = 1, n do
     else
       redis.call('XADD', reply, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3], 'data', ARGV[a + 4])
     end
-    redis.call('XACK', KEYS[1], ARGV[1], entry)
-    redis.call('XDEL', KEYS[1], entry)
+    done[#done + 1] = entry
     local ridkey = KEYS[2 * i + 1]
     local held = redis.call('GET', ridkey)
     if held and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
@@ -28,5 +28,11 @@ for i = 1, n do
     end
     out[i] = 1
   end
+end
+-- Ack and delete every published entry at once (still inside this one atomic script).
+for j = 1, #done, 4000 do
+  local chunk = {unpack(done, j, math.min(j + 3999, #done))}
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(chunk))
+  redis.call('XDEL', KEYS[1], unpack(chunk))
 end
 return out
