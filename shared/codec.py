@@ -340,68 +340,80 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
         raise ValidationError("data", f"payload of {size} bytes exceeds the limit of {limits.max_payload_bytes}")
     if not isinstance(obj, dict):
         raise ValidationError("data", f"must be a map, got {type(obj).__name__}")
-    v = obj.get("v")
-    if not _is_int(v) or v < 1:
+    get = obj.get  # (every request runs this: plain local lookups, type() checks for the common case)
+    v = get("v")
+    if type(v) is not int or v < 1:
         raise ValidationError("v", "schema version must be a positive integer")
-    request_id = check_request_id(obj.get("request_id"))
+    request_id = check_request_id(get("request_id"))
     if v > SCHEMA_VERSION:
         raise NewerSchemaError("v", f"schema version {v} is newer than {SCHEMA_VERSION}", request_id=request_id)
-    has_ids = obj.get("input_ids") is not None
-    has_prompt = obj.get("prompt") is not None
-    if has_ids == has_prompt:
+    input_ids = get("input_ids")
+    prompt = get("prompt")
+    if (input_ids is None) == (prompt is None):
         raise ValidationError("input_ids/prompt", "exactly one of input_ids or prompt is required")
-    input_ids = _token_list(obj["input_ids"], "input_ids", limits.max_input_tokens) if has_ids else None
-    prompt = None
-    if has_prompt:
-        prompt = obj["prompt"]
+    if input_ids is not None:
+        input_ids = _token_list(input_ids, "input_ids", limits.max_input_tokens)
+        if not input_ids:
+            raise ValidationError("input_ids", "must not be empty")
+    else:
         if not isinstance(prompt, str):
             raise ValidationError("prompt", f"must be a string, got {type(prompt).__name__}")
-    if input_ids is not None and not input_ids:
-        raise ValidationError("input_ids", "must not be empty")
-    if prompt is not None and not prompt:
-        raise ValidationError("prompt", "must not be empty")
-    sampling = decode_sampling_params(obj.get("sampling_params"), limits)
-    meta = obj.get("meta_info")
+        if not prompt:
+            raise ValidationError("prompt", "must not be empty")
+    sampling = decode_sampling_params(get("sampling_params"), limits)
+    meta = get("meta_info")
     if meta is None:
         meta = {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+    elif not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise ValidationError("meta_info", "must be a map with string keys")
-    if meta and len(_pack(meta)) > limits.max_meta_bytes:
+    elif meta and len(_pack(meta)) > limits.max_meta_bytes:
         raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
-    reply_to = _opt_str(obj, "reply_to", max_len=512)
-    callback = _opt_str(obj, "callback", max_len=256)
-    group_id = obj.get("group_id")
+    reply_to = get("reply_to")
+    if reply_to is not None:
+        reply_to = _opt_str(obj, "reply_to", max_len=512)
+    callback = get("callback")
+    if callback is not None:
+        callback = _opt_str(obj, "callback", max_len=256)
+    group_id = get("group_id")
     if group_id is not None:
         group_id = check_request_id(group_id, "group_id")
-    deadline = obj.get("deadline")
+    deadline = get("deadline")
     if deadline is not None and not _is_num(deadline):
         raise ValidationError("deadline", "must be unix seconds (a number) or nil")
-    priority = obj.get("priority", 0)
+    priority = get("priority", 0)
     if priority is None:
         priority = 0
-    if not _is_int(priority) or priority not in (0, 1):
+    if type(priority) is not int or priority not in (0, 1):
         raise ValidationError("priority", "must be 0 (normal) or 1 (high)")
-    min_wv = obj.get("min_weight_version")
+    min_wv = get("min_weight_version")
     if min_wv is not None and (not _is_int(min_wv) or min_wv < 0):
         raise ValidationError("min_weight_version", "must be a non-negative integer or nil")
-    submitted_at = obj.get("submitted_at")
+    submitted_at = get("submitted_at")
     if not _is_num(submitted_at):
         raise ValidationError("submitted_at", "must be unix seconds (a number)")
+    return_logprob = get("return_logprob")
+    if type(return_logprob) is not bool:
+        return_logprob = _bool(obj, "return_logprob")
+    collect_unfinished = get("collect_unfinished")
+    if type(collect_unfinished) is not bool:
+        collect_unfinished = _bool(obj, "collect_unfinished")
+    lora_path = get("lora_path")
+    model = get("model")
     return GenerationRequest(
         request_id=request_id,
         input_ids=input_ids,
         prompt=prompt,
         sampling_params=sampling,
-        return_logprob=_bool(obj, "return_logprob"),
-        collect_unfinished=_bool(obj, "collect_unfinished"),
+        return_logprob=return_logprob,
+        collect_unfinished=collect_unfinished,
         meta_info=meta,
         reply_to=reply_to,
         callback=callback,
         group_id=group_id,
         deadline=float(deadline) if deadline is not None else None,
         submitted_at=float(submitted_at),
-        lora_path=_opt_str(obj, "lora_path"),
-        model=_opt_str(obj, "model"),
+        lora_path=None if lora_path is None else _opt_str(obj, "lora_path"),
+        model=None if model is None else _opt_str(obj, "model"),
         priority=priority,
         min_weight_version=min_wv,
         v=v,
