@@ -478,7 +478,7 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     if not isinstance(reasons, list) or len(reasons) != len(ids):
         raise ValidationError("finish_reasons", "must be a list with one entry per sample")
     for i, r in enumerate(reasons):
-        if r not in _REASONS_OK:
+        if r is not None and (type(r) is not str or r not in _REASONS_OK):
             raise ValidationError(f"finish_reasons[{i}]", f"unknown finish reason {r!r}")
     logprobs = obj.get("output_logprobs")
     if logprobs is not None:
