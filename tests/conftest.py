@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -131,6 +132,16 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> int:
         proc.kill()
         proc.wait()
         pytest.fail(f"process {proc.pid} ({' '.join(map(str, proc.args[-4:]))}) ignored SIGTERM for {timeout}s")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of a JSON-lines file that other processes are appending to (a line
+    still being written, without its newline yet, is left for the next read)."""
+    if not path.exists():
+        return []
+    text_ = path.read_text()
+    complete = text_[: text_.rfind("\n") + 1]
+    return [json.loads(x) for x in complete.splitlines() if x.strip()]
 
 
 async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> None:

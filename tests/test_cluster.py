@@ -7,7 +7,6 @@ test, primaries only) and stops it.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 import uuid
@@ -30,7 +29,7 @@ from redis.crc import key_slot
 from shared.keys import WORKERS_GROUP, Keys
 from shared.settings import Settings
 from shared.types import RecordStatus
-from tests.conftest import server_executable, spawn, stop_process, wait_until
+from tests.conftest import read_jsonl, server_executable, spawn, stop_process, wait_until
 
 GROUP = "trainer"
 
@@ -138,9 +137,7 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
                        log=logs, REDROLL_TEST_APPLIED=str(applied_file)) for _ in range(2)]
 
     def applied_lines() -> list[dict]:
-        if not applied_file.exists():
-            return []
-        return [json.loads(x) for x in applied_file.read_text().splitlines() if x.strip()]
+        return read_jsonl(applied_file)
 
     n = 2000
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections import Counter
 
@@ -11,7 +10,7 @@ import pytest
 
 from producer.client import make_request, send
 from shared.keys import WORKERS_GROUP
-from tests.conftest import spawn, wait_until
+from tests.conftest import read_jsonl, spawn, wait_until
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -57,9 +56,7 @@ async def test_200_requests_two_workers_two_consumers(settings, r, tmp_path):
         await send(settings, r, requests)
 
         def applied_lines() -> list[dict]:
-            if not applied_file.exists():
-                return []
-            return [json.loads(x) for x in applied_file.read_text().splitlines() if x.strip()]
+            return read_jsonl(applied_file)
 
         await wait_until(lambda: len(applied_lines()) >= N_REQUESTS, timeout=240, interval=0.2)
         await asyncio.sleep(1.0)  # let any duplicate show up before counting
