@@ -7,7 +7,10 @@ test, primaries only) and stops it.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -29,7 +32,7 @@ from redis.crc import key_slot
 from shared.keys import WORKERS_GROUP, Keys
 from shared.settings import Settings
 from shared.types import RecordStatus
-from tests.conftest import read_jsonl, server_executable, spawn, stop_process, wait_until
+from tests.conftest import ROOT, read_jsonl, redroll_env, server_executable, spawn, stop_process, wait_until
 
 GROUP = "trainer"
 
@@ -279,3 +282,52 @@ async def _explain_missing(rc, s: Settings, producer, futures, workers) -> None:
     print("producer readers", [(t.get_name(), t.done()) for t in producer._readers])
     for t in asyncio.all_tasks():
         print("task", t.get_name(), t.get_stack(limit=2)[-1:] if not t.done() else "done")
+
+
+def _cli(s: Settings, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    env = redroll_env(s, REDROLL_REDIS_CLUSTER="1", REDROLL_PARTITIONS=str(s.partitions))
+    return subprocess.run([sys.executable, "-m", "redroll.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, input=input)
+
+
+@pytest.mark.timeout(180)
+async def test_operator_commands_on_the_cluster(cluster_settings, rc):
+    """submit --wait, status, dead list/requeue, abort, weights, gc and drain with --cluster."""
+    s = cluster_settings
+    worker = spawn(s, "worker", "--cluster", "--partitions", "6", "--engine", "synthetic",
+                   REDROLL_GC_INTERVAL_S="3600")
+    try:
+        await wait_until(lambda: _hlen_at_least(rc, s.keys.workers, 1), timeout=60)
+        lines = "".join(json.dumps({"request_id": f"s-{i}", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+                        + "\n" for i in range(20))
+        sub = await asyncio.to_thread(_cli, s, "submit", "-", "--wait", "--no-progress", input=lines)
+        assert sub.returncode == 0, sub.stderr[-2000:]
+        assert sorted(json.loads(x)["request_id"] for x in sub.stdout.splitlines()) == sorted(f"s-{i}" for i in range(20))
+
+        # A malformed entry in partition 2 → dead letter; list it, requeue fails validation again.
+        await rc.xadd(s.partition_keys[2].requests, {"rid": "bad", "data": b"\xc1"})
+        await wait_until(lambda: rc.xlen(s.partition_keys[2].dead), timeout=20)
+        dead = await asyncio.to_thread(_cli, s, "dead", "list", "--json")
+        assert dead.returncode == 0, dead.stderr[-2000:]
+        assert "not valid msgpack" in dead.stdout
+
+        status = await asyncio.to_thread(_cli, s, "status", "--json")
+        assert status.returncode == 0, status.stderr[-2000:]
+        doc = json.loads(status.stdout)
+        assert doc["workers_alive"] == 1 and doc["dead_letters"] == 1 and len(doc["partitions"]) == 6
+
+        abort = await asyncio.to_thread(_cli, s, "abort", "nothing-here")
+        assert abort.returncode == 0, abort.stderr[-2000:]
+        weights = await asyncio.to_thread(_cli, s, "weights", "update", "--model-path", "/ckpt/2", "--version", "2",
+                                          "--timeout", "30")
+        assert weights.returncode == 0, weights.stderr[-2000:]
+        # A reply stream without TTL, last written long ago: gc finds it (SCAN on every node).
+        await rc.xadd(s.partition_keys[5].reply("gone-producer"), {"rid": "x"}, id="1-1")
+        gc = await asyncio.to_thread(_cli, s, "gc", "--dry-run")
+        assert gc.returncode == 0, gc.stderr[-2000:]
+        assert s.partition_keys[5].reply("gone-producer") in gc.stdout + gc.stderr
+        drain = await asyncio.to_thread(_cli, s, "drain", "--all")
+        assert drain.returncode == 0, drain.stderr[-2000:]
+        assert await asyncio.to_thread(worker.wait, 30) == 0
+    finally:
+        stop_process(worker)
