@@ -1,0 +1,69 @@
+"""Client construction: hiredis command packing, the cluster client, the cluster setting."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+from shared.connection import RedisConfigError, _with_hiredis_packing, connect, is_cluster
+from shared.settings import Settings
+
+COMMANDS = [
+    ("SET", "k", "v"),
+    ("EVALSHA", "a" * 40, 3, "{ns}:requests", b"{ns}:results", "{ns}:rid:x", 1.5, -7, 0, "ü", b"\x00\xff"),
+    ("CLIENT SETINFO", "LIB-NAME", "redroll"),  # a two-word command name
+    (b"CONFIG GET", "maxmemory"),
+    ("XADD", "s", "*", "data", bytearray(b"abc"), "more", memoryview(b"xyz")),
+    ("SET", "big", b"x" * 100_000),
+]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: str(a[0]))
+def test_hiredis_packing_gives_redis_py_bytes(args):
+    fast = _with_hiredis_packing(Connection)(host="localhost")
+    plain = Connection(host="localhost")
+    assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args))
+    assert b"".join(fast.pack_commands([args, args])) == b"".join(plain.pack_commands([args, args]))
+
+
+def test_unpackable_arguments_fall_back_to_redis_py():
+    fast = _with_hiredis_packing(Connection)(host="localhost")
+    with pytest.raises(redis.exceptions.DataError):  # redis-py's own refusal, not a hiredis TypeError
+        fast.pack_command("SET", "k", {"a": 1})
+
+
+@pytest.mark.parametrize("base", [Connection, SSLConnection, UnixDomainSocketConnection])
+def test_every_connection_kind_gets_the_packer(base):
+    cls = _with_hiredis_packing(base)
+    assert issubclass(cls, base) and cls is _with_hiredis_packing(base) and _with_hiredis_packing(cls) is cls
+
+
+async def test_connect_uses_the_packer_and_cluster_setting():
+    plain = connect(Settings(redis_url="redis://127.0.0.1:1/0"))
+    tls = connect(Settings(redis_url="rediss://127.0.0.1:1/0"))
+    try:
+        assert plain.connection_pool.connection_class.__name__ == "HiredisPackingConnection"
+        assert issubclass(tls.connection_pool.connection_class, SSLConnection)
+        assert not is_cluster(plain)
+    finally:
+        await plain.aclose()
+        await tls.aclose()
+    cluster = connect(Settings(redis_url="redis://127.0.0.1:1", redis_cluster=True))
+    try:
+        assert is_cluster(cluster) and isinstance(cluster, redis.asyncio.RedisCluster)
+        assert cluster.nodes_manager.connection_kwargs["connection_class"].__name__ == "HiredisPackingConnection"
+    finally:
+        await cluster.aclose()
+    with pytest.raises(RedisConfigError, match="TCP"):
+        connect(Settings(redis_url="unix:///tmp/redis.sock", redis_cluster=True))
+
+
+@pytest.mark.parametrize("raw,value", [("1", True), ("true", True), ("yes", True), ("0", False), ("off", False)])
+def test_cluster_setting_from_env(raw, value):
+    assert Settings.from_env({"REDROLL_REDIS_CLUSTER": raw}).redis_cluster is value
+
+
+def test_cluster_setting_rejects_other_words():
+    with pytest.raises(ValueError, match="REDROLL_REDIS_CLUSTER"):
+        Settings.from_env({"REDROLL_REDIS_CLUSTER": "maybe"})
