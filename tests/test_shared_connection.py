@@ -16,6 +16,7 @@ COMMANDS = [
     (b"CONFIG GET", "maxmemory"),
     ("XADD", "s", "*", "data", bytearray(b"abc"), "more", memoryview(b"xyz")),
     ("SET", "big", b"x" * 100_000),
+    ("ZADD", "z", 10**30, "a", -0.0, "b", 1e20, "c", float("inf"), "d"),
 ]
 
 
@@ -29,8 +30,9 @@ def test_hiredis_packing_gives_redis_py_bytes(args):
 
 def test_unpackable_arguments_fall_back_to_redis_py():
     fast = _with_hiredis_packing(Connection)(host="localhost")
-    with pytest.raises(redis.exceptions.DataError):  # redis-py's own refusal, not a hiredis TypeError
-        fast.pack_command("SET", "k", {"a": 1})
+    for bad in ({"a": 1}, None, True):
+        with pytest.raises(redis.exceptions.DataError):  # redis-py's own refusal, not a hiredis TypeError
+            fast.pack_command("SET", "k", bad)
 
 
 @pytest.mark.parametrize("base", [Connection, SSLConnection, UnixDomainSocketConnection])
