@@ -9,6 +9,7 @@ from typing import Any
 import redis
 from redis.asyncio import Redis
 
+from shared.connection import is_cluster
 from shared.keys import WORKERS_GROUP, Keys
 from shared.streams import id_tuple, text
 
@@ -160,10 +161,19 @@ async def collect_pipeline_status(r: Redis, keys: Keys, parts: list[Keys]) -> di
                           "length": sum(p["results"]["length"] for p in per_part), "groups": list(groups.values())}
     overall["dead_letters"] = sum(p["dead_letters"] for p in per_part)
     overall["warnings"] = [w for p in per_part for w in p["warnings"]]
-    overall["partitions"] = [{"tag": part.tag, "queued": p["requests"]["backlog"], "in_flight": p["requests"]["pending"],
-                              "results": p["results"]["length"], "dead_letters": p["dead_letters"]}
+    overall["partitions"] = [{"tag": part.tag, "node": _node_of(r, part.requests), "queued": p["requests"]["backlog"],
+                              "in_flight": p["requests"]["pending"], "results": p["results"]["length"],
+                              "dead_letters": p["dead_letters"]}
                              for part, p in zip(parts, per_part)]
     return overall
+
+
+def _node_of(r: Redis, key: str) -> str | None:
+    """host:port of the cluster primary holding ``key`` (None on a single server)."""
+    if not is_cluster(r):
+        return None
+    node = r.get_node_from_key(key)  # type: ignore[attr-defined]
+    return f"{node.host}:{node.port}" if node is not None else None
 
 
 def render_status(status: dict[str, Any]) -> Any:
@@ -200,5 +210,13 @@ def render_status(status: dict[str, Any]) -> Any:
     for g in status["results"]["groups"]:
         groups.add_row(g["group"], str(g["consumers"]), str(g["pending"]), str(g["backlog"]))
     parts: list[Any] = [summary, workers, groups]
+    if status.get("partitions"):
+        table = Table(title="partitions")
+        for col in ("tag", "node", "queued", "in flight", "results", "dead letters"):
+            table.add_column(col)
+        for p in status["partitions"]:
+            table.add_row(p["tag"], p.get("node") or "-", str(p["queued"]), str(p["in_flight"]), str(p["results"]),
+                          str(p["dead_letters"]))
+        parts.append(table)
     parts += [f"[yellow]warning:[/] {w}" for w in status["warnings"]]
     return Group(*parts)

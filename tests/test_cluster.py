@@ -315,6 +315,10 @@ async def test_operator_commands_on_the_cluster(cluster_settings, rc):
         assert status.returncode == 0, status.stderr[-2000:]
         doc = json.loads(status.stdout)
         assert doc["workers_alive"] == 1 and doc["dead_letters"] == 1 and len(doc["partitions"]) == 6
+        nodes = {f"127.0.0.1:{rc.get_node_from_key(part.requests).port}" for part in s.partition_keys}
+        assert {p["node"] for p in doc["partitions"]} == nodes and len(nodes) == 3
+        table = await asyncio.to_thread(_cli, s, "status")
+        assert table.returncode == 0 and "partitions" in table.stdout, table.stderr[-2000:]
 
         abort = await asyncio.to_thread(_cli, s, "abort", "nothing-here")
         assert abort.returncode == 0, abort.stderr[-2000:]
