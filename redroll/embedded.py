@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def free_port() -> int:
@@ -42,28 +42,41 @@ class RedisServer:
                 self.process.wait()
 
 
+def answers_ping(port: int) -> bool:
+    """True when a plain-text server on loopback ``port`` answers PING (PONG, or NOAUTH from a
+    server that wants a password)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64)[:1] in (b"+", b"-")
+    except OSError:
+        return False
+
+
 def start_redis_server(*extra: str, port: int | None = None, directory: str | None = None,
-                       executable: str | None = None, timeout: float = 10.0) -> RedisServer:
-    """Start ``redis-server`` (no persistence unless ``extra`` asks for it) and wait until it answers."""
+                       executable: str | None = None, timeout: float = 10.0, port_option: str = "--port",
+                       ready: Callable[[int], bool] = answers_ping) -> RedisServer:
+    """Start ``redis-server`` (no persistence unless ``extra`` asks for it) and wait until
+    ``ready(port)``.
+
+    ``port_option``: the option ``port`` is served under; another one than ``--port`` (e.g.
+    ``--tls-port``) also closes the plain-text port, and then wants its own ``ready`` probe.
+    """
     exe = executable or shutil.which("redis-server") or shutil.which("valkey-server")
     if exe is None:
         raise FileNotFoundError("redis-server is not installed")
     port = port or free_port()
     directory = directory or tempfile.mkdtemp(prefix="redroll-redis-")
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", "",
+    listen = ["--port", str(port)] if port_option == "--port" else ["--port", "0", port_option, str(port)]
+    args = [exe, *listen, "--bind", "127.0.0.1", "--dir", directory, "--save", "",
             "--appendonly", "no", "--protected-mode", "no", *extra]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {proc.returncode}: {' '.join(args)}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(64)[:1] in (b"+", b"-"):  # PONG, or NOAUTH from a server that wants a password
-                    return RedisServer(port, proc, directory)
-        except OSError:
-            pass
+        if ready(port):
+            return RedisServer(port, proc, directory)
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not answer on port {port} within {timeout}s")

@@ -33,7 +33,7 @@ from consumer.runner import ConsumerRunner
 from engine_worker.engines.synthetic import SyntheticEngine
 from engine_worker.worker import Worker
 from producer.client import Producer, make_request, send
-from redroll.embedded import RedisServer, free_port
+from redroll.embedded import RedisServer
 from redroll.status import collect_status
 from shared.acl import ROLES, acl_rules, setuser_args
 from shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
@@ -437,51 +437,35 @@ def _certificates(directory: Path) -> dict[str, str]:
 
 
 class TlsServer:
-    """A server listening on TLS only (``--port 0``), started and probed here: the plain-text
-    readiness check of start_redis_server cannot reach it."""
+    """A server listening on TLS only (``--port 0``): start_redis_server with a TLS readiness
+    probe (its plain-text PING cannot reach it)."""
 
     def __init__(self, certs: dict[str, str], auth_clients: str, directory: Path):
-        exe = server_executable()
-        self.port = free_port()
-        self.log = directory / "server.log"
-        args = [exe, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
-                "--save", "", "--appendonly", "no", "--logfile", str(self.log),
-                "--tls-cert-file", certs["server"] + ".crt", "--tls-key-file", certs["server"] + ".key",
-                "--tls-ca-cert-file", certs["ca"] + ".crt", "--tls-auth-clients", auth_clients]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         context = ssl.create_default_context(cafile=certs["ca"] + ".crt")
         context.load_cert_chain(certs["client"] + ".crt", certs["client"] + ".key")
-        deadline = time.monotonic() + 10
-        while True:
-            if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                log = self.log.read_text() if self.log.exists() else ""
-                raise RuntimeError(f"{exe} with TLS exited ({self.process.returncode}): {err} {log[-2000:]}")
+
+        def answers_tls_ping(port: int) -> bool:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw, \
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as raw, \
                         context.wrap_socket(raw, server_hostname="127.0.0.1") as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return
+                    return s.recv(64).startswith(b"+PONG")
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"TLS server did not answer on port {self.port}")
-            time.sleep(0.05)
+                return False
+
+        self.server = start_test_server(
+            "--logfile", str(directory / "server.log"),
+            "--tls-cert-file", certs["server"] + ".crt", "--tls-key-file", certs["server"] + ".key",
+            "--tls-ca-cert-file", certs["ca"] + ".crt", "--tls-auth-clients", auth_clients,
+            directory=str(directory), port_option="--tls-port", ready=answers_tls_ping)
+        self.port = self.server.port
 
     @property
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")
