@@ -8,12 +8,14 @@ reasons, meta_info) to the callback hop, whose handler counts like ``bench_handl
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import random
 import time
 import uuid
+from typing import Any, Awaitable, Callable
 
 EXPECT = int(os.environ.get("BENCH_EXPECT", "0") or 0)
 DONE_FILE = os.environ.get("BENCH_DONE_FILE", "")
@@ -91,3 +93,15 @@ def ready(role: str) -> None:
 def report(out: str, t_first: float, count: int, cpu0: float) -> None:
     _write(out, {"t_first": t_first, "t_last": time.time(), "count": count, "cpu_s": time.process_time() - cpu0,
                  "job_bytes": job_bytes()})
+
+
+async def produce_in_chunks(count: int, out: str, enqueue: Callable[[dict], Awaitable[Any]], chunk: int = 100) -> None:
+    """The asyncio peers' producer: ``chunk`` enqueues at once, ``count`` jobs in all, then the report."""
+    cpu0 = time.process_time()
+    t_first = time.time()
+    sent = 0
+    while sent < count:
+        k = min(chunk, count - sent)
+        await asyncio.gather(*(enqueue(make_job(i)) for i in range(sent, sent + k)))
+        sent += k
+    report(out, t_first, sent, cpu0)

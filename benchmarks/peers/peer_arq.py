@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 from arq import create_pool
 from arq.connections import RedisSettings
@@ -61,14 +60,7 @@ class ResultWorker:
 
 async def produce(count: int, out: str, chunk: int = 100) -> None:
     pool = await create_pool(REDIS, default_queue_name=JOBS)
-    cpu0 = time.process_time()
-    t_first = time.time()
-    sent = 0
-    while sent < count:
-        k = min(chunk, count - sent)
-        await asyncio.gather(*(pool.enqueue_job("job", common.make_job(i)) for i in range(sent, sent + k)))
-        sent += k
-    common.report(out, t_first, sent, cpu0)
+    await common.produce_in_chunks(count, out, lambda payload: pool.enqueue_job("job", payload), chunk)
     await pool.aclose()
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 from taskiq import TaskiqEvents, TaskiqState
 from taskiq_redis import RedisStreamBroker
@@ -49,14 +48,7 @@ async def _result_worker_up(state: TaskiqState) -> None:
 
 async def produce(count: int, out: str, chunk: int = 100) -> None:
     await job_broker.startup()
-    cpu0 = time.process_time()
-    t_first = time.time()
-    sent = 0
-    while sent < count:
-        k = min(chunk, count - sent)
-        await asyncio.gather(*(job.kiq(common.make_job(i)) for i in range(sent, sent + k)))
-        sent += k
-    common.report(out, t_first, sent, cpu0)
+    await common.produce_in_chunks(count, out, job.kiq, chunk)
     await job_broker.shutdown()
 
 
