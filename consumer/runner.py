@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from consumer.handlers import Handler, HandlerRegistry
 from shared.codec import ValidationError, decode_record
-from shared.connection import connect, is_cluster
+from shared.connection import connect, read_groups
 from shared.keys import Keys
 from shared.retention import trim_acked
 from shared.scripts import DeadLetter, Scripts
@@ -106,10 +106,7 @@ class ConsumerRunner:
         await self._ensure_groups()
         log.info("consumer %s on %s group %s: handlers %s", self.name, ", ".join(self.streams), self.group,
                  self.registry.names())
-        # One read loop over every stream, except on a cluster, where one read cannot span hash
-        # tags: there each stream has its own loop.
-        groups = [[s] for s in self.streams] if is_cluster(self.redis) else [self.streams]
-        readers = [self._read_loop_for(g) for g in groups]
+        readers = [self._read_loop_for(g) for g in read_groups(self.redis, self.streams)]
         tasks = [asyncio.create_task(self._guard(fn)) for fn in (*readers, self._reclaim_loop, self._trim_loop)]
         n_readers = len(readers)
         try:

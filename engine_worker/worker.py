@@ -26,7 +26,7 @@ from engine_worker.publisher import Publisher
 from engine_worker.records import build_record
 from shared.batcher import CommandBatcher
 from shared.codec import NewerSchemaError, ValidationError, decode_request
-from shared.connection import connect, is_cluster
+from shared.connection import connect, read_groups
 from shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
 from shared.gc import collect_garbage
 from shared.keys import WORKERS_GROUP, Keys
@@ -202,9 +202,7 @@ class Worker:
         await self._heartbeat()
         log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
                  self.engine.info.name, self.engine.info.model, self.max_inflight)
-        # One claim loop reads every partition at once, except on a cluster, where one read cannot
-        # span hash tags: there each partition has its own loop.
-        groups = [[p] for p in self.parts] if is_cluster(self.redis) else [self.parts]
+        groups = read_groups(self.redis, self.parts)  # one claim loop per group
         loops = [
             *(asyncio.create_task(self._guard(self._claim_loop_for(g, len(groups))), name=f"claim-{i}")
               for i, g in enumerate(groups)),

@@ -21,7 +21,7 @@ import redis
 from redis.asyncio import Redis
 
 from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
-from shared.connection import connect, is_cluster
+from shared.connection import connect, read_groups
 from shared.control import cancel_queued, send_abort
 from shared.control import update_weights as _update_weights
 from shared.keys import PRODUCER_GROUP, Keys
@@ -142,9 +142,7 @@ class Producer:
         for stream in self.reply_streams:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)
             await self._redis.expire(stream, self.settings.reply_ttl_s)
-        # One reader over every reply stream, except on a cluster, where one read cannot span hash
-        # tags: there each partition's reply stream has its own reader.
-        groups = [[s] for s in self.reply_streams] if is_cluster(self._redis) else [self.reply_streams]
+        groups = read_groups(self._redis, self.reply_streams)  # one reader per group
         self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
                          for i, g in enumerate(groups)]
         return self

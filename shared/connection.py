@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -18,6 +18,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from shared.settings import Settings
+
+T = TypeVar("T")
 
 
 class RedisConfigError(RuntimeError):
@@ -160,14 +162,17 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, redis.asyncio.RedisCluster)
 
 
+def read_groups(client: Any, items: list[T]) -> list[list[T]]:
+    """How to split reads over ``items`` (streams or partitions, each of one hash tag): one read
+    over all of them, except on a cluster, where one read cannot span hash tags, so one each."""
+    return [[item] for item in items] if is_cluster(client) else [items]
+
+
 def connect_sync(settings: Settings) -> redis.Redis:
-    if settings.redis_cluster:
-        kw = connection_kwargs(settings)
-        return redis.RedisCluster.from_url(settings.redis_url, retry=_SyncRetry(ExponentialBackoff(cap=2.0, base=0.05),
-                                                                                  retries=5), **kw)  # type: ignore[return-value]
     kw = connection_kwargs(settings)
     retry = _SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
-    return redis.Redis.from_url(settings.redis_url, retry=retry, **kw)
+    client_class = redis.RedisCluster if settings.redis_cluster else redis.Redis
+    return client_class.from_url(settings.redis_url, retry=retry, **kw)  # type: ignore[return-value]
 
 
 _ACL_REFUSALS = ("NOPERM", "ACL failure in script", "user executing the script can't")

@@ -14,6 +14,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
 from shared.codec import encode_record
+from shared.connection import is_cluster
 from shared.types import CompletionRecord
 
 
@@ -164,7 +165,7 @@ class Scripts:
         On a cluster, SCRIPT LOAD goes to every primary."""
         scripts = (self._submit, self._finish, self._dead, self._renew, self._cancel, self._finish_many,
                    self._submit_many)
-        if not isinstance(self.redis, Redis):
+        if is_cluster(self.redis):
             for script in scripts:
                 await self.redis.script_load(script.script)
             return

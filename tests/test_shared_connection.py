@@ -6,7 +6,7 @@ import pytest
 import redis.asyncio
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
-from shared.connection import RedisConfigError, _with_hiredis_packing, connect, is_cluster
+from shared.connection import RedisConfigError, _with_hiredis_packing, connect, is_cluster, read_groups
 from shared.settings import Settings
 
 COMMANDS = [
@@ -69,3 +69,14 @@ def test_cluster_setting_from_env(raw, value):
 def test_cluster_setting_rejects_other_words():
     with pytest.raises(ValueError, match="REDROLL_REDIS_CLUSTER"):
         Settings.from_env({"REDROLL_REDIS_CLUSTER": "maybe"})
+
+
+async def test_reads_are_split_per_hash_tag_only_on_a_cluster():
+    plain = connect(Settings(redis_url="redis://127.0.0.1:1/0"))
+    cluster = connect(Settings(redis_url="redis://127.0.0.1:1", redis_cluster=True))
+    try:
+        assert read_groups(plain, ["{a:0}:s", "{a:1}:s"]) == [["{a:0}:s", "{a:1}:s"]]
+        assert read_groups(cluster, ["{a:0}:s", "{a:1}:s"]) == [["{a:0}:s"], ["{a:1}:s"]]
+    finally:
+        await plain.aclose()
+        await cluster.aclose()
