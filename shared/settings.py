@@ -65,8 +65,6 @@ class Settings:
     def keys_for(self, request: GenerationRequest) -> Keys:
         """The partition a request lives in: by group_id (all samples of a prompt together, for
         prefix-cache reuse), else by request_id."""
-        if self.partitions == 1:
-            return partition_key_sets(self.namespace, 1)[0]
         parts = partition_key_sets(self.namespace, self.partitions)
         return parts[partition_index(request.group_id or request.request_id, len(parts))]
 
