@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -80,9 +81,32 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
             note="redroll / the faster raw variant")
     res.details["ratio_vs_raw_sync"] = round(run.rate / raw["sync"]["rate"], 4)
     res.details["ratio_vs_raw_async"] = round(run.rate / raw["async"]["rate"], 4)
+    res.details["ratio_bound"] = bound = ratio_bound(res.details, best_raw, n)
+    res.fig("ratio_bound", bound["ratio"], "x",
+            note="what a zero-cost asyncio client keeping redroll's redis-side work could reach here")
     res.details["raw_how"] = ("same bytes, same three processes: producer pipelined XADD (500 per round trip); "
                               "worker XREADGROUP COUNT 256 -> one pipeline of XADD(result) per entry + one XACK; "
                               "consumer XREADGROUP COUNT 256 -> XACK. No XDEL, no decoding, no Lua.")
+
+
+def ratio_bound(details: dict[str, Any], best_raw: float, n: int) -> dict[str, Any]:
+    """The best ratio an asyncio pipeline that keeps redroll's promises could reach on this machine.
+
+    Its floor is the raw asyncio clients' CPU (bare redis-py calls: no decoding, validation or
+    engine) plus the redis-server CPU of redroll's own commands (Lua de-duplication and fencing,
+    callback markers). With every core as busy as the raw sync flow keeps them, that CPU per
+    request sets the rate.
+    """
+    raw_async = details["raw_async"]["cpu_us_per_request"]
+    floor_us = sum(v for k, v in raw_async.items() if k != "redis-server") \
+        + details["redroll"]["cpu_us_per_request"]["redis-server"]
+    sync = details["raw_sync"]
+    cores_busy = sum(sync["cpu_us_per_request"].values()) * n / 1e6 / sync["elapsed_s"]
+    rate = cores_busy / (floor_us / 1e6)
+    return {"floor_cpu_us_per_request": round(floor_us, 1), "cores": os.cpu_count(),
+            "cores_busy_in_raw_sync": round(cores_busy, 2), "rate": round(rate), "ratio": round(rate / best_raw, 4),
+            "how": "(raw asyncio clients' CPU + redroll's redis-server CPU) per request, at the raw sync "
+                   "flow's core use; a zero-cost redroll client could not beat this"}
 
 
 def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str, Any]:

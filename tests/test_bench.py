@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("ceiling", "latency", "utilisation", "large", "memory")
 EXPECTED = {
-    "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw"},
+    "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw", "ratio_bound"},
     "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
                 "consumer_p99_added_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
@@ -65,6 +65,24 @@ def test_quick_bench_reports_every_figure(tmp_path: Path) -> None:
             if key not in signed:
                 assert value > 0, f"{name}.{key} = {value!r} is not positive"
             assert section["units"][key], f"{name}.{key} has no unit"
+
+
+def test_ratio_bound_from_the_raw_runs() -> None:
+    """The bound: raw asyncio clients' CPU plus redroll's redis-server CPU per request, at the
+    raw sync flow's core use (here 1.5 cores: 30 us x 10,000 requests in 0.2 s)."""
+    from benchmarks.sections import ratio_bound
+
+    details = {
+        "redroll": {"cpu_us_per_request": {"worker0": 40.0, "producer": 20.0, "consumer": 15.0, "redis-server": 20.0}},
+        "raw_sync": {"elapsed_s": 0.2, "cpu_us_per_request": {"producer": 7.0, "worker": 10.0, "consumer": 3.0,
+                                                              "redis-server": 10.0}},
+        "raw_async": {"elapsed_s": 0.3, "cpu_us_per_request": {"producer": 15.0, "worker": 20.0, "consumer": 5.0,
+                                                               "redis-server": 8.0}},
+    }
+    bound = ratio_bound(details, best_raw=50_000.0, n=10_000)
+    assert bound["floor_cpu_us_per_request"] == 60.0  # 15 + 20 + 5 (raw asyncio clients) + 20 (redroll's server)
+    assert bound["cores_busy_in_raw_sync"] == 1.5
+    assert bound["rate"] == 25_000 and bound["ratio"] == 0.5
 
 
 @pytest.mark.timeout(300)
