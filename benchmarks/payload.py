@@ -7,6 +7,8 @@ field is ~245 bytes in namespace ``bench``.
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid
 from typing import Iterator
 
@@ -20,8 +22,19 @@ def input_ids(i: int, length: int = INPUT_LEN) -> list[int]:
     return [(1000 + 37 * (i + j)) % 32000 for j in range(length)]
 
 
+_ID_SEQ = itertools.count()
+_ID_PREFIX: dict[int, str] = {}
+
+
 def request_id(step: int = 0) -> str:
-    return f"{uuid.uuid4().hex}_{step}"
+    """A unique ROLL-shaped id: 32 hex digits (a random per-process prefix and a counter) and
+    ``_<step>``. Same shape as ``uuid4().hex``, without one ``os.urandom`` call per request (which
+    would be the benchmark's own cost, not the queue's)."""
+    pid = os.getpid()
+    prefix = _ID_PREFIX.get(pid)
+    if prefix is None:
+        prefix = _ID_PREFIX.setdefault(pid, uuid.uuid4().hex[:24])
+    return f"{prefix}{next(_ID_SEQ):08x}_{step}"
 
 
 def make_requests(count: int, *, input_len: int = INPUT_LEN, max_new_tokens: int = MAX_NEW_TOKENS, n: int = 1,

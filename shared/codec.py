@@ -106,7 +106,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and not (isinstance(v, float) and not math.isfinite(v))
+    t = type(v)
+    if t is float:
+        return math.isfinite(v)
+    if t is int:
+        return True
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _opt_str(d: dict, key: str, *, max_len: int = 4096) -> str | None:
@@ -364,15 +369,15 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
     meta = get("meta_info")
     if meta is None:
         meta = {}
-    elif not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+    elif not isinstance(meta, dict) or (meta and not all(isinstance(k, str) for k in meta)):
         raise ValidationError("meta_info", "must be a map with string keys")
     elif meta and len(_pack(meta)) > limits.max_meta_bytes:
         raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     reply_to = get("reply_to")
-    if reply_to is not None:
-        reply_to = _opt_str(obj, "reply_to", max_len=512)
+    if reply_to is not None and (type(reply_to) is not str or len(reply_to) > 512):
+        reply_to = _opt_str(obj, "reply_to", max_len=512)  # (raises, or accepts a str subclass)
     callback = get("callback")
-    if callback is not None:
+    if callback is not None and (type(callback) is not str or len(callback) > 256):
         callback = _opt_str(obj, "callback", max_len=256)
     group_id = get("group_id")
     if group_id is not None:

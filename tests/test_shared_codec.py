@@ -258,6 +258,7 @@ def test_input_ids_and_prompt_both_or_neither():
         ({"reply_to": 5}, "reply_to"),
         ({"reply_to": "x" * 513}, "reply_to"),
         ({"callback": ["f"]}, "callback"),
+        ({"callback": "f" * 257}, "callback"),
         ({"group_id": "bad group"}, "group_id"),
         ({"group_id": 5}, "group_id"),
         ({"deadline": "soon"}, "deadline"),
@@ -268,6 +269,8 @@ def test_input_ids_and_prompt_both_or_neither():
         ({"submitted_at": _DROP}, "submitted_at"),
         ({"submitted_at": "now"}, "submitted_at"),
         ({"submitted_at": float("nan")}, "submitted_at"),
+        ({"submitted_at": float("-inf")}, "submitted_at"),
+        ({"submitted_at": True}, "submitted_at"),
         ({"lora_path": 3}, "lora_path"),
         ({"model": {"name": "x"}}, "model"),
     ],
@@ -276,6 +279,11 @@ def test_wrong_types(over, field):
     err = field_error(valid_map(**over))
     assert err.field == field, err
     assert field in err.reason
+
+
+def test_string_fields_at_their_length_limits_pass():
+    req = decode_map(valid_map(reply_to="r" * 512, callback="c" * 256, submitted_at=1_700_000_000))
+    assert (len(req.reply_to), len(req.callback), req.submitted_at) == (512, 256, 1_700_000_000.0)
 
 
 def test_input_ids_too_long():

@@ -25,10 +25,13 @@ REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 _state = {"n": 0, "first": 0.0, "written": False}
 
 
+_ID_PREFIX = uuid.uuid4().hex[:24]  # (each peer process is started fresh, never forked)
+
+
 def make_job(i: int) -> dict:
     return {
         "v": 1,
-        "request_id": f"{uuid.uuid4().hex}_{i % 7}",
+        "request_id": f"{_ID_PREFIX}{i:08x}_{i % 7}",  # the same shape as redroll's benchmark ids
         "input_ids": [(1000 + 37 * (i + j)) % 32000 for j in range(8)],
         "sampling_params": {"max_new_tokens": 8},
         "return_logprob": False,

@@ -22,6 +22,17 @@ from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, c
 from shared.types import GenerationRequest
 
 
+class _NeverAborted:
+    """The abort event of a generation that cannot be aborted (it never waits)."""
+
+    @staticmethod
+    def is_set() -> bool:
+        return False
+
+
+_NEVER_ABORTED = _NeverAborted()
+
+
 class SyntheticEngine:
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
@@ -60,15 +71,17 @@ class SyntheticEngine:
         sp = request.sampling_params
         # An extendable-output hash of (input, seed, sample) gives 32 bits per token and per
         # logprob in one C call, whatever the length.
-        h = hashlib.shake_256()
         if request.input_ids is not None:
-            h.update(b"ids:" + array("q", request.input_ids).tobytes())
+            source = b"ids:" + array("q", request.input_ids).tobytes()
         else:
-            h.update(b"prompt:" + (request.prompt or "").encode())
-        h.update(f"|seed:{sp.sampling_seed if sp.sampling_seed is not None else request.request_id}|{sample}".encode())
-        vocab = self.info.vocab_size or 32000
+            source = b"prompt:" + (request.prompt or "").encode()
+        seed = sp.sampling_seed if sp.sampling_seed is not None else request.request_id
         n = sp.max_new_tokens
-        words = array("I", h.digest(8 * n))
+        # (the first n words are the ids, the next n the logprobs: a shorter digest is its prefix)
+        digest = hashlib.shake_256(b"%s|seed:%s|%d" % (source, str(seed).encode(), sample)).digest(
+            (8 if with_logprobs else 4) * n)
+        words = array("I", digest)
+        vocab = self.info.vocab_size or 32000
         ids = [x % vocab for x in words[:n]]
         logprobs = [x * (-4.0 / 4294967296.0) for x in words[n:]] if with_logprobs else []
         return ids, logprobs
@@ -91,6 +104,10 @@ class SyntheticEngine:
         self.info.weight_version = weight_version if weight_version is not None else model_path
 
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
+        if self._slots is None and not self.token_ms:
+            # Nothing to wait for: generate runs to its end without yielding, so no abort can
+            # arrive in between (and none needs registering).
+            return await self._generate(request, _NEVER_ABORTED)
         abort_ev = asyncio.Event()  # registered first: an abort while waiting for a slot counts
         self._abort_events[handle] = abort_ev
         try:
@@ -101,7 +118,7 @@ class SyntheticEngine:
         finally:
             self._abort_events.pop(handle, None)
 
-    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event) -> EngineOutput:
+    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event | _NeverAborted) -> EngineOutput:
         self._inject_faults(request)
         weight_version = self.info.weight_version
         sp = request.sampling_params
