@@ -1,0 +1,71 @@
+"""The synthetic engine: deterministic tokens from (input, seed, sample), aborts, stop tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from array import array
+
+from engine_worker.engines.synthetic import SyntheticEngine
+from producer.client import make_request
+
+
+def _expected_words(source: bytes, seed: object, sample: int, n: int) -> list[int]:
+    """The documented derivation: SHAKE-256 of ``source|seed:<seed>|<sample>``, 32 bits per word."""
+    digest = hashlib.shake_256(source + f"|seed:{seed}|{sample}".encode()).digest(8 * n)
+    return list(array("I", digest))
+
+
+def test_tokens_follow_the_hash_of_input_seed_and_sample():
+    engine = SyntheticEngine(vocab_size=1000)
+    req = make_request(request_id="r-1", input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 6})
+    words = _expected_words(b"ids:" + array("q", [5, 6, 7]).tobytes(), "r-1", 2, 6)
+    ids, logprobs = engine.tokens_for(req, 2)
+    assert ids == [w % 1000 for w in words[:6]]
+    assert logprobs == [w * (-4.0 / 4294967296.0) for w in words[6:]]
+    # Without logprobs the ids are the same; another sample gives other ids.
+    assert engine.tokens_for(req, 2, with_logprobs=False) == (ids, [])
+    assert engine.tokens_for(req, 3)[0] != ids
+
+
+def test_a_seed_replaces_the_request_id_and_prompts_hash_their_text():
+    engine = SyntheticEngine(vocab_size=1000)
+    a = make_request(request_id="a", prompt="héllo", sampling_params={"max_new_tokens": 4, "sampling_seed": 9})
+    b = make_request(request_id="b", prompt="héllo", sampling_params={"max_new_tokens": 4, "sampling_seed": 9})
+    assert engine.tokens_for(a, 0) == engine.tokens_for(b, 0)
+    words = _expected_words("prompt:héllo".encode(), 9, 0, 4)
+    assert engine.tokens_for(a, 0)[0] == [w % 1000 for w in words[:4]]
+
+
+async def test_zero_delay_generation_runs_to_its_length():
+    engine = SyntheticEngine()
+    req = make_request(request_id="z", input_ids=[1], sampling_params={"max_new_tokens": 5, "n": 2},
+                       return_logprob=True)
+    out = await engine.generate(req, "h-z")
+    assert [s.finish_reason for s in out.samples] == ["length", "length"]
+    assert [len(s.token_ids) for s in out.samples] == [5, 5] and not out.aborted
+    assert all(len(s.logprobs) == 5 for s in out.samples)
+    engine.abort("h-z")  # after the end (or for an unknown handle): nothing happens
+
+
+async def test_abort_mid_generation_returns_the_tokens_so_far():
+    engine = SyntheticEngine(token_ms=20)
+    req = make_request(request_id="slow", input_ids=[1], sampling_params={"max_new_tokens": 50})
+    task = asyncio.create_task(engine.generate(req, "h-slow"))
+    await asyncio.sleep(0.1)
+    engine.abort("h-slow")
+    out = await asyncio.wait_for(task, 2)
+    assert out.aborted and out.samples[0].finish_reason == "abort"
+    assert 0 < len(out.samples[0].token_ids) < 50
+    assert out.samples[0].token_ids == engine.tokens_for(req, 0)[0][: len(out.samples[0].token_ids)]
+
+
+async def test_a_stop_token_ends_the_sample():
+    engine = SyntheticEngine()
+    req = make_request(request_id="s", input_ids=[1], sampling_params={"max_new_tokens": 8})
+    full, _ = engine.tokens_for(req, 0)
+    stop = full[3]
+    req = make_request(request_id="s", input_ids=[1], sampling_params={"max_new_tokens": 8, "stop_token_ids": [stop]})
+    sample = (await engine.generate(req, "h-s")).samples[0]
+    assert sample.finish_reason == "stop"
+    assert sample.token_ids == full[: full.index(stop) + 1]
