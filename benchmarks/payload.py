@@ -1,6 +1,6 @@
 """The benchmark's request and record shapes (one place, so every section and peer agrees).
 
-A request is ROLL-shaped: a 34-character request_id (``<uuid hex>_<step>``), a short prompt as
+A request is ROLL-shaped: a 34-character request_id (32 hex digits, then ``_<step>``), a short prompt as
 ``input_ids`` (8 tokens by default), ``max_new_tokens`` 8, a callback name. Its msgpack ``data``
 field is ~245 bytes in namespace ``bench``.
 """
