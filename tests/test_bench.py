@@ -85,6 +85,19 @@ def test_ratio_bound_from_the_raw_runs() -> None:
     assert bound["rate"] == 25_000 and bound["ratio"] == 0.5
 
 
+def test_packed_arrays_cost_reports_sizes_and_times() -> None:
+    from benchmarks.sections import packed_arrays_cost
+
+    ids = [[i % 32000 for i in range(512)] for _ in range(2)]
+    logprobs = [[-0.25 * (i % 7) for i in range(512)] for _ in range(2)]
+    cost = packed_arrays_cost(ids, logprobs, lambda fn, min_s: (fn(), 0.001)[1], 0.0)
+    assert set(cost) == {"lists_bytes", "arrays_bytes", "lists_pack_ms", "arrays_pack_ms", "lists_unpack_ms",
+                         "arrays_unpack_to_lists_ms"}
+    # float32 takes 4 bytes where msgpack writes a float64 in 9
+    assert cost["arrays_bytes"] < cost["lists_bytes"]
+    assert all(v > 0 for v in cost.values())
+
+
 @pytest.mark.timeout(300)
 def test_cluster_bench_runs_each_partition_count(tmp_path: Path) -> None:
     """``python -m benchmarks.cluster_bench`` on a small count: every run reports a rate, and with
