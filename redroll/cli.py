@@ -295,8 +295,7 @@ async def _run_status(args: argparse.Namespace) -> int:
     from redroll.status import collect_pipeline_status, render_status
 
     settings = _settings(args)
-    r = connect(settings)
-    try:
+    async with connect(settings) as r:
         if args.json and not args.watch:
             print(json.dumps(await collect_pipeline_status(r, settings.keys, settings.partition_keys), indent=2, sort_keys=True))
             return 0
@@ -314,8 +313,6 @@ async def _run_status(args: argparse.Namespace) -> int:
                     print(json.dumps(snap, sort_keys=True), flush=True)
                 else:
                     live.update(render_status(snap))
-    finally:
-        await r.aclose()
 
 
 async def _run_abort(args: argparse.Namespace) -> int:
@@ -325,11 +322,8 @@ async def _run_abort(args: argparse.Namespace) -> int:
         print("redroll abort: name request ids or --group G", file=sys.stderr)
         return 2
     settings = _settings(args)
-    r = connect(settings)
-    try:
+    async with connect(settings) as r:
         await send_abort(r, settings.keys, args.request_ids, args.group)
-    finally:
-        await r.aclose()
     print(f"abort sent for {len(args.request_ids)} request(s) and {len(args.group)} group(s)")
     return 0
 
@@ -338,39 +332,36 @@ async def _run_weights(args: argparse.Namespace) -> int:
     from shared.control import ControlCommand, send_command, update_weights
 
     settings = _settings(args)
-    r = connect(settings)
-    try:
-        if args.action == "show":
-            desired = {k.decode(): v.decode() for k, v in (await r.hgetall(settings.keys.weights)).items()}
-            print(json.dumps(desired or None))
+    async with connect(settings) as r:
+        try:
+            if args.action == "show":
+                desired = {k.decode(): v.decode() for k, v in (await r.hgetall(settings.keys.weights)).items()}
+                print(json.dumps(desired or None))
+                return 0
+            if args.action == "update":
+                if not args.model_path or not args.version:
+                    print("redroll weights update: --model-path and --version are required", file=sys.stderr)
+                    return 2
+                workers = await update_weights(r, settings.keys, args.model_path, args.version,
+                                               abort_inflight=args.abort_inflight, wait=not args.no_wait,
+                                               timeout=args.timeout)
+                print(f"weights {args.version} ({args.model_path}) " +
+                      ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))
+                return 0
+            kind = "release_memory" if args.action == "release" else "resume_memory"
+            await send_command(r, settings.keys, ControlCommand(kind))
+            print(f"{kind} broadcast")
             return 0
-        if args.action == "update":
-            if not args.model_path or not args.version:
-                print("redroll weights update: --model-path and --version are required", file=sys.stderr)
-                return 2
-            workers = await update_weights(r, settings.keys, args.model_path, args.version,
-                                           abort_inflight=args.abort_inflight, wait=not args.no_wait,
-                                           timeout=args.timeout)
-            print(f"weights {args.version} ({args.model_path}) " +
-                  ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))
-            return 0
-        kind = "release_memory" if args.action == "release" else "resume_memory"
-        await send_command(r, settings.keys, ControlCommand(kind))
-        print(f"{kind} broadcast")
-        return 0
-    except TimeoutError as exc:
-        print(f"redroll weights: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        await r.aclose()
+        except TimeoutError as exc:
+            print(f"redroll weights: {exc}", file=sys.stderr)
+            return 1
 
 
 async def _run_dead(args: argparse.Namespace) -> int:
     from redroll import dead
 
     settings = _settings(args)
-    r = connect(settings)
-    try:
+    async with connect(settings) as r:
         if args.dead_command == "list":
             entries = [e for part in settings.partition_keys
                        for e in await dead.list_dead(r, part, reason=args.reason, count=args.count)]
@@ -405,22 +396,17 @@ async def _run_dead(args: argparse.Namespace) -> int:
             n += await dead.purge(r, part, args.ids or None, older_than_s=args.older_than)
         print(f"purged {n} dead letter(s)")
         return 0
-    finally:
-        await r.aclose()
 
 
 async def _run_gc(args: argparse.Namespace) -> int:
     from shared.gc import collect_garbage
 
     settings = _settings(args)
-    r = connect(settings)
-    try:
+    async with connect(settings) as r:
         report = await collect_garbage(r, settings.keys, reply_ttl_s=settings.reply_ttl_s,
                                        partitions=settings.partition_keys,
                                        stale_worker_s=args.stale_worker_s, idle_consumer_s=args.idle_consumer_s,
                                        dry_run=args.dry_run)
-    finally:
-        await r.aclose()
     print(json.dumps({"dry_run": args.dry_run, "removed": report.to_json()}, indent=2))
     return 0
 
@@ -432,12 +418,9 @@ async def _run_drain(args: argparse.Namespace) -> int:
         print("redroll drain: name workers or --all", file=sys.stderr)
         return 2
     settings = _settings(args)
-    r = connect(settings)
-    try:
+    async with connect(settings) as r:
         for target in (["*"] if args.all else args.workers):
             await send_command(r, settings.keys, ControlCommand("drain", target=target))
-    finally:
-        await r.aclose()
     print("drain sent to " + ("every worker" if args.all else ", ".join(args.workers)))
     return 0
 
