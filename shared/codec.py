@@ -80,7 +80,9 @@ def _unpack(data: Any, field: str) -> Any:
 
 
 def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
-    raw = fields.get(name.encode(), fields.get(name))
+    raw = fields.get(name.encode())
+    if raw is None:
+        raw = fields.get(name)
     if raw is None:
         return None
     if isinstance(raw, (bytes, bytearray)):
@@ -89,16 +91,6 @@ def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
         except UnicodeDecodeError:
             return None
     return raw if isinstance(raw, str) else None
-
-
-def _worker_field(fields: Mapping[Any, Any]) -> str | None:
-    raw = fields.get(b"worker")
-    if type(raw) is bytes:
-        try:
-            return raw.decode() or None
-        except UnicodeDecodeError:
-            return None
-    return _field_str(fields, "worker") or None
 
 
 def _is_int(v: Any) -> bool:
@@ -508,7 +500,7 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
         output_logprobs=logprobs,
         meta_info=meta,
         error=error,
-        worker=_worker_field(fields),
+        worker=_field_str(fields, "worker") or None,
         callback=_opt_str(obj, "callback", max_len=256),
         group_id=_opt_str(obj, "group_id", max_len=256),
         v=v,
