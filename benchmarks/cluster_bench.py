@@ -27,7 +27,7 @@ from redis.crc import key_slot
 from benchmarks.harness import Procs, machine_info, make_base_dir, new_run_dir, read_json, redroll_env, wait_for
 from benchmarks.runs import CONSUMER_GROUP, consumer_argv, producer_argv, redroll_worker_argv
 from redroll.embedded import RedisCluster, start_redis_cluster
-from shared.keys import Keys
+from shared.keys import Keys, partition_keys
 
 
 def spread_namespace(partitions: int, primaries: int = 3) -> str:
@@ -59,7 +59,7 @@ def run_once(cluster: RedisCluster, rc: redis.RedisCluster, base: Path, partitio
         c.script_flush()
     ns = spread_namespace(partitions, cluster.primaries)
     keys = Keys(ns)
-    parts = [Keys(ns)] if partitions == 1 else [Keys(ns, i) for i in range(partitions)]
+    parts = partition_keys(ns, partitions)
     run_dir = new_run_dir(base, f"p{partitions}")
     done_file = run_dir / "consumer.json"
     prod_file = run_dir / "producer.json"

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from redroll.runtime import run as run_async_main
 import time
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import INPUT_LEN, MAX_NEW_TOKENS, make_requests
 from producer.client import send
+from redroll.runtime import run as run_async_main
 from shared.codec import encode_request
 from shared.connection import connect
 from shared.settings import Settings

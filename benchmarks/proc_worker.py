@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from redroll.runtime import run as run_async_main
 import signal
 import time
 
 from benchmarks.engines import CannedEngine, SlotEngine
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import make_requests
+from redroll.runtime import run as run_async_main
 
 
 def _engine(a: argparse.Namespace):

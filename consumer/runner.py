@@ -136,8 +136,8 @@ class ConsumerRunner:
             await self._read_loop(streams)
         return read_loop
 
-    async def _read_loop(self, streams: list[str] | None = None) -> None:
-        wanted = {s: ">" for s in (streams or self.streams)}
+    async def _read_loop(self, streams: list[str]) -> None:
+        wanted = {s: ">" for s in streams}
         while not self._stopping.is_set():
             resp = await self.redis.xreadgroup(self.group, self.name, wanted, count=self.batch, block=self.block_ms)
             for stream, entries in resp or []:

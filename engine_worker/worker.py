@@ -308,8 +308,7 @@ class Worker:
             await self._claim_loop(parts, loops)
         return claim_loop
 
-    async def _claim_loop(self, parts: list[Keys] | None = None, loops: int = 1) -> None:
-        parts = parts or self.parts
+    async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
         highs = {k.requests_high: ">" for k in parts}
         streams = {s: ">" for s in [*highs, *(k.requests for k in parts)]}
         while not self._stopping.is_set():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from redroll.runtime import run as run_async_main
 import json
 import os
 import signal
@@ -13,6 +12,7 @@ from typing import Any, Sequence
 
 import redis
 
+from redroll.runtime import run as run_async_main
 from shared.connection import RedisConfigError, connect, describe_error
 from shared.settings import Settings
 
@@ -296,19 +296,22 @@ async def _run_status(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     async with connect(settings) as r:
+        def snapshot() -> Any:
+            return collect_pipeline_status(r, settings.keys, settings.partition_keys)
+
         if args.json and not args.watch:
-            print(json.dumps(await collect_pipeline_status(r, settings.keys, settings.partition_keys), indent=2, sort_keys=True))
+            print(json.dumps(await snapshot(), indent=2, sort_keys=True))
             return 0
         from rich.console import Console
         from rich.live import Live
 
         if not args.watch:
-            Console().print(render_status(await collect_pipeline_status(r, settings.keys, settings.partition_keys)))
+            Console().print(render_status(await snapshot()))
             return 0
-        with Live(render_status(await collect_pipeline_status(r, settings.keys, settings.partition_keys)), refresh_per_second=4) as live:
+        with Live(render_status(await snapshot()), refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(args.interval)
-                snap = await collect_pipeline_status(r, settings.keys, settings.partition_keys)
+                snap = await snapshot()
                 if args.json:
                     print(json.dumps(snap, sort_keys=True), flush=True)
                 else:

@@ -170,8 +170,7 @@ class Scripts:
                 await self.redis.script_load(script.script)
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            for script in (self._submit, self._finish, self._dead, self._renew, self._cancel,
-                           self._finish_many, self._submit_many):
+            for script in scripts:
                 pipe.script_load(script.script)
             await pipe.execute()
 
