@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
@@ -156,3 +157,16 @@ async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def running(*roles: Any) -> AsyncIterator[None]:
+    """Run worker and consumer objects (``run`` / ``request_stop``) in this event loop for the
+    block; on leaving it, ask each to stop and wait until each has drained and stopped."""
+    tasks = [asyncio.create_task(x.run()) for x in roles]
+    try:
+        yield
+    finally:
+        for x in roles:
+            x.request_stop()
+        await asyncio.gather(*tasks)

@@ -32,7 +32,8 @@ from redis.crc import key_slot
 from shared.keys import WORKERS_GROUP, Keys
 from shared.settings import Settings
 from shared.types import RecordStatus
-from tests.conftest import ROOT, read_jsonl, redroll_env, server_executable, spawn, stop_process, wait_until
+from tests.conftest import (ROOT, read_jsonl, redroll_env, running, server_executable, spawn, stop_process,
+                            wait_until)
 
 GROUP = "trainer"
 
@@ -103,15 +104,12 @@ async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
         workers = [Worker(s, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(2)]
         consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
                                   block_ms=200)
-        tasks = [asyncio.create_task(x.run()) for x in (*workers, consumer)]
-        records = await asyncio.wait_for(asyncio.gather(*futs), 30)
-        members = await group.wait(timeout=30)
-        aborted = await asyncio.wait_for(asyncio.gather(*queued), 5)
-        await wait_until(lambda: len(applied) >= 60, timeout=30)
-        await wait_until(lambda: rc.xlen(s.partition_keys[4].dead))
-    for x in (*workers, consumer):
-        x.request_stop()
-    await asyncio.gather(*tasks)
+        async with running(*workers, consumer):
+            records = await asyncio.wait_for(asyncio.gather(*futs), 30)
+            members = await group.wait(timeout=30)
+            aborted = await asyncio.wait_for(asyncio.gather(*queued), 5)
+            await wait_until(lambda: len(applied) >= 60, timeout=30)
+            await wait_until(lambda: rc.xlen(s.partition_keys[4].dead))
     assert all(rec.status is RecordStatus.FINISHED for rec in records + members)
     assert all(rec.status is RecordStatus.ABORTED for rec in aborted)
     assert sorted(applied) == sorted(f"cb-{i}" for i in range(60))
@@ -218,47 +216,46 @@ async def test_resharding_and_failover_under_traffic(cluster, cluster_settings, 
     workers = [Worker(s, SyntheticEngine(token_ms=1), max_inflight=16, block_ms=200) for _ in range(2)]
     consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.update([rec.request_id])},
                               block_ms=200)
-    tasks = [asyncio.create_task(x.run()) for x in (*workers, consumer)]
     futures: list = []
     sent: list[str] = []
 
-    async with Producer(s) as p:
-        async def traffic(prefix: str, batches: int) -> None:
-            for b in range(batches):
-                # Half wait on producer futures (private reply streams), half go to the results
-                # streams for the consumer group's callbacks.
-                futures.extend(await p.submit_many([dict(request_id=f"{prefix}-{b}-p{i}", input_ids=[i + 1],
-                                                         sampling_params={"max_new_tokens": 3}) for i in range(20)]))
-                reqs = [make_request(request_id=f"{prefix}-{b}-c{i}", input_ids=[i + 1], callback="h",
-                                     sampling_params={"max_new_tokens": 3}) for i in range(20)]
-                await send(s, rc, reqs)
-                sent.extend(r.request_id for r in reqs)
-                await asyncio.sleep(0.05)
+    async with running(*workers, consumer):
+        async with Producer(s) as p:
+            async def traffic(prefix: str, batches: int) -> None:
+                for b in range(batches):
+                    # Half wait on producer futures (private reply streams), half go to the results
+                    # streams for the consumer group's callbacks.
+                    futures.extend(await p.submit_many([
+                        dict(request_id=f"{prefix}-{b}-p{i}", input_ids=[i + 1], sampling_params={"max_new_tokens": 3})
+                        for i in range(20)]))
+                    reqs = [make_request(request_id=f"{prefix}-{b}-c{i}", input_ids=[i + 1], callback="h",
+                                         sampling_params={"max_new_tokens": 3}) for i in range(20)]
+                    await send(s, rc, reqs)
+                    sent.extend(r.request_id for r in reqs)
+                    await asyncio.sleep(0.05)
 
-        flow = asyncio.create_task(traffic("m", 20))
-        await asyncio.sleep(0.2)
-        moved = await asyncio.to_thread(_migrate_slot, cluster, slot, 0, 1)
-        await flow
-        counts = [redis.Redis(port=n.port).execute_command("CLUSTER COUNTKEYSINSLOT", slot) for n in cluster.nodes[:2]]
-        assert moved >= 2 and counts[0] == 0 and counts[1] > 0
+            flow = asyncio.create_task(traffic("m", 20))
+            await asyncio.sleep(0.2)
+            moved = await asyncio.to_thread(_migrate_slot, cluster, slot, 0, 1)
+            await flow
+            counts = [redis.Redis(port=n.port).execute_command("CLUSTER COUNTKEYSINSLOT", slot)
+                      for n in cluster.nodes[:2]]
+            assert moved >= 2 and counts[0] == 0 and counts[1] > 0
 
-        # Manual failover of the first primary (still owning other partitions' slots) to its replica.
-        flow = asyncio.create_task(traffic("f", 20))
-        await asyncio.sleep(0.2)
-        replica = redis.Redis(port=cluster.nodes[-1].port, decode_responses=True)
-        replica.execute_command("CLUSTER FAILOVER")
-        await wait_until(lambda: replica.info("replication")["role"] == "master", timeout=30)
-        await flow
-        try:
-            records = await asyncio.wait_for(asyncio.shield(asyncio.gather(*futures)), 60)
-        except asyncio.TimeoutError:
-            await _explain_missing(rc, s, p, futures, workers)
-            raise
-        await wait_until(lambda: len(applied) >= len(sent), timeout=60)
-    await asyncio.sleep(0.5)
-    for x in (*workers, consumer):
-        x.request_stop()
-    await asyncio.gather(*tasks)
+            # Manual failover of the first primary (still owning other partitions' slots) to its replica.
+            flow = asyncio.create_task(traffic("f", 20))
+            await asyncio.sleep(0.2)
+            replica = redis.Redis(port=cluster.nodes[-1].port, decode_responses=True)
+            replica.execute_command("CLUSTER FAILOVER")
+            await wait_until(lambda: replica.info("replication")["role"] == "master", timeout=30)
+            await flow
+            try:
+                records = await asyncio.wait_for(asyncio.shield(asyncio.gather(*futures)), 60)
+            except asyncio.TimeoutError:
+                await _explain_missing(rc, s, p, futures, workers)
+                raise
+            await wait_until(lambda: len(applied) >= len(sent), timeout=60)
+        await asyncio.sleep(0.5)
     assert all(rec.status is RecordStatus.FINISHED for rec in records)
     assert set(applied) == set(sent) and max(applied.values()) == 1
     status = await collect_pipeline_status(rc, s.keys, s.partition_keys)

@@ -13,7 +13,7 @@ from producer.client import make_request, send
 from redroll.status import collect_pipeline_status
 from shared.keys import Keys
 from shared.types import RecordStatus
-from tests.conftest import wait_until
+from tests.conftest import running, wait_until
 
 
 async def test_placement_processing_and_status_over_three_partitions(settings, r):
@@ -41,13 +41,10 @@ async def test_placement_processing_and_status_over_three_partitions(settings, r
         workers = [Worker(s, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(2)]
         consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
                                   block_ms=200)
-        tasks = [asyncio.create_task(x.run()) for x in (*workers, consumer)]
-        records = await asyncio.wait_for(asyncio.gather(*futs), 30)
-        members = await group.wait(timeout=30)
-        await wait_until(lambda: len(applied) >= 60, timeout=30)
-    for x in (*workers, consumer):
-        x.request_stop()
-    await asyncio.gather(*tasks)
+        async with running(*workers, consumer):
+            records = await asyncio.wait_for(asyncio.gather(*futs), 30)
+            members = await group.wait(timeout=30)
+            await wait_until(lambda: len(applied) >= 60, timeout=30)
     assert all(rec.status is RecordStatus.FINISHED for rec in records + members)
     assert sorted(applied) == sorted(f"cb-{i}" for i in range(60))
     assert sum(w.stats.published for w in workers) == 188

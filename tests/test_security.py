@@ -354,20 +354,27 @@ def test_rule_lines_are_what_the_docs_show():
 # ---------------------------------------------------------------- authentication
 
 
+async def _refused(settings: Settings, error: type[Exception] = redis.ConnectionError) -> str:
+    """The one-line description of the ``error`` a client with these settings meets on PING."""
+    client = one_attempt_client(settings)
+    try:
+        with pytest.raises(error) as info:
+            await client.ping()
+    finally:
+        await client.aclose()
+    message = describe_error(info.value, settings)
+    assert "\n" not in message, message
+    return message
+
+
 async def test_wrong_password_and_no_credentials_are_refused_clearly(acl_server, admin):
     ns = "sec" + uuid.uuid4().hex[:8]
     good = make_user(admin, acl_server, ns, "operator")
     for settings in (good.with_(redis_password="not-the-password"),
                      good.with_(redis_username=None, redis_password=None),   # default user is off
                      good.with_(redis_username="nobody")):
-        client = one_attempt_client(settings)
-        try:
-            with pytest.raises(redis.AuthenticationError) as info:
-                await client.ping()
-        finally:
-            await client.aclose()
-        message = describe_error(info.value, settings)
-        assert "refused authentication" in message and "\n" not in message, message
+        message = await _refused(settings, redis.AuthenticationError)
+        assert "refused authentication" in message, message
         assert "not-the-password" not in message
 
 
@@ -508,19 +515,6 @@ async def _round_trip(settings: Settings, n: int = 5) -> None:
     finally:
         worker.request_stop()
         await asyncio.wait_for(task, 15)
-
-
-async def _refused(settings: Settings) -> str:
-    """The error a client with these settings meets."""
-    client = one_attempt_client(settings)
-    try:
-        with pytest.raises(redis.ConnectionError) as info:
-            await client.ping()
-    finally:
-        await client.aclose()
-    message = describe_error(info.value, settings)
-    assert "\n" not in message
-    return message
 
 
 @pytest.mark.parametrize("tls_server", ["optional"], indirect=True)
