@@ -170,3 +170,16 @@ async def running(*roles: Any) -> AsyncIterator[None]:
         for x in roles:
             x.request_stop()
         await asyncio.gather(*tasks)
+
+
+def workers_and_consumer(settings: Settings, applied: list[str], workers: int = 2) -> tuple[list, Any]:
+    """In-process roles for a pipeline test: ``workers`` synthetic-engine workers (16 in flight)
+    and a consumer in group ``g`` whose handler ``h`` appends each record's request_id to ``applied``."""
+    from consumer.runner import ConsumerRunner
+    from engine_worker.engines.synthetic import SyntheticEngine
+    from engine_worker.worker import Worker
+
+    fleet = [Worker(settings, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(workers)]
+    consumer = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                              block_ms=200)
+    return fleet, consumer

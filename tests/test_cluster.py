@@ -33,7 +33,7 @@ from shared.keys import WORKERS_GROUP, Keys
 from shared.settings import Settings
 from shared.types import RecordStatus
 from tests.conftest import (ROOT, read_jsonl, redroll_env, running, server_executable, spawn, stop_process,
-                            wait_until)
+                            wait_until, workers_and_consumer)
 
 GROUP = "trainer"
 
@@ -101,9 +101,7 @@ async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
         # A malformed entry in partition 4 is dead-lettered into partition 4's dead stream.
         await rc.xadd(s.partition_keys[4].requests, {"rid": "bad", "data": b"\xc1"})
 
-        workers = [Worker(s, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(2)]
-        consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                                  block_ms=200)
+        workers, consumer = workers_and_consumer(s, applied)
         async with running(*workers, consumer):
             records = await asyncio.wait_for(asyncio.gather(*futs), 30)
             members = await group.wait(timeout=30)

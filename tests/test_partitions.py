@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from consumer.runner import ConsumerRunner
 from engine_worker.engines.synthetic import SyntheticEngine
 from engine_worker.worker import Worker
 from producer import Producer
@@ -13,7 +12,7 @@ from producer.client import make_request, send
 from redroll.status import collect_pipeline_status
 from shared.keys import Keys
 from shared.types import RecordStatus
-from tests.conftest import running, wait_until
+from tests.conftest import running, wait_until, workers_and_consumer
 
 
 async def test_placement_processing_and_status_over_three_partitions(settings, r):
@@ -38,9 +37,7 @@ async def test_placement_processing_and_status_over_three_partitions(settings, r
         status = await collect_pipeline_status(r, s.keys, parts)
         assert status["requests"]["backlog"] == 188 and len(status["partitions"]) == 3
 
-        workers = [Worker(s, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(2)]
-        consumer = ConsumerRunner(s, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                                  block_ms=200)
+        workers, consumer = workers_and_consumer(s, applied)
         async with running(*workers, consumer):
             records = await asyncio.wait_for(asyncio.gather(*futs), 30)
             members = await group.wait(timeout=30)
