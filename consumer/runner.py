@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from redis.asyncio import Redis
 
 from consumer.handlers import Handler, HandlerRegistry

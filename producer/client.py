@@ -15,7 +15,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import redis
 from redis.asyncio import Redis

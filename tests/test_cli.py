@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from redroll.cli import build_parser
-from tests.conftest import ROOT, redroll_env, spawn, wait_until
+from tests.conftest import ROOT, redroll_env, spawn
 
 
 def run_cli(settings, *args: str, timeout: float = 120, input: str | None = None, **env: str):

@@ -11,9 +11,8 @@ import pytest
 from engine_worker.engines.synthetic import SyntheticEngine
 from engine_worker.worker import Worker
 from producer import Producer
-from producer.client import make_request, send
+from producer.client import make_request
 from producer.rollout import staleness_report
-from shared.keys import WORKERS_GROUP
 from shared.types import RecordStatus
 from tests.conftest import wait_until
 

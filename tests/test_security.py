@@ -19,7 +19,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
