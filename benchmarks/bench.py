@@ -103,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     server = Server()
     results: list[SectionResult] = []
     context: dict = {}
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("sections"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from shared.types import CompletionRecord
+from redroll.shared.types import CompletionRecord
 
 _EXPECT = int(os.environ.get("BENCH_EXPECT", "0") or 0)
 _DONE = os.environ.get("BENCH_DONE_FILE", "")

@@ -44,13 +44,13 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import redis
 
-from producer.client import make_request, send
 from redroll.embedded import start_redis_server
-from shared.connection import connect
-from shared.keys import WORKERS_GROUP
-from shared.scripts import DuplicateRequestError
-from shared.settings import Settings
-from shared.streams import ensure_group, text
+from redroll.producer.client import make_request, send
+from redroll.shared.connection import connect
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import DuplicateRequestError
+from redroll.shared.settings import Settings
+from redroll.shared.streams import ensure_group, text
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIED_ENV = "REDROLL_CHAOS_APPLIED"
@@ -382,7 +382,7 @@ async def unaccepted(r: Any, settings: Any, ids: Sequence[str], audit: Audit) ->
 
 
 async def send_batch(r: Any, settings: Any, ids: list[str], cfg: ChaosConfig, audit: Audit) -> int:
-    """``producer.client.send`` one batch; after a connection failure resend only what was not taken.
+    """``redroll.producer.client.send`` one batch; after a connection failure resend only what was not taken.
 
     Returns how many sends failed and had to be reconciled."""
     failures = 0

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
-from shared.types import GenerationRequest
+from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from redroll.shared.types import GenerationRequest
 
 
 @dataclass

@@ -12,7 +12,7 @@ import os
 import uuid
 from typing import Iterator
 
-from shared.types import GenerationRequest
+from redroll.shared.types import GenerationRequest
 
 INPUT_LEN = 8
 MAX_NEW_TOKENS = 8
@@ -39,7 +39,7 @@ def request_id(step: int = 0) -> str:
 
 def make_requests(count: int, *, input_len: int = INPUT_LEN, max_new_tokens: int = MAX_NEW_TOKENS, n: int = 1,
                   logprob: bool = False, callback: str | None = "h", start: int = 0) -> Iterator[GenerationRequest]:
-    from producer.client import make_request
+    from redroll.producer.client import make_request
 
     sp = {"max_new_tokens": max_new_tokens}
     if n != 1:
@@ -51,8 +51,8 @@ def make_requests(count: int, *, input_len: int = INPUT_LEN, max_new_tokens: int
 
 def sample_request_fields(namespace: str, **kw) -> dict[str, bytes]:
     """Stream fields of one request as the producer writes them (``rid``, ``reply_to``, ``data``)."""
-    from shared.codec import encode_request
-    from shared.keys import Keys
+    from redroll.shared.codec import encode_request
+    from redroll.shared.keys import Keys
 
     req = next(make_requests(1, **kw))
     req.reply_to = Keys(namespace).results
@@ -61,12 +61,12 @@ def sample_request_fields(namespace: str, **kw) -> dict[str, bytes]:
 
 def sample_record_fields(namespace: str, **kw) -> dict[str, bytes]:
     """Stream fields of the record the stock synthetic engine publishes for such a request."""
-    from engine_worker.engines.base import EngineOutput, SampleOutput
-    from engine_worker.engines.synthetic import SyntheticEngine
-    from engine_worker.records import build_record
-    from shared.codec import encode_record
-    from shared.keys import Keys
-    from shared.types import RecordStatus
+    from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+    from redroll.engine_worker.engines.synthetic import SyntheticEngine
+    from redroll.engine_worker.records import build_record
+    from redroll.shared.codec import encode_record
+    from redroll.shared.keys import Keys
+    from redroll.shared.types import RecordStatus
 
     req: GenerationRequest = next(make_requests(1, **kw))
     req.reply_to = Keys(namespace).results

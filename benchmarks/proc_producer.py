@@ -1,4 +1,4 @@
-"""A producer process: fire-and-forget ``producer.client.send`` of benchmark requests.
+"""A producer process: fire-and-forget ``redroll.producer.client.send`` of benchmark requests.
 
 ``--rate 0`` (burst): ``--chunk`` requests per ``send`` (one pipelined round trip), as fast as it
 goes. ``--rate R``: one request per ``send``, paced at R per second on an absolute schedule, each
@@ -15,11 +15,11 @@ import time
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import INPUT_LEN, MAX_NEW_TOKENS, make_requests
-from producer.client import send
+from redroll.producer.client import send
 from redroll.runtime import run as run_async_main
-from shared.codec import encode_request
-from shared.connection import connect
-from shared.settings import Settings
+from redroll.shared.codec import encode_request
+from redroll.shared.connection import connect
+from redroll.shared.settings import Settings
 
 
 async def main() -> None:

@@ -23,7 +23,7 @@ import redis.asyncio
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import sample_record_fields, sample_request_fields
-from shared.keys import Keys
+from redroll.shared.keys import Keys
 
 GROUP_W = "workers"
 GROUP_C = "bench"

@@ -1,6 +1,6 @@
 """A worker process on a benchmark engine model, or that engine driven directly.
 
-Pipeline: builds ``engine_worker.worker.Worker(Settings.from_env(), engine, max_inflight=M)`` and
+Pipeline: builds ``redroll.engine_worker.worker.Worker(Settings.from_env(), engine, max_inflight=M)`` and
 runs it until SIGTERM (graceful drain, as ``redroll worker`` does); then writes the engine's
 counters to ``--stats-out``.
 
@@ -57,8 +57,8 @@ async def run_direct(a: argparse.Namespace) -> dict:
 
 
 async def run_pipeline(a: argparse.Namespace) -> dict:
-    from engine_worker.worker import Worker
-    from shared.settings import Settings
+    from redroll.engine_worker.worker import Worker
+    from redroll.shared.settings import Settings
 
     engine = _engine(a)
     worker = Worker(Settings.from_env(), engine, max_inflight=a.max_inflight)

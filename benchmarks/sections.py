@@ -192,8 +192,8 @@ def latency(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
 
 async def _latency_producer(server: Server, n: int, rate: float) -> list[dict[str, float]]:
     from benchmarks.payload import make_requests
-    from producer.client import Producer
-    from shared.settings import Settings
+    from redroll.producer.client import Producer
+    from redroll.shared.settings import Settings
 
     settings = Settings(redis_url=server.url, namespace=NAMESPACE)
     arrived: dict[str, float] = {}
@@ -320,10 +320,10 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
 
     from benchmarks.engines import CannedEngine
     from benchmarks.payload import make_requests
-    from engine_worker.engines.synthetic import SyntheticEngine
-    from engine_worker.records import build_record
-    from shared.codec import decode_record, encode_record
-    from shared.types import RecordStatus
+    from redroll.engine_worker.engines.synthetic import SyntheticEngine
+    from redroll.engine_worker.records import build_record
+    from redroll.shared.codec import decode_record, encode_record
+    from redroll.shared.types import RecordStatus
 
     n, tokens = cfg.large_n, cfg.large_tokens
     engine = CannedEngine()

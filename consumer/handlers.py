@@ -7,7 +7,7 @@ import importlib
 import inspect
 from typing import Any, Awaitable, Callable, Union
 
-from shared.types import CompletionRecord
+from redroll.shared.types import CompletionRecord
 
 Handler = Callable[[CompletionRecord], Union[Any, Awaitable[Any]]]
 

@@ -17,15 +17,16 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from consumer.handlers import Handler, HandlerRegistry
-from shared.codec import ValidationError, decode_record
-from shared.connection import connect, read_groups
-from shared.keys import Keys
-from shared.retention import trim_acked
-from shared.scripts import DeadLetter, Scripts
-from shared.settings import Settings
-from shared.streams import ensure_group, run_resilient, text, unique_consumer_name
-from shared.types import CompletionRecord
+from redroll.shared.codec import ValidationError, decode_record
+from redroll.shared.connection import connect, read_groups
+from redroll.shared.keys import Keys
+from redroll.shared.retention import trim_acked
+from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.streams import ensure_group, run_resilient, text, unique_consumer_name
+from redroll.shared.types import CompletionRecord
+
+from .handlers import Handler, HandlerRegistry
 
 log = logging.getLogger("redroll.consumer")
 
@@ -80,7 +81,7 @@ class ConsumerRunner:
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
         self.stats = ConsumerStats()
         self.metrics: Any = None
-        """A :class:`shared.metrics.ConsumerMetrics` when metrics are served."""
+        """A :class:`redroll.shared.metrics.ConsumerMetrics` when metrics are served."""
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import redis
 from redis.asyncio import Redis
 
-from shared.batcher import Coalescer
-from shared.keys import WORKERS_GROUP
-from shared.scripts import Scripts
-from shared.types import CompletionRecord
+from redroll.shared.batcher import Coalescer
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import Scripts
+from redroll.shared.types import CompletionRecord
 
 
 @dataclass

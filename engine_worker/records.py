@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_worker.engines.base import EngineInfo, EngineOutput
-from shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+
+from .engines.base import EngineInfo, EngineOutput
 
 
 def build_record(

@@ -21,19 +21,20 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
-from engine_worker.engines.base import Engine, EngineOutput
-from engine_worker.publisher import Publisher
-from engine_worker.records import build_record
-from shared.batcher import CommandBatcher
-from shared.codec import NewerSchemaError, ValidationError, decode_request
-from shared.connection import connect, read_groups
-from shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
-from shared.gc import collect_garbage
-from shared.keys import WORKERS_GROUP, Keys
-from shared.scripts import DeadLetter, Scripts
-from shared.settings import Settings
-from shared.streams import ensure_group, run_resilient, text, unique_consumer_name
-from shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.shared.batcher import CommandBatcher
+from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
+from redroll.shared.connection import connect, read_groups
+from redroll.shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
+from redroll.shared.gc import collect_garbage
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.streams import ensure_group, run_resilient, text, unique_consumer_name
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+
+from .engines.base import Engine, EngineOutput
+from .publisher import Publisher
+from .records import build_record
 
 log = logging.getLogger("redroll.worker")
 
@@ -139,7 +140,7 @@ class Worker:
         self.lease_interval_s = max(0.05, min(settings.heartbeat_s, settings.claim_idle_ms / 3000.0))
         self.stats = WorkerStats()
         self.metrics: Any = None
-        """A :class:`shared.metrics.WorkerMetrics` when metrics are served."""
+        """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._inflight: dict[str, InFlight] = {}

@@ -20,16 +20,23 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 import redis
 from redis.asyncio import Redis
 
-from shared.codec import ValidationError, check_request_id, decode_record, decode_sampling_params, encode_request
-from shared.connection import connect, read_groups
-from shared.control import cancel_queued, send_abort
-from shared.control import update_weights as _update_weights
-from shared.keys import PRODUCER_GROUP, Keys
-from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
-from shared.settings import Settings
-from shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
-from shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
-from producer.rollout import RolloutGroup, continuation, group_members, stitch
+from redroll.shared.codec import (
+    ValidationError,
+    check_request_id,
+    decode_record,
+    decode_sampling_params,
+    encode_request,
+)
+from redroll.shared.connection import connect, read_groups
+from redroll.shared.control import cancel_queued, send_abort
+from redroll.shared.control import update_weights as _update_weights
+from redroll.shared.keys import PRODUCER_GROUP, Keys
+from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+
+from .rollout import RolloutGroup, continuation, group_members, stitch
 
 log = logging.getLogger("redroll.producer")
 
@@ -340,7 +347,7 @@ class Producer:
     async def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
                            **fields: Any) -> RolloutGroup:
         """One prompt's ``n`` samples as ``n`` single-sample requests sharing ``group_id``
-        (member ids ``<group_id>_000`` …); see :class:`producer.rollout.RolloutGroup`."""
+        (member ids ``<group_id>_000`` …); see :class:`redroll.producer.rollout.RolloutGroup`."""
         group_id = group_id or uuid.uuid4().hex
         members = group_members(group_id, n, dict(fields))
         futures = await self.submit_many(members, callback=callback)

@@ -12,12 +12,15 @@ import asyncio
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
-from shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
-if TYPE_CHECKING:  # pragma: no cover
-    from producer.client import Producer
+
+class Aborter(Protocol):
+    """What a group needs of its producer (:class:`redroll.producer.client.Producer`)."""
+
+    async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> list[str]: ...
 
 
 @dataclass
@@ -41,7 +44,7 @@ class GroupOutcome:
 class RolloutGroup:
     """The n member requests of one prompt, as submitted by :meth:`Producer.submit_group`."""
 
-    def __init__(self, producer: "Producer", group_id: str, futures: dict[str, asyncio.Future]):
+    def __init__(self, producer: Aborter, group_id: str, futures: dict[str, asyncio.Future]):
         self.producer = producer
         self.group_id = group_id
         self.futures = futures

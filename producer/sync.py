@@ -1,4 +1,4 @@
-"""A thin synchronous facade over :class:`producer.client.Producer` for non-async callers."""
+"""A thin synchronous facade over :class:`redroll.producer.client.Producer` for non-async callers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterable
 
-from producer.client import Callback, Producer
-from shared.settings import Settings
-from shared.types import CompletionRecord, GenerationRequest
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, GenerationRequest
+
+from .client import Callback, Producer
 
 
 class SyncProducer:

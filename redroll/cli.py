@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import redis
 
 from redroll.runtime import run as run_async_main
-from shared.connection import RedisConfigError, connect, describe_error
-from shared.settings import Settings
+from redroll.shared.connection import RedisConfigError, connect, describe_error
+from redroll.shared.settings import Settings
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -222,7 +222,7 @@ def _install_signals(stop: Any, grace_s: float) -> None:
 async def _serve(process: Any, metrics_class: Any, metrics_port: int | None, settings: Settings) -> int:
     """Run a long-lived worker or consumer: metrics if asked, signals, GC tuning, until stopped."""
     if metrics_port is not None:
-        from shared.metrics import serve
+        from redroll.shared.metrics import serve
 
         process.metrics = metrics_class(process)
         serve(process.metrics, metrics_port)
@@ -233,8 +233,8 @@ async def _serve(process: Any, metrics_class: Any, metrics_port: int | None, set
 
 
 async def _run_worker(args: argparse.Namespace) -> int:
-    from engine_worker.engines import create_engine
-    from engine_worker.worker import Worker
+    from redroll.engine_worker.engines import create_engine
+    from redroll.engine_worker.worker import Worker
 
     settings = _settings(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
                          drain_timeout_s=args.drain_timeout)
@@ -268,14 +268,14 @@ async def _run_worker(args: argparse.Namespace) -> int:
         worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only)
     except ValueError as exc:
         raise SystemExit(f"redroll worker: {exc}") from None
-    from shared.metrics import WorkerMetrics
+    from redroll.shared.metrics import WorkerMetrics
 
     return await _serve(worker, WorkerMetrics, args.metrics_port, settings)
 
 
 async def _run_consume(args: argparse.Namespace) -> int:
-    from consumer.handlers import load_handler, parse_handler_flag
-    from consumer.runner import ConsumerRunner
+    from redroll.consumer.handlers import load_handler, parse_handler_flag
+    from redroll.consumer.runner import ConsumerRunner
 
     settings = _settings(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries)
     handlers = dict(parse_handler_flag(h) for h in args.handler)
@@ -286,7 +286,7 @@ async def _run_consume(args: argparse.Namespace) -> int:
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
                             stream=args.stream, batch=args.batch)
-    from shared.metrics import ConsumerMetrics
+    from redroll.shared.metrics import ConsumerMetrics
 
     return await _serve(runner, ConsumerMetrics, args.metrics_port, settings)
 
@@ -319,7 +319,7 @@ async def _run_status(args: argparse.Namespace) -> int:
 
 
 async def _run_abort(args: argparse.Namespace) -> int:
-    from shared.control import send_abort
+    from redroll.shared.control import send_abort
 
     if not args.request_ids and not args.group:
         print("redroll abort: name request ids or --group G", file=sys.stderr)
@@ -332,7 +332,7 @@ async def _run_abort(args: argparse.Namespace) -> int:
 
 
 async def _run_weights(args: argparse.Namespace) -> int:
-    from shared.control import ControlCommand, send_command, update_weights
+    from redroll.shared.control import ControlCommand, send_command, update_weights
 
     settings = _settings(args)
     async with connect(settings) as r:
@@ -402,7 +402,7 @@ async def _run_dead(args: argparse.Namespace) -> int:
 
 
 async def _run_gc(args: argparse.Namespace) -> int:
-    from shared.gc import collect_garbage
+    from redroll.shared.gc import collect_garbage
 
     settings = _settings(args)
     async with connect(settings) as r:
@@ -415,7 +415,7 @@ async def _run_gc(args: argparse.Namespace) -> int:
 
 
 async def _run_drain(args: argparse.Namespace) -> int:
-    from shared.control import ControlCommand, send_command
+    from redroll.shared.control import ControlCommand, send_command
 
     if not args.workers and not args.all:
         print("redroll drain: name workers or --all", file=sys.stderr)
@@ -428,14 +428,29 @@ async def _run_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmark_checkout() -> str | None:
+    """The source checkout that holds ``benchmarks/`` (the suite is not installed with redroll):
+    the current directory, or the checkout an editable install points at."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent
+    for root in (Path.cwd(), here):
+        if (root / "benchmarks" / "bench.py").is_file():
+            return str(root)
+    return None
+
+
 def _run_bench(argv: list[str]) -> int:
-    try:
-        from benchmarks.bench import main as bench_main
-    except ImportError:
-        print("redroll bench: the benchmark suite lives in the source checkout (benchmarks/); run it from there",
-              file=sys.stderr)
+    """``redroll bench ARGS`` runs ``python -m benchmarks.bench ARGS`` in the source checkout (as its
+    own process: redroll never imports the benchmarks)."""
+    import subprocess
+
+    root = _benchmark_checkout()
+    if root is None:
+        print("redroll bench: needs a source checkout (benchmarks/ is not installed); from a clone run "
+              "python -m benchmarks.bench", file=sys.stderr)
         return 2
-    return bench_main(argv)
+    return subprocess.call([sys.executable, "-m", "benchmarks.bench", *argv], cwd=root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

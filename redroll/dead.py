@@ -11,11 +11,11 @@ from typing import Any, Sequence
 import msgpack
 from redis.asyncio import Redis
 
-from shared.codec import ValidationError, decode_record, decode_request, request_to_map
-from shared.keys import Keys
-from shared.scripts import DuplicateRequestError, Scripts
-from shared.settings import Settings
-from shared.streams import id_tuple, text
+from redroll.shared.codec import ValidationError, decode_record, decode_request, request_to_map
+from redroll.shared.keys import Keys
+from redroll.shared.scripts import DuplicateRequestError, Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.streams import id_tuple, text
 
 PLAIN = ("reason", "source", "entry", "deliveries")
 

@@ -11,15 +11,15 @@ import importlib.util
 import sys
 from typing import Any
 
-from consumer.runner import ConsumerRunner
-from engine_worker.engines import create_engine
-from engine_worker.worker import Worker
-from producer.client import Producer, make_request, send
+from redroll.consumer.runner import ConsumerRunner
 from redroll.embedded import embedded_redis
+from redroll.engine_worker.engines import create_engine
+from redroll.engine_worker.worker import Worker
+from redroll.producer.client import Producer, make_request, send
 from redroll.runtime import run as run_async_main
-from shared.connection import connect
-from shared.settings import Settings
-from shared.types import CompletionRecord
+from redroll.shared.connection import connect
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord
 
 DEMO_PROMPTS = [
     "The capital of France is",

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from shared.types import CompletionRecord
+from redroll.shared.types import CompletionRecord
 
 
 def print_record(record: CompletionRecord) -> None:

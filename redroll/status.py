@@ -9,9 +9,9 @@ from typing import Any
 import redis
 from redis.asyncio import Redis
 
-from shared.connection import is_cluster
-from shared.keys import WORKERS_GROUP, Keys
-from shared.streams import id_tuple, text
+from redroll.shared.connection import is_cluster
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.streams import id_tuple, text
 
 STALE_AFTER_S = 10.0
 """A worker whose heartbeat is older than this is reported stale."""

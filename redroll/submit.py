@@ -8,11 +8,11 @@ import json
 import sys
 from typing import IO, Any, Iterable
 
-from producer.client import Producer, make_request, send
-from shared.codec import ValidationError, encode_request
-from shared.connection import connect
-from shared.settings import Settings
-from shared.types import CompletionRecord, GenerationRequest
+from redroll.producer.client import Producer, make_request, send
+from redroll.shared.codec import ValidationError, encode_request
+from redroll.shared.connection import connect
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, GenerationRequest
 
 ACCEPTED_FIELDS = {
     "request_id", "prompt", "input_ids", "sampling_params", "return_logprob", "collect_unfinished",

@@ -3,7 +3,7 @@
 Nothing here imports an engine, torch or transformers.
 """
 
-from shared.codec import (
+from .codec import (
     SCHEMA_VERSION,
     ValidationError,
     decode_record,
@@ -11,9 +11,9 @@ from shared.codec import (
     encode_record,
     encode_request,
 )
-from shared.keys import Keys
-from shared.settings import Settings
-from shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from .keys import Keys
+from .settings import Settings
+from .types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.keys import Keys
+from .keys import Keys
 
 ROLES = ("producer", "worker", "consumer", "operator")
 

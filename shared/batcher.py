@@ -4,7 +4,7 @@ Hundreds of request tasks each finishing (one Lua call) or dead-lettering would 
 hundreds of round trips and connections. Each task queues its item and awaits its own reply; a
 single flusher sends whatever is queued as one batch as soon as the event loop gets to it, so
 batching adds no waiting at light load. :class:`Coalescer` is that queue and flusher;
-:class:`CommandBatcher` sends arbitrary commands with it, ``engine_worker.publisher.Publisher``
+:class:`CommandBatcher` sends arbitrary commands with it, ``redroll.engine_worker.publisher.Publisher``
 the fenced finishes.
 """
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import msgpack
 
-from shared.types import (
+from .types import (
     FINISH_REASONS,
     PASSTHROUGH_SAMPLING_KEYS,
     SCHEMA_VERSION,
@@ -51,7 +51,7 @@ class NewerSchemaError(ValidationError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds a request must respect; from :class:`shared.settings.Settings`."""
+    """Bounds a request must respect; from :class:`redroll.shared.settings.Settings`."""
 
     max_payload_bytes: int = 4 * 1024 * 1024
     max_new_tokens: int = 32768

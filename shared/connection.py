@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared.settings import Settings
+from .settings import Settings
 
 T = TypeVar("T")
 

@@ -9,9 +9,9 @@ from typing import Any, Sequence
 import msgpack
 from redis.asyncio import Redis
 
-from shared.codec import ValidationError, check_request_id, decode_request
-from shared.keys import WORKERS_GROUP, Keys
-from shared.types import CompletionRecord, RecordStatus
+from .codec import ValidationError, check_request_id, decode_request
+from .keys import WORKERS_GROUP, Keys
+from .types import CompletionRecord, RecordStatus
 
 CONTROL_MAXLEN = 10_000
 ABORTED_RETENTION_S = 24 * 3600
@@ -76,7 +76,7 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     Returns the request_ids cancelled this way; the others are in flight (the worker aborts them)
     or already finished.
     """
-    from shared.scripts import Scripts
+    from .scripts import Scripts
 
     scripts = Scripts(r)
     parts = list(parts or [keys])

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import redis
 from redis.asyncio import Redis
 
-from shared.keys import WORKERS_GROUP, Keys
-from shared.streams import id_tuple, text
+from .keys import WORKERS_GROUP, Keys
+from .streams import id_tuple, text
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from shared.streams import id_tuple, text
+from .streams import id_tuple, text
 
 
 def _next_id(entry_id: str) -> str:

@@ -13,13 +13,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
-from shared.codec import encode_record
-from shared.connection import is_cluster
-from shared.types import CompletionRecord
+from .codec import encode_record
+from .connection import is_cluster
+from .types import CompletionRecord
 
 
 def _load(name: str) -> str:
-    return resources.files("shared").joinpath("lua", name).read_text()
+    return resources.files(__package__).joinpath("lua", name).read_text()
 
 
 SUBMIT_LUA = _load("submit.lua")

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from shared.codec import Limits
-from shared.keys import Keys, partition_index, partition_key_sets, partition_keys
-from shared.types import GenerationRequest
+from .codec import Limits
+from .keys import Keys, partition_index, partition_key_sets, partition_keys
+from .types import GenerationRequest
 
 ENV_PREFIX = "REDROLL_"
 

@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 
 from redroll.embedded import RedisServer, start_redis_server
-from shared.connection import connect
-from shared.settings import Settings
+from redroll.shared.connection import connect
+from redroll.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,9 +175,9 @@ async def running(*roles: Any) -> AsyncIterator[None]:
 def workers_and_consumer(settings: Settings, applied: list[str], workers: int = 2) -> tuple[list, Any]:
     """In-process roles for a pipeline test: ``workers`` synthetic-engine workers (16 in flight)
     and a consumer in group ``g`` whose handler ``h`` appends each record's request_id to ``applied``."""
-    from consumer.runner import ConsumerRunner
-    from engine_worker.engines.synthetic import SyntheticEngine
-    from engine_worker.worker import Worker
+    from redroll.consumer.runner import ConsumerRunner
+    from redroll.engine_worker.engines.synthetic import SyntheticEngine
+    from redroll.engine_worker.worker import Worker
 
     fleet = [Worker(settings, SyntheticEngine(), max_inflight=16, block_ms=200) for _ in range(workers)]
     consumer = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},

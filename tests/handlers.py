@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from shared.types import CompletionRecord
+from redroll.shared.types import CompletionRecord
 
 
 def append_to_file(record: CompletionRecord) -> None:

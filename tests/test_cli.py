@@ -35,12 +35,12 @@ def test_demo_on_embedded_default_prints_completions():
 
 def test_demo_fakeredis_fallback(tmp_path):
     """Without any redis-server on PATH the demo runs on in-process fakeredis."""
-    bindir = tmp_path / "bin"
+    bindir = tmp_path / "bin"  # an empty PATH: no redis-server, no valkey-server
     bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
     env.update(PATH=str(bindir), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([str(bindir / "python"), "-m", "redroll.cli", "demo", "--engine", "synthetic"],
+    # sys.executable itself, not a link to it: a link outside a virtualenv's bin/ loses the venv.
+    proc = subprocess.run([sys.executable, "-m", "redroll.cli", "demo", "--engine", "synthetic"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fakeredis" in proc.stdout

@@ -18,22 +18,30 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 import redis
-
-from consumer.runner import ConsumerRunner
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from producer.client import make_request, send
-from redroll.embedded import RedisCluster, start_redis_cluster
-from redroll.status import collect_pipeline_status
-from shared.connection import connect, is_cluster
 from redis.crc import key_slot
 
-from shared.keys import WORKERS_GROUP, Keys
-from shared.settings import Settings
-from shared.types import RecordStatus
-from tests.conftest import (ROOT, read_jsonl, redroll_env, running, server_executable, spawn, stop_process,
-                            wait_until, workers_and_consumer)
+from redroll.consumer.runner import ConsumerRunner
+from redroll.embedded import RedisCluster, start_redis_cluster
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.producer.client import make_request, send
+from redroll.shared.connection import connect, is_cluster
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.settings import Settings
+from redroll.shared.types import RecordStatus
+from redroll.status import collect_pipeline_status
+from tests.conftest import (
+    ROOT,
+    read_jsonl,
+    redroll_env,
+    running,
+    server_executable,
+    spawn,
+    stop_process,
+    wait_until,
+    workers_and_consumer,
+)
 
 GROUP = "trainer"
 

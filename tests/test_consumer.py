@@ -11,12 +11,12 @@ import sys
 import time
 from collections import Counter
 
-from consumer.runner import ConsumerRunner
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer.client import make_request, send
-from shared.retention import trim_acked
-from shared.types import RecordStatus
+from redroll.consumer.runner import ConsumerRunner
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer.client import make_request, send
+from redroll.shared.retention import trim_acked
+from redroll.shared.types import RecordStatus
 from tests.conftest import spawn, wait_until
 
 SP = {"max_new_tokens": 3}

@@ -13,9 +13,9 @@ BLOCK = "import sys\nfor m in ('torch', 'transformers', 'sglang'):\n    sys.modu
 
 def test_core_imports_and_demo_runs_without_engine_libraries():
     code = BLOCK + (
-        "import redroll, shared, producer, consumer, engine_worker.worker\n"
-        "import engine_worker.engines.synthetic, engine_worker.engines.transformers_engine\n"
-        "import engine_worker.engines.tiny_model\n"
+        "import redroll, redroll.shared, redroll.producer, redroll.consumer, redroll.engine_worker.worker\n"
+        "import redroll.engine_worker.engines.synthetic, redroll.engine_worker.engines.transformers_engine\n"
+        "import redroll.engine_worker.engines.tiny_model\n"
         "from redroll.demo import _has_torch\n"
         "assert not _has_torch()\n"
         "from redroll.cli import main\n"

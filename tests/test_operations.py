@@ -12,18 +12,18 @@ import msgpack
 import pytest
 import yaml
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from producer.client import make_request, send
 from redroll import dead
 from redroll.embedded import free_port
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
 from redroll.logs import JsonFormatter
+from redroll.producer import Producer
+from redroll.producer.client import make_request, send
+from redroll.shared.control import send_abort
+from redroll.shared.gc import collect_garbage
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.types import RecordStatus
 from redroll.status import collect_status
-from shared.control import send_abort
-from shared.gc import collect_garbage
-from shared.keys import WORKERS_GROUP
-from shared.types import RecordStatus
 from tests.conftest import ROOT, wait_until
 
 
@@ -116,8 +116,8 @@ async def test_dead_cli_list_requeue_purge(settings, r):
 
 async def test_metrics_endpoint_serves_documented_names(settings, r):
     pytest.importorskip("prometheus_client")
-    from shared.metrics import ConsumerMetrics, WorkerMetrics, serve
-    from consumer.runner import ConsumerRunner
+    from redroll.consumer.runner import ConsumerRunner
+    from redroll.shared.metrics import ConsumerMetrics, WorkerMetrics, serve
 
     worker = Worker(settings, SyntheticEngine(), block_ms=200)
     worker.metrics = WorkerMetrics(worker)
@@ -212,7 +212,7 @@ def test_keda_and_deployment_yaml_name_the_real_keys():
     scaled = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
     deploy = yaml.safe_load((ROOT / "deploy" / "worker-deployment.yaml").read_text())
     assert scaled["kind"] == "ScaledObject" and scaled["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
-    from shared.keys import Keys
+    from redroll.shared.keys import Keys
 
     kinds = set()
     for trig in scaled["spec"]["triggers"]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from producer.client import make_request, send
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.producer.client import make_request, send
+from redroll.shared.keys import Keys
+from redroll.shared.types import RecordStatus
 from redroll.status import collect_pipeline_status
-from shared.keys import Keys
-from shared.types import RecordStatus
 from tests.conftest import running, wait_until, workers_and_consumer
 
 

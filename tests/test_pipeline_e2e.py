@@ -8,14 +8,14 @@ from collections import Counter
 
 import pytest
 
-from producer.client import make_request, send
-from shared.keys import WORKERS_GROUP
+from redroll.producer.client import make_request, send
+from redroll.shared.keys import WORKERS_GROUP
 from tests.conftest import read_jsonl, spawn, wait_until
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model, teacher_forced_logprobs  # noqa: E402
+from redroll.engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model, teacher_forced_logprobs  # noqa: E402
 
 N_REQUESTS = 200
 GROUP = "trainer"

@@ -9,13 +9,13 @@ import pytest
 import redis
 from redis.asyncio.client import Pipeline
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import DuplicateRequestError, Producer, SyncProducer, make_request
-from shared.codec import encode_request
-from shared.keys import PRODUCER_GROUP
-from shared.scripts import Scripts
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import DuplicateRequestError, Producer, SyncProducer, make_request
+from redroll.shared.codec import encode_request
+from redroll.shared.keys import PRODUCER_GROUP
+from redroll.shared.scripts import Scripts
+from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
 SP = {"max_new_tokens": 4}
@@ -299,7 +299,7 @@ async def test_undecodable_reply_is_dead_lettered(settings, r):
 
 
 async def test_duplicate_record_on_reply_stream_is_skipped(settings, r):
-    from shared.codec import encode_record
+    from redroll.shared.codec import encode_record
 
     calls: list[str] = []
     async with running_worker(settings), Producer(settings, block_ms=100) as p:

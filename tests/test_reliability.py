@@ -15,13 +15,13 @@ from collections import Counter
 
 import pytest
 
-from consumer.runner import ConsumerRunner
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
+from redroll.consumer.runner import ConsumerRunner
 from redroll.embedded import start_redis_server
-from shared.keys import WORKERS_GROUP
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.types import RecordStatus
 from tests.conftest import spawn, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
@@ -207,8 +207,8 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             # Now a consumer group too, then another crash while everything runs.
             procs.append(spawn(s, "consume", "--group", "g", "--handler", "apply=tests.handlers:append_to_file",
                                log=log, REDROLL_TEST_APPLIED=str(applied)))
-            from producer.client import make_request, send
-            from shared.connection import connect
+            from redroll.producer.client import make_request, send
+            from redroll.shared.connection import connect
 
             rc = connect(s)
             await send(s, rc, [make_request(request_id=f"cb-{i}", prompt=str(i), callback="apply",
@@ -247,7 +247,7 @@ async def test_10k_requests_leave_only_unacked_results(settings, r):
     fast = ConsumerRunner(s, group="fast", handlers={"h": lambda rec: applied.append(rec.request_id)},
                           block_ms=200, trim_interval_s=0.2, batch=512)
     tasks = [asyncio.create_task(worker.run()), asyncio.create_task(fast.run())]
-    from producer.client import make_request, send
+    from redroll.producer.client import make_request, send
 
     # A second group exists but reads nothing until the end: nothing it has not acked may go.
     await r.xgroup_create(s.keys.results, "slow", id="0", mkstream=True)

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from producer.client import make_request
-from producer.rollout import staleness_report
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.producer.client import make_request
+from redroll.producer.rollout import staleness_report
+from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
 
@@ -197,7 +197,7 @@ async def test_same_seed_same_tokens_through_the_pipeline(settings):
 
 async def test_same_seed_same_tokens_transformers_engine(settings):
     pytest.importorskip("torch")
-    from engine_worker.engines.transformers_engine import TransformersEngine
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 
     worker = Worker(settings, TransformersEngine("tiny-random"), max_inflight=8, block_ms=200)
     task = asyncio.create_task(worker.run())

@@ -28,20 +28,20 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from consumer.runner import ConsumerRunner
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer.client import Producer, make_request, send
+from redroll.consumer.runner import ConsumerRunner
 from redroll.embedded import RedisServer
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer.client import Producer, make_request, send
+from redroll.shared.acl import ROLES, acl_rules, setuser_args
+from redroll.shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
+from redroll.shared.control import send_abort
+from redroll.shared.gc import collect_garbage
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.types import RecordStatus
 from redroll.status import collect_status
-from shared.acl import ROLES, acl_rules, setuser_args
-from shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
-from shared.control import send_abort
-from shared.gc import collect_garbage
-from shared.keys import WORKERS_GROUP
-from shared.scripts import Scripts
-from shared.settings import Settings
-from shared.types import RecordStatus
 from tests.conftest import ROOT, server_executable, start_test_server, wait_until
 
 ADMIN_PASSWORD = "admin-" + uuid.uuid4().hex

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from engine_worker.engines.base import EngineOutput
-from engine_worker.engines.sglang_engine import EngineRequestError, SGLangEngine, WeightUpdateError
-from shared.codec import ValidationError
-from shared.types import GenerationRequest, RecordStatus, SamplingParams
+from redroll.engine_worker.engines.base import EngineOutput
+from redroll.engine_worker.engines.sglang_engine import EngineRequestError, SGLangEngine, WeightUpdateError
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest, RecordStatus, SamplingParams
 from tests import sglang_standin as sgl
 from tests.conftest import ROOT, wait_until
 
@@ -55,8 +55,8 @@ def is_prefix_free(rids) -> bool:
 def test_module_imports_without_sglang():
     code = ("import sys\nfor m in ('torch', 'transformers', 'sglang'):\n    sys.modules[m] = None\n"
             "import asyncio\n"
-            "from engine_worker.engines.sglang_engine import SGLangEngine\n"
-            "from engine_worker.engines import create_engine\n"
+            "from redroll.engine_worker.engines.sglang_engine import SGLangEngine\n"
+            "from redroll.engine_worker.engines import create_engine\n"
             "e = create_engine('sglang', model_path='/m', weight_version='w')\n"
             "assert isinstance(e, SGLangEngine) and e.info.weight_version == 'w'\n"
             "try:\n    asyncio.run(e.start())\nexcept ImportError:\n    print('no sglang')\n")
@@ -594,8 +594,8 @@ async def test_start_refuses_an_sglang_without_per_request_rids():
 
 
 async def test_real_worker_loop_with_the_stand_in(settings, r):
-    from engine_worker.worker import Worker
-    from producer import Producer
+    from redroll.engine_worker.worker import Worker
+    from redroll.producer import Producer
 
     factory = sgl.Engine.with_options(token_delay_s=0.01)
     engine = SGLangEngine("/models/tiny", engine_factory=factory, weight_version="w1", max_running_requests=8)

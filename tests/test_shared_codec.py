@@ -7,9 +7,11 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
-from shared.codec import (
+from redroll.shared.codec import (
     DEFAULT_LIMITS,
     Limits,
     NewerSchemaError,
@@ -22,7 +24,7 @@ from shared.codec import (
     encode_request,
     request_to_map,
 )
-from shared.types import SCHEMA_VERSION, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.types import SCHEMA_VERSION, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 _DROP = object()
 

@@ -6,8 +6,8 @@ import pytest
 import redis.asyncio
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
-from shared.connection import RedisConfigError, _with_hiredis_packing, connect, is_cluster, read_groups
-from shared.settings import Settings
+from redroll.shared.connection import RedisConfigError, _with_hiredis_packing, connect, is_cluster, read_groups
+from redroll.shared.settings import Settings
 
 COMMANDS = [
     ("SET", "k", "v"),

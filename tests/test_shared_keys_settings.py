@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from shared.codec import Limits
-from shared.keys import PRODUCER_GROUP, WORKERS_GROUP, Keys
-from shared.settings import Settings
+from redroll.shared.codec import Limits
+from redroll.shared.keys import PRODUCER_GROUP, WORKERS_GROUP, Keys
+from redroll.shared.settings import Settings
 
 
 def hash_tag(key: str) -> str:

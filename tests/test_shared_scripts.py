@@ -7,11 +7,11 @@ import asyncio
 import msgpack
 import pytest
 
-from shared.codec import decode_record
-from shared.keys import WORKERS_GROUP
-from shared.scripts import DeadLetter, DuplicateRequestError, Scripts
-from shared.streams import ensure_group
-from shared.types import CompletionRecord, RecordStatus
+from redroll.shared.codec import decode_record
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
+from redroll.shared.streams import ensure_group
+from redroll.shared.types import CompletionRecord, RecordStatus
 
 G = WORKERS_GROUP
 

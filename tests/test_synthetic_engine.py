@@ -6,8 +6,8 @@ import asyncio
 import hashlib
 from array import array
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from producer.client import make_request
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.producer.client import make_request
 
 
 def _expected_words(source: bytes, seed: object, sample: int, n: int) -> list[int]:

@@ -14,16 +14,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_worker.engines.base import Engine, EngineOutput  # noqa: E402
-from engine_worker.engines.tiny_model import (  # noqa: E402
+from redroll.engine_worker.engines.base import Engine, EngineOutput  # noqa: E402
+from redroll.engine_worker.engines.tiny_model import (  # noqa: E402
     EOS_ID,
     ByteTokenizer,
     build_tiny_model,
     teacher_forced_logprobs,
 )
-from engine_worker.engines.transformers_engine import TransformersEngine  # noqa: E402
-from shared.codec import ValidationError  # noqa: E402
-from shared.types import GenerationRequest, SamplingParams  # noqa: E402
+from redroll.engine_worker.engines.transformers_engine import TransformersEngine  # noqa: E402
+from redroll.shared.codec import ValidationError  # noqa: E402
+from redroll.shared.types import GenerationRequest, SamplingParams  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_TOLERANCE = 1e-4
@@ -102,7 +102,7 @@ async def test_info_and_protocol(engine: TransformersEngine) -> None:
 
 
 def test_import_needs_no_torch() -> None:
-    code = "import sys, engine_worker.engines.transformers_engine; assert 'torch' not in sys.modules"
+    code = "import sys, redroll.engine_worker.engines.transformers_engine; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=60)
 
 
@@ -119,7 +119,7 @@ def test_tiny_model_is_deterministic_and_leaves_global_rng_alone() -> None:
 
 def test_tiny_model_is_bit_identical_in_another_process() -> None:
     code = (
-        "import hashlib; from engine_worker.engines.tiny_model import build_tiny_model\n"
+        "import hashlib; from redroll.engine_worker.engines.tiny_model import build_tiny_model\n"
         "h = hashlib.sha256()\n"
         "for n, t in sorted(build_tiny_model(seed=3).state_dict().items()):\n"
         "    h.update(n.encode()); h.update(t.contiguous().numpy().tobytes())\n"

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from shared.control import ControlCommand, live_workers, send_command
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.shared.control import ControlCommand, live_workers, send_command
+from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
 
@@ -107,8 +107,8 @@ async def _state_is(r, settings, name, state):
 
 async def test_transformers_weight_update_changes_outputs():
     pytest.importorskip("torch")
-    from engine_worker.engines.transformers_engine import TransformersEngine
-    from producer.client import make_request
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
+    from redroll.producer.client import make_request
 
     engine = TransformersEngine("tiny-random")
     await engine.start()
@@ -127,7 +127,7 @@ async def test_sglang_adapter_weight_update_during_traffic(settings, r):
     through the control stream mid-traffic loses nothing, and each worker's records switch
     version once."""
     import tests.sglang_standin as sgl
-    from engine_worker.engines.sglang_engine import SGLangEngine
+    from redroll.engine_worker.engines.sglang_engine import SGLangEngine
 
     factory = sgl.Engine.with_options(token_delay_s=0.02)
     pairs = []

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer import Producer
-from shared.keys import WORKERS_GROUP
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import msgpack
 
-from engine_worker.engines.synthetic import SyntheticEngine
-from engine_worker.worker import Worker
-from producer.client import Producer
-from shared.keys import WORKERS_GROUP
-from shared.types import RecordStatus
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer.client import Producer
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
 _DROP = object()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_worker.engines.base import Engine, EngineInfo, EngineOutput, SampleOutput
+from .base import Engine, EngineInfo, EngineOutput, SampleOutput
 
 ENGINE_NAMES = ("sglang", "transformers", "synthetic")
 
@@ -12,15 +12,15 @@ ENGINE_NAMES = ("sglang", "transformers", "synthetic")
 def create_engine(name: str, **options: Any) -> Engine:
     """Build an engine by name; options are the engine's own keyword arguments."""
     if name == "synthetic":
-        from engine_worker.engines.synthetic import SyntheticEngine
+        from .synthetic import SyntheticEngine
 
         return SyntheticEngine(**options)
     if name == "transformers":
-        from engine_worker.engines.transformers_engine import TransformersEngine
+        from .transformers_engine import TransformersEngine
 
         return TransformersEngine(**options)
     if name == "sglang":
-        from engine_worker.engines.sglang_engine import SGLangEngine
+        from .sglang_engine import SGLangEngine
 
         return SGLangEngine(**options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from shared.codec import ValidationError
-from shared.types import GenerationRequest
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     def validate(self, request: GenerationRequest) -> None:
-        """Raise :class:`shared.codec.ValidationError` for requests this engine cannot serve."""
+        """Raise :class:`redroll.shared.codec.ValidationError` for requests this engine cannot serve."""
 
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput: ...
 

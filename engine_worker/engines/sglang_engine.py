@@ -58,9 +58,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
-from shared.codec import ValidationError
-from shared.types import GenerationRequest
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest
+
+from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
 
 log = logging.getLogger(__name__)
 

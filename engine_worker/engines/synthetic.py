@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from array import array
 import os
 import random
 import time
+from array import array
 
-from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
-from shared.types import GenerationRequest
+from redroll.shared.types import GenerationRequest
+
+from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
 
 
 class _NeverAborted:

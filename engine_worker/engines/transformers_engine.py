@@ -24,10 +24,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
-from engine_worker.engines.tiny_model import TINY_RANDOM
-from shared.codec import ValidationError
-from shared.types import GenerationRequest, SamplingParams
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest, SamplingParams
+
+from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .tiny_model import TINY_RANDOM
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -172,7 +173,7 @@ class TransformersEngine:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         tiny_seed = _tiny_seed(self.model_path, self.seed)
         if tiny_seed is not None:
-            from engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model
+            from .tiny_model import ByteTokenizer, build_tiny_model
 
             model = build_tiny_model(tiny_seed).to(device=self.device, dtype=torch_dtype)
             return model, ByteTokenizer()
