@@ -280,8 +280,8 @@ async def _explain_missing(rc, s: Settings, producer, futures, workers) -> None:
               "reply", await rc.xlen(part.reply(producer.name)),
               "reply pending", await rc.xpending(part.reply(producer.name), "producer"))
     for w in workers:
-        print(w.name, w.stats, "inflight", len(w._inflight), "isolating", w._isolating, "holds", w._holds,
-              "deferred", len(w._deferred))
+        print(w.name, w.stats, "inflight", len(w.flights), "isolating", w.flights.isolating,
+              "holds", w.flights.holds, "parked", w.flights.parked)
     print("producer readers", [(t.get_name(), t.done()) for t in producer._readers])
     for t in asyncio.all_tasks():
         print("task", t.get_name(), t.get_stack(limit=2)[-1:] if not t.done() else "done")

@@ -609,7 +609,7 @@ async def test_real_worker_loop_with_the_stand_in(settings, r):
             long = await p.submit(request_id="long-1", input_ids=[7, 7], return_logprob=True,
                                   collect_unfinished=True, sampling_params={"n": 2, "max_new_tokens": 3000})
             await wait_until(lambda: any(f.request and f.request.request_id == "long-1"
-                                         for f in worker._inflight.values()), timeout=10)
+                                         for f in worker.flights), timeout=10)
             await asyncio.sleep(0.2)
             await p.abort(["long-1"])
             records = [await asyncio.wait_for(f, 15) for f in done]

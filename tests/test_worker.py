@@ -64,7 +64,7 @@ async def test_abort_during_generation(settings, collect):
                              sampling_params={"max_new_tokens": 200})
         other = await p.submit(prompt="y", sampling_params={"max_new_tokens": 3})
         await wait_until(lambda: any(f.request and f.request.request_id == "running-1"
-                                     for f in worker._inflight.values()))
+                                     for f in worker.flights))
         await asyncio.sleep(0.3)
         started = time.monotonic()
         await p.abort(["running-1"])
@@ -86,7 +86,7 @@ async def test_abort_by_group(settings):
     async with Producer(settings) as p:
         futs = await p.submit_many([dict(request_id=f"g-{i}", prompt="x", group_id="grp",
                                          sampling_params={"max_new_tokens": 200}) for i in range(3)])
-        await wait_until(lambda: sum(f.request is not None for f in worker._inflight.values()) == 3)
+        await wait_until(lambda: sum(f.request is not None for f in worker.flights) == 3)
         await p.abort(group_id="grp")
         recs = await asyncio.wait_for(asyncio.gather(*futs), 10)
     await stop(worker, task)

@@ -1,0 +1,145 @@
+"""Claiming new entries (XREADGROUP) and reclaiming idle ones from dead or paused workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.streams import text
+
+from .context import WorkerContext
+from .flights import Flights, InFlight
+
+log = logging.getLogger("redroll.worker")
+
+
+class Claimer:
+    def __init__(self, ctx: WorkerContext, flights: Flights, *, reclaim_interval_s: float):
+        self.ctx = ctx
+        self.flights = flights
+        self.reclaim_interval_s = reclaim_interval_s
+
+    def _add(self, stream: str, entry_id: str, fields: dict, deliveries: int, defer: bool = False) -> InFlight:
+        return self.flights.add(stream, entry_id, self.ctx.flight_key(stream, entry_id), deliveries, fields,
+                                defer=defer)
+
+    # ------------------------------------------------------------ new entries
+
+    def loop_for(self, parts: list[Keys], loops: int) -> Any:
+        """The claim loop over ``parts``; with ``loops`` loops at once each reads a share of the
+        free slots, so together they take at most about one batch more than there is room for
+        (the surplus waits, leased, for a slot)."""
+        async def claim_loop() -> None:
+            await self._claim_loop(parts, loops)
+        return claim_loop
+
+    async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
+        ctx, flights = self.ctx, self.flights
+        highs = {k.requests_high: ">" for k in parts}
+        streams = {s: ">" for s in [*highs, *(k.requests for k in parts)]}
+        while not ctx.stopping.is_set():
+            await flights.wait_for_slot()
+            if ctx.stopping.is_set():
+                return
+            free = -(-(flights.max_inflight - flights.occupied) // loops)
+            # High priority first, without blocking; then block on every request stream.
+            resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, highs, count=free)
+            if not any(entries for _, entries in resp or []):
+                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, streams, count=free, block=ctx.block_ms)
+            resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
+            running = flights.generating
+            for stream, entries in resp:
+                for entry_id, fields in entries:
+                    ctx.stats.claimed += 1
+                    # A hold or an isolation may have begun while the read was blocked, or both
+                    # streams answered: then the entry waits (leased) for its turn.
+                    defer = flights.claiming_paused or running >= flights.max_inflight
+                    self._add(text(stream), text(entry_id), fields or {}, deliveries=1, defer=defer)
+                    running += not defer
+
+    # ------------------------------------------------------------ idle entries
+
+    async def reclaim_loop(self) -> None:
+        """Take over entries idle past ``claim_idle``: dead or paused workers' work, and hand-backs.
+
+        ``XPENDING … IDLE`` first shows what is idle, its owner and delivery count, so the worker
+        picks what to take with ``XCLAIM`` (min-idle checked, so two workers never both take one):
+        entries with a recorded error or hand-back are taken in bulk; entries that were in flight
+        on a worker that died ("suspects": one of them may be what killed it) are taken one at a
+        time and run with nothing else in flight. A request that kills every worker it runs on thus
+        takes down no innocent neighbour, and only its own delivery count climbs until it is
+        dead-lettered; the suspects left for later keep their counts. (XAUTOCLAIM would take and
+        count a whole batch at once.) XCLAIM drops ids deleted from the stream from the PEL.
+        """
+        ctx = self.ctx
+        while not ctx.stopping.is_set():
+            await ctx.pause(self.reclaim_interval_s)
+            try:
+                # Isolation lasts until no suspect is left, so new claims do not refill the slots
+                # between two suspects.
+                while not ctx.stopping.is_set() and await self._reclaim_once():
+                    pass
+            finally:
+                self.flights.end_isolation()
+
+    async def _reclaim_once(self) -> bool:
+        """One pass; True when it took a suspect (so the next pass should follow at once)."""
+        ctx, flights = self.ctx, self.flights
+        bulk: list[tuple[str, str, int]] = []
+        suspects: list[tuple[str, str, int]] = []
+        if flights.holds:
+            return False
+        for stream in ctx.request_streams:  # high priority first
+            # Even with every slot taken, look: suspects are run in isolation, which waits for the
+            # slots to empty, so a busy worker still takes over a dead one's work.
+            free = max(0, flights.max_inflight - flights.occupied - len(bulk))
+            idle = await ctx.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+",
+                                                  count=max(free, 16) * 4, idle=ctx.settings.claim_idle_ms)
+            idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
+            if not idle:
+                continue
+            ids = [text(p["message_id"]) for p in idle]
+            notes = await ctx.redis.hmget(ctx.keys.errors, [ctx.flight_key(stream, i) for i in ids])
+            for p, entry_id, note in zip(idle, ids, notes):
+                deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
+                if note is not None or deliveries > ctx.settings.max_deliveries:
+                    if len(bulk) < flights.max_inflight - flights.occupied:
+                        bulk.append((stream, entry_id, deliveries))
+                else:
+                    suspects.append((stream, entry_id, deliveries))
+        if bulk:
+            await self._claim_and_start(bulk)
+        if not suspects:
+            return False
+        # Isolation: stop claiming, let what runs finish, then take exactly one suspect (a random
+        # one of the oldest, so workers reclaiming at once do not all contend for the same entry).
+        flights.isolating = True
+        await flights.wait_idle()
+        if ctx.stopping.is_set():
+            return False
+        for flight in await self._claim_and_start([random.choice(suspects[:8])]):
+            log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
+                        flight.entry_id, flight.deliveries, extra=flight.context())
+            if flight.task is not None:
+                await asyncio.wait([flight.task])
+        return True
+
+    async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
+        ctx = self.ctx
+        started = []
+        for stream in ctx.request_streams:
+            counts = {entry_id: n for s, entry_id, n in chosen if s == stream}
+            if not counts:
+                continue
+            claimed = await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
+                                             list(counts))
+            for raw_id, fields in claimed:
+                entry_id = text(raw_id)
+                if not fields or ctx.flight_key(stream, entry_id) in self.flights:
+                    continue
+                ctx.stats.reclaimed += 1
+                started.append(self._add(stream, entry_id, fields, deliveries=counts[entry_id]))
+        return started

@@ -1,0 +1,79 @@
+"""What every part of a running worker shares: its settings, names, Redis client and counters."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from redroll.shared.batcher import CommandBatcher
+from redroll.shared.keys import Keys
+from redroll.shared.scripts import Scripts
+from redroll.shared.settings import Settings
+
+from .engines.base import Engine
+from .publisher import Publisher
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    reclaimed: int = 0
+    published: int = 0
+    fenced: int = 0
+    lease_losses: int = 0
+    dead_lettered: int = 0
+    handed_back: int = 0
+    engine_errors: int = 0
+    tokens: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class WorkerContext:
+    """The wiring of one running worker (built when it starts)."""
+
+    settings: Settings
+    name: str
+    engine: Engine
+    redis: Redis
+    parts: list[Keys]
+    """Per-request keys of the partitions this worker serves."""
+    stats: WorkerStats
+    stopping: asyncio.Event
+    block_ms: int
+    metrics: Any = None
+    """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
+
+    def __post_init__(self) -> None:
+        self.keys: Keys = self.settings.keys
+        """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
+        self.scripts = Scripts(self.redis)
+        self.batcher = CommandBatcher(self.redis)
+        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
+        # Claiming order: every partition's high-priority stream, then every normal one.
+        self.request_streams = [k.requests_high for k in self.parts] + [k.requests for k in self.parts]
+        self.part_of = {stream: k for k in self.parts for stream in k.request_streams}
+        """Request stream → the keys of its partition."""
+
+    @functools.cached_property
+    def normal_stream(self) -> str:
+        return self.keys.requests
+
+    def flight_key(self, stream: str, entry_id: str) -> str:
+        """Unique over every request stream (the plain normal stream keeps bare entry ids)."""
+        return entry_id if stream == self.normal_stream else f"{stream}/{entry_id}"
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when a stop is requested."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await self.publisher.close()

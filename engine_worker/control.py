@@ -1,0 +1,107 @@
+"""The worker's side of the control stream: broadcast commands, and the aborted set.
+
+``{ns}:control`` is read with plain XREAD from the position the worker had when it started, so
+every worker sees every command once. Aborts are also kept in ``{ns}:aborted``, loaded at start,
+so a queued request aborted before this worker existed is still skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from redis.asyncio import Redis
+
+from redroll.shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
+from redroll.shared.keys import Keys
+from redroll.shared.streams import text
+from redroll.shared.types import GenerationRequest
+
+log = logging.getLogger("redroll.worker")
+
+
+class AbortedSet:
+    """The worker's copy of ``{ns}:aborted`` (``r:<id>``, ``g:<group>`` → when): loaded at start,
+    then kept current from the control stream, so checking a request costs no round trip. An
+    abort that lands after the check finds the request in flight and stops it in the engine, so
+    the outcome is the same."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, float] = {}
+
+    def __contains__(self, request: GenerationRequest) -> bool:
+        members = self._members
+        if not members:
+            return False
+        if aborted_member(request_id=request.request_id) in members:
+            return True
+        return request.group_id is not None and aborted_member(group_id=request.group_id) in members
+
+    async def load(self, r: Redis, keys: Keys) -> None:
+        since = time.time() - ABORTED_RETENTION_S
+        for member, score in await r.zrangebyscore(keys.aborted, since, "+inf", withscores=True):
+            self._members[text(member)] = float(score)
+
+    def remember(self, cmd: ControlCommand) -> None:
+        for rid in cmd.request_ids:
+            self._members[aborted_member(request_id=rid)] = cmd.sent_at
+        for gid in cmd.group_ids:
+            self._members[aborted_member(group_id=gid)] = cmd.sent_at
+        if len(self._members) > 10_000 and len(self._members) % 1000 == 0:
+            cutoff = time.time() - ABORTED_RETENTION_S
+            self._members = {m: t for m, t in self._members.items() if t >= cutoff}
+
+
+class ControlTarget(Protocol):
+    """What the commands act on (the worker)."""
+
+    def abort_matching(self, request_ids: set[str], group_ids: set[str]) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def run_engine_command(self, cmd: ControlCommand) -> None: ...
+
+
+ENGINE_COMMANDS = ("update_weights", "release_memory", "resume_memory")
+
+
+class ControlListener:
+    def __init__(self, r: Redis, keys: Keys, name: str, target: ControlTarget, aborted: AbortedSet,
+                 block_ms: int):
+        self.redis = r
+        self.keys = keys
+        self.name = name
+        self.target = target
+        self.aborted = aborted
+        self.block_ms = block_ms
+        self.last_id = "0-0"
+
+    async def start(self) -> None:
+        """Fix the read position at the newest command, then load the aborted set (in this order:
+        no abort falls between the two)."""
+        last = await self.redis.xrevrange(self.keys.control, count=1)
+        self.last_id = text(last[0][0]) if last else "0-0"
+        await self.aborted.load(self.redis, self.keys)
+
+    async def run(self, stopping) -> None:  # type: ignore[no-untyped-def]
+        while not stopping.is_set():
+            resp = await self.redis.xread({self.keys.control: self.last_id}, count=100, block=self.block_ms)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self.last_id = text(entry_id)
+                    cmd = ControlCommand.from_fields(fields)
+                    if cmd is not None:
+                        self.apply(cmd)
+
+    def apply(self, cmd: ControlCommand) -> None:
+        if cmd.target not in (None, "*", self.name):
+            return
+        if cmd.kind == "abort":
+            self.aborted.remember(cmd)
+            self.target.abort_matching(set(cmd.request_ids), set(cmd.group_ids))
+        elif cmd.kind == "drain":
+            log.info("drain requested through the control stream")
+            self.target.request_stop()
+        elif cmd.kind in ENGINE_COMMANDS:
+            self.target.run_engine_command(cmd)

@@ -1,0 +1,214 @@
+"""The worker's in-flight entries: the one owner of that state, and of when their tasks start.
+
+An entry is in flight from its claim until its finish, dead letter or hand-back: it is leased
+(renewed) all that time. It holds an engine slot while it is generating; ``max_inflight``
+bounds those. Entries claimed while claiming is held (a weight update, released memory, an
+isolation) or with every slot taken wait here, leased, deferred; entries that need newer weights
+wait parked. Whoever waits for a slot or for the engine to go idle waits on an event that every
+change sets, never by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterator
+
+from redroll.shared.types import GenerationRequest, RecordStatus
+
+Fields = dict
+Run = Callable[["InFlight", Fields], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class InFlight:
+    stream: str
+    entry_id: str
+    key: str
+    """Unique across the request streams: the key of the flights and of ``{ns}:errors``."""
+    handle: str
+    """The engine's handle of this attempt (``<key>.<deliveries>``)."""
+    deliveries: int
+    claimed_at: float
+    request: GenerationRequest | None = None
+    task: asyncio.Task | None = None
+    stop_status: RecordStatus | None = None
+    """Set when the worker stops the generation: ABORTED (user abort) or EXPIRED (deadline)."""
+    stop_reason: str | None = None
+    """Why it was stopped: "user", "deadline" or "weight_update" (meta_info.abort_reason)."""
+    handed_back: bool = False
+    lease_lost: bool = False
+    released: bool = False
+    """Its engine slot was given back (generation over, the record is being published)."""
+    publishing: bool = False
+    """Its finish or dead letter is under way (a renewal racing it may see the entry as gone)."""
+    deadline_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def generating(self) -> bool:
+        return self.task is not None and not self.released
+
+    def stop(self, engine: Any, status: RecordStatus, reason: str = "user") -> None:
+        """Stop the generation (the first reason given is the one recorded)."""
+        if self.stop_status is None:
+            self.stop_status, self.stop_reason = status, reason
+        engine.abort(self.handle)
+
+    def context(self) -> dict[str, Any]:
+        """Log context: every line about a request names it (the JSON log format emits these)."""
+        return {"request_id": self.request.request_id if self.request else None, "entry_id": self.entry_id}
+
+
+class Flights:
+    """In-flight entries by key, their slots, and the reasons claiming waits."""
+
+    def __init__(self, max_inflight: int, run: Run, stopping: asyncio.Event):
+        self.max_inflight = max(1, int(max_inflight))
+        self._run = run
+        self._stopping = stopping
+        self._by_key: dict[str, InFlight] = {}
+        self._released = 0
+        self._deferred: list[tuple[InFlight, Fields]] = []
+        self._parked: list[tuple[InFlight, Fields]] = []
+        self.holds: set[str] = set()
+        """Reasons claiming is paused (a weight update, released GPU memory, blocked publishing)."""
+        self.isolating = False
+        """A suspect from a dead worker runs alone: nothing else starts meanwhile."""
+        self._changed = asyncio.Event()
+
+    # ------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def __iter__(self) -> Iterator[InFlight]:
+        return iter(list(self._by_key.values()))
+
+    def get(self, key: str) -> InFlight | None:
+        return self._by_key.get(key)
+
+    def holds_entry(self, flight: InFlight) -> bool:
+        """True while ``flight`` is still this worker's (not finished, not replaced)."""
+        return self._by_key.get(flight.key) is flight
+
+    @property
+    def occupied(self) -> int:
+        """Entries that hold an engine slot: claimed and not yet through the engine (publishing
+        ones have given theirs back, so the next claim overlaps the finish round trip)."""
+        return len(self._by_key) - self._released
+
+    @property
+    def generating(self) -> int:
+        return sum(1 for f in self._by_key.values() if f.generating)
+
+    @property
+    def claiming_paused(self) -> bool:
+        return bool(self.holds) or self.isolating
+
+    def running(self) -> bool:
+        """Any task still running (generating, publishing, or waiting in the engine)."""
+        return any(f.task is not None and not f.task.done() for f in self._by_key.values())
+
+    # ------------------------------------------------------------ changes
+
+    def add(self, stream: str, entry_id: str, key: str, deliveries: int, fields: Fields, *,
+            defer: bool = False) -> InFlight:
+        """A claimed entry: leased (renewed) from now on; its task starts now, or when a slot and
+        claiming are free again (``defer``)."""
+        flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",
+                          deliveries=deliveries, claimed_at=time.time())
+        self._by_key[key] = flight
+        if defer:
+            self._deferred.append((flight, fields))
+        else:
+            self._start(flight, fields)
+        return flight
+
+    def _start(self, flight: InFlight, fields: Fields) -> None:
+        flight.task = asyncio.create_task(self._run(flight, fields))
+
+    def start_deferred(self) -> None:
+        """Start entries that waited for a hold, an isolation or a free slot to end."""
+        if self.claiming_paused or not self._deferred:
+            return
+        running = self.generating
+        while self._deferred and running < self.max_inflight:
+            flight, fields = self._deferred.pop(0)
+            if self.holds_entry(flight) and flight.task is None:
+                self._start(flight, fields)
+                running += 1
+
+    def release_slot(self, flight: InFlight) -> None:
+        """The generation of ``flight`` is over: its slot is free for the next claim."""
+        if not flight.released and self.holds_entry(flight):
+            flight.released = True
+            self._released += 1
+            self._signal()
+
+    def park(self, flight: InFlight, fields: Fields) -> None:
+        """Leased but not running: it starts again at :meth:`resume_parked` (new weights)."""
+        flight.task = None
+        self._parked.append((flight, fields))
+        self._signal()
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def resume_parked(self) -> None:
+        parked, self._parked = self._parked, []
+        for flight, fields in parked:
+            if self.holds_entry(flight):
+                self._start(flight, fields)
+
+    def done(self, flight: InFlight) -> None:
+        """``flight``'s task ended (finished, dead-lettered, handed back); parked ones stay."""
+        if flight.deadline_timer is not None:
+            flight.deadline_timer.cancel()
+        if flight.task is not None and self._by_key.get(flight.key) is flight:
+            del self._by_key[flight.key]
+            if flight.released:
+                self._released -= 1
+        self._signal()
+        self.start_deferred()
+
+    def hold(self, reason: str) -> None:
+        self.holds.add(reason)
+        self._signal()
+
+    def release(self, reason: str) -> None:
+        self.holds.discard(reason)
+        self._signal()
+        self.start_deferred()
+
+    def end_isolation(self) -> None:
+        self.isolating = False
+        self._signal()
+        self.start_deferred()
+
+    def _signal(self) -> None:
+        self._changed.set()
+
+    def wake(self) -> None:
+        """Wake every waiter (a stop was requested)."""
+        self._signal()
+
+    # ------------------------------------------------------------ waiting
+
+    async def _wait_change(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def wait_for_slot(self) -> None:
+        """Until a slot is free and claiming is not paused (or the worker stops)."""
+        while (self.occupied >= self.max_inflight or self.claiming_paused) and not self._stopping.is_set():
+            await self._wait_change()
+
+    async def wait_idle(self) -> None:
+        """Until no task runs (or the worker stops)."""
+        while self.running() and not self._stopping.is_set():
+            await self._wait_change()

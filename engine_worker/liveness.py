@@ -1,0 +1,80 @@
+"""Leases and the heartbeat: what tells the fleet this worker is alive and what it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections import deque
+from typing import Callable
+
+from redroll.shared.keys import WORKERS_GROUP
+
+from .context import WorkerContext
+from .flights import Flights
+
+log = logging.getLogger("redroll.worker")
+
+
+class Liveness:
+    def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str]):
+        self.ctx = ctx
+        self.flights = flights
+        self._state = state
+        self.started_at = time.time()
+        self.interval_s = max(0.05, min(ctx.settings.heartbeat_s, ctx.settings.claim_idle_ms / 3000.0))
+        self._rate_samples: deque[tuple[float, int, int]] = deque()
+
+    async def run(self) -> None:
+        # Runs through the drain too (it is cancelled once the worker has stopped): work that is
+        # still finishing keeps its leases, and the heartbeat says "draining".
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.renew_leases()
+            await self.heartbeat()
+
+    async def renew_leases(self) -> None:
+        ctx = self.ctx
+        flights = [f for f in self.flights if not f.handed_back]
+        if not flights:
+            return
+        lost: set[str] = set()
+        for stream in ctx.request_streams:
+            ids = [f.entry_id for f in flights if f.stream == stream]
+            lost |= {ctx.flight_key(stream, i) for i in await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids)}
+        for f in flights:
+            if f.key in lost and not f.lease_lost and not f.publishing and self.flights.holds_entry(f):
+                f.lease_lost = True
+                ctx.stats.lease_losses += 1
+                log.warning("lease on entry %s lost; stopping its generation", f.entry_id, extra=f.context())
+                ctx.engine.abort(f.handle)
+
+    def _rates(self, window_s: float = 60.0) -> dict[str, float]:
+        """Requests and tokens per second over the last ``window_s`` (from heartbeat samples)."""
+        stats = self.ctx.stats
+        now = time.monotonic()
+        self._rate_samples.append((now, stats.published, stats.tokens))
+        while len(self._rate_samples) > 2 and now - self._rate_samples[1][0] >= window_s:
+            self._rate_samples.popleft()
+        t0, p0, k0 = self._rate_samples[0]
+        span = now - t0
+        if span <= 0:
+            return {"requests_per_s_1m": 0.0, "tokens_per_s_1m": 0.0}
+        return {"requests_per_s_1m": round((stats.published - p0) / span, 3),
+                "tokens_per_s_1m": round((stats.tokens - k0) / span, 3)}
+
+    async def heartbeat(self) -> None:
+        ctx = self.ctx
+        info, stats = ctx.engine.info, ctx.stats
+        beat = {
+            "host": socket.gethostname(), "pid": os.getpid(), "engine": info.name, "model": info.model,
+            "weight_version": info.weight_version, "inflight": len(self.flights),
+            "max_inflight": self.flights.max_inflight, "started": round(self.started_at, 3),
+            "seen": round(time.time(), 3), "published": stats.published, "tokens": stats.tokens,
+            "fenced": stats.fenced, "lease_losses": stats.lease_losses, "dead_lettered": stats.dead_lettered,
+            "state": self._state(), **self._rates(),
+        }
+        await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))

@@ -1,0 +1,176 @@
+"""One request, top to bottom: decode, checks, engine, record, finish."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
+from redroll.shared.keys import Keys
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+
+from .context import WorkerContext
+from .control import AbortedSet
+from .engines.base import EngineOutput
+from .flights import Flights, InFlight
+from .outcomes import Outcomes
+from .records import build_record
+from .weights import WeightsGate
+
+log = logging.getLogger("redroll.worker")
+
+
+class _AwaitWeights(Exception):
+    """Raised inside a request's task to park it until the worker's weights are new enough."""
+
+
+class RequestRunner:
+    def __init__(self, ctx: WorkerContext, flights: Flights, outcomes: Outcomes, weights: WeightsGate,
+                 aborted: AbortedSet):
+        self.ctx = ctx
+        self.flights = flights
+        self.outcomes = outcomes
+        self.weights = weights
+        self.aborted = aborted
+        self._reply_keys_ok: set[tuple[str, str]] = set()
+        """(partition tag, reply_to) pairs already checked to be this pipeline's streams."""
+
+    async def handle(self, flight: InFlight, fields: dict) -> None:
+        """The task of one in-flight entry: whatever happens, the entry leaves the worker (or is
+        parked for new weights) and never hangs."""
+        try:
+            await self._process(flight, fields)
+        except _AwaitWeights:
+            self.flights.park(flight, fields)  # leased, not running: it starts again on new weights
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # engine or redis failure: retry elsewhere, never a hung request
+            self.ctx.stats.engine_errors += 1
+            rid = flight.request.request_id if flight.request else "?"
+            log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc, extra=flight.context())
+            await self.outcomes.record_error(flight, f"{self.ctx.name}: {type(exc).__name__}: {exc}"[:500])
+            await self.outcomes.hand_back(flight)
+        finally:
+            self.flights.done(flight)
+
+    async def _process(self, flight: InFlight, fields: dict) -> None:
+        ctx = self.ctx
+        max_deliveries = ctx.settings.max_deliveries
+        if flight.deliveries > max_deliveries and not self._is_newer_schema(fields):
+            # (a newer-schema entry keeps being handed back below: each reclaim counts as a
+            # delivery, but it waits for a newer worker and is never dead-lettered for that)
+            last = await self.outcomes.last_error(flight)
+            reason = f"delivered {flight.deliveries} times (max_deliveries={max_deliveries})"
+            if last:
+                reason += f"; last error: {last}"
+            await self.outcomes.dead_letter(flight, fields, reason, request=self._try_decode(fields))
+            return
+        request: GenerationRequest | None = None
+        try:
+            request = decode_request(fields, ctx.settings.limits)
+            self._check_served(request, ctx.part_of[flight.stream])
+            ctx.engine.validate(request)
+        except NewerSchemaError as exc:
+            log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc,
+                        extra=flight.context())
+            await self.outcomes.hand_back(flight)
+            return
+        except ValidationError as exc:
+            # A request that decoded but is not servable here (model, vocabulary, reply_to) still
+            # names its waiter: pass it on so that the waiter gets its error record.
+            await self.outcomes.dead_letter(flight, fields, exc.reason, error=exc, request=request)
+            return
+        flight.request = request
+        queue_ms = max(0.0, (flight.claimed_at - request.submitted_at) * 1000.0)
+
+        if flight.stop_status is None and request in self.aborted:
+            flight.stop_status, flight.stop_reason = RecordStatus.ABORTED, "user"
+        if flight.stop_status is None and request.deadline is not None and request.deadline <= time.time():
+            flight.stop_status, flight.stop_reason = RecordStatus.EXPIRED, "deadline"
+        if flight.stop_status is not None:
+            await self.outcomes.finish(flight, request, self._not_started(flight, request, queue_ms))
+            return
+
+        if request.min_weight_version is not None and not self.weights.serves(request.min_weight_version):
+            await self._wait_for_weights(flight, fields, request)
+            return
+        if request.deadline is not None:
+            delay = max(0.0, request.deadline - time.time())
+            flight.deadline_timer = asyncio.get_running_loop().call_later(
+                delay, flight.stop, ctx.engine, RecordStatus.EXPIRED, "deadline")
+        started = time.monotonic()
+        output: EngineOutput = await ctx.engine.generate(request, flight.handle)
+        engine_ms = (time.monotonic() - started) * 1000.0
+        self.flights.release_slot(flight)
+        if flight.handed_back:
+            return  # drained: the entry goes back to the fleet, this partial output is dropped
+        status = flight.stop_status or (RecordStatus.ABORTED if output.aborted else RecordStatus.FINISHED)
+        record = build_record(request, output, status=status, worker=ctx.name, info=ctx.engine.info,
+                              attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
+        if status is not RecordStatus.FINISHED:
+            record.meta_info["abort_reason"] = flight.stop_reason or "engine"
+        ctx.stats.tokens += record.meta_info.get("completion_tokens", 0)
+        await self.outcomes.finish(flight, request, record)
+
+    def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
+        """The record of a request stopped before it reached the engine (aborted, expired)."""
+        status = flight.stop_status
+        return CompletionRecord.failed(
+            request, request_id=request.request_id, status=status,  # type: ignore[arg-type]
+            error=None if status is RecordStatus.ABORTED else "deadline passed before start",
+            worker=self.ctx.name, n=request.n,
+            meta_info={"worker": self.ctx.name, "attempt": flight.deliveries, "queue_ms": round(queue_ms, 3),
+                       "weight_version": self.ctx.engine.info.weight_version, "abort_reason": flight.stop_reason})
+
+    async def _wait_for_weights(self, flight: InFlight, fields: dict, request: GenerationRequest) -> None:
+        """A request for newer weights than this worker has: wait for them if the pipeline's desired
+        weights are new enough (an update is on its way), else dead-letter it."""
+        desired = await self.weights.desired_version()
+        if desired is not None and desired >= request.min_weight_version:  # type: ignore[operator]
+            log.info("request %s needs weight_version >= %s (have %s): waiting for the update",
+                     request.request_id, request.min_weight_version, self.ctx.engine.info.weight_version,
+                     extra=flight.context())
+            raise _AwaitWeights()
+        reason = (f"min_weight_version {request.min_weight_version} is newer than the pipeline's desired "
+                  f"weights ({desired if desired is not None else 'none set'})")
+        await self.outcomes.dead_letter(flight, fields, reason, request=request)
+
+    def _check_served(self, request: GenerationRequest, part: Keys) -> None:
+        reply_to = request.reply_to
+        if reply_to is not None and (part.tag, reply_to) not in self._reply_keys_ok:
+            if not part.is_reply_key(reply_to):
+                raise ValidationError("reply_to", f"{request.reply_to!r} is not a result or reply stream of this pipeline")
+            if len(self._reply_keys_ok) > 10_000:
+                self._reply_keys_ok.clear()
+            self._reply_keys_ok.add((part.tag, reply_to))
+        model = self.ctx.engine.info.model
+        if request.model is not None and request.model != model:
+            raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves {model!r})")
+
+    def abort_matching(self, request_ids: set[str], group_ids: set[str]) -> None:
+        """Stop every in-flight request named by id or group (parked ones re-check at once:
+        aborted ones publish now, others park again)."""
+        for flight in self.flights:
+            req = flight.request
+            if req is not None and (req.request_id in request_ids or (req.group_id is not None
+                                                                        and req.group_id in group_ids)):
+                log.info("request %s: abort", req.request_id, extra=flight.context())
+                flight.stop(self.ctx.engine, RecordStatus.ABORTED)
+        if self.flights.parked:
+            self.flights.resume_parked()
+
+    def _is_newer_schema(self, fields: dict) -> bool:
+        try:
+            decode_request(fields, self.ctx.settings.limits)
+        except NewerSchemaError:
+            return True
+        except ValidationError:
+            pass
+        return False
+
+    def _try_decode(self, fields: dict) -> GenerationRequest | None:
+        try:
+            return decode_request(fields, self.ctx.settings.limits)
+        except ValidationError:
+            return None

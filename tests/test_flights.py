@@ -1,0 +1,117 @@
+"""engine_worker.flights: the in-flight entries, their slots, and waits without polling."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redroll.engine_worker.flights import Flights
+from redroll.shared.types import RecordStatus
+
+
+class Gate:
+    """A run function whose tasks wait until released, recording what ran."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.release = asyncio.Event()
+        self.flights: Flights | None = None
+
+    async def __call__(self, flight, fields) -> None:
+        self.started.append(flight.entry_id)
+        try:
+            await self.release.wait()
+        finally:
+            self.flights.done(flight)  # (what the worker's request task does at its end)
+
+
+def make(max_inflight: int = 2) -> tuple[Flights, Gate, asyncio.Event]:
+    gate, stopping = Gate(), asyncio.Event()
+    gate.flights = Flights(max_inflight, gate, stopping)
+    return gate.flights, gate, stopping
+
+
+async def test_slots_defer_and_start_in_order():
+    fl, gate, _ = make(max_inflight=2)
+    for i in range(3):
+        fl.add("s", f"1-{i}", f"1-{i}", 1, {}, defer=i >= 2)
+    await asyncio.sleep(0)
+    assert gate.started == ["1-0", "1-1"] and len(fl) == 3 and fl.occupied == 3
+    waiter = asyncio.create_task(fl.wait_for_slot())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # every slot is taken
+    gate.release.set()
+    await asyncio.wait_for(waiter, 1)
+    await asyncio.sleep(0.01)
+    assert gate.started == ["1-0", "1-1", "1-2"] and len(fl) == 0
+
+
+async def test_released_slot_lets_the_next_claim_overlap_the_finish():
+    fl, gate, _ = make(max_inflight=1)
+    flight = fl.add("s", "1-0", "1-0", 1, {})
+    await asyncio.sleep(0)
+    assert fl.occupied == 1
+    fl.release_slot(flight)
+    assert fl.occupied == 0 and len(fl) == 1  # still in flight (publishing), slot free
+    await asyncio.wait_for(fl.wait_for_slot(), 1)
+    gate.release.set()
+    await asyncio.sleep(0.01)
+    assert len(fl) == 0 and fl.occupied == 0
+
+
+async def test_holds_pause_claiming_and_release_starts_deferred():
+    fl, gate, _ = make(max_inflight=4)
+    fl.hold("weights")
+    fl.add("s", "1-0", "1-0", 1, {}, defer=fl.claiming_paused)
+    await asyncio.sleep(0)
+    assert gate.started == [] and fl.claiming_paused
+    waiter = asyncio.create_task(fl.wait_for_slot())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    fl.release("weights")
+    await asyncio.wait_for(waiter, 1)
+    await asyncio.sleep(0)
+    assert gate.started == ["1-0"]
+    gate.release.set()
+
+
+async def test_wait_idle_wakes_when_the_last_task_ends_and_parked_ones_do_not_count():
+    fl, gate, _ = make(max_inflight=4)
+    a = fl.add("s", "1-0", "1-0", 1, {})
+    fl.add("s", "1-1", "1-1", 1, {})
+    await asyncio.sleep(0)
+    fl.park(a, {})  # (its task would end now; parked entries stay in flight, not running)
+    idle = asyncio.create_task(fl.wait_idle())
+    await asyncio.sleep(0.01)
+    assert not idle.done()
+    gate.release.set()
+    await asyncio.wait_for(idle, 1)
+    assert fl.parked == 1 and fl.get("1-0") is a
+
+
+async def test_stop_keeps_the_first_reason_and_aborts_in_the_engine():
+    fl, gate, _ = make()
+    flight = fl.add("s", "1-0", "1-0", 3, {})
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort(self, handle):
+            self.aborted.append(handle)
+
+    engine = Engine()
+    flight.stop(engine, RecordStatus.EXPIRED, "deadline")
+    flight.stop(engine, RecordStatus.ABORTED, "user")
+    assert (flight.stop_status, flight.stop_reason) == (RecordStatus.EXPIRED, "deadline")
+    assert engine.aborted == ["1-0.3", "1-0.3"]
+    gate.release.set()
+
+
+async def test_a_stop_wakes_slot_waiters():
+    fl, gate, stopping = make(max_inflight=1)
+    fl.add("s", "1-0", "1-0", 1, {})
+    waiter = asyncio.create_task(fl.wait_for_slot())
+    await asyncio.sleep(0.01)
+    stopping.set()
+    fl.wake()
+    await asyncio.wait_for(waiter, 1)
+    gate.release.set()
