@@ -4,6 +4,11 @@ Ack after the callback returns; a failed callback's entry is handed back and ret
 or another consumer) until ``max_deliveries``, then dead-lettered. Entries left pending by a
 dead consumer are reclaimed after ``claim_idle``. Request_ids the group already applied are
 remembered in expiring time buckets (``{ns}:applied:<group>:<bucket>``) and skipped.
+
+When Redis refuses the markers (out of memory, a read-only replica), the callbacks of that batch
+have run: the runner keeps their acks, stops reading, keeps the entries leased (so nobody runs
+them again) and retries until Redis accepts them. A dead letter the dead stream refuses stays
+pending and is tried again after ``claim_idle``.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, read_groups
 from redroll.shared.keys import Keys
+from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
 from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.settings import Settings
@@ -39,6 +46,8 @@ class ConsumerStats:
     dead_lettered: int = 0
     reclaimed: int = 0
     trimmed: int = 0
+    refusals: int = 0
+    """Times Redis refused this consumer's markers or dead letters (out of memory, ...)."""
 
 
 @dataclass
@@ -87,6 +96,8 @@ class ConsumerRunner:
         self._stopping = asyncio.Event()
         self._cursors = {s: "0-0" for s in self.streams}
         self._last_errors: dict[str, str] = {}
+        self.blocked: str | None = None
+        """What Redis answered while it refuses this consumer's acks (None when it accepts them)."""
 
     @property
     def redis(self) -> Redis:
@@ -148,6 +159,8 @@ class ConsumerRunner:
     async def _reclaim_loop(self) -> None:
         while not self._stopping.is_set():
             await asyncio.sleep(self.reclaim_interval_s)
+            if self.blocked is not None:
+                continue  # (what is held is ours and leased; nothing new can be finished now)
             for stream in self.streams:
                 await self._reclaim(stream)
 
@@ -202,13 +215,13 @@ class ConsumerRunner:
             runnable.append(item)
         if not runnable:
             return
-        already = await self._applied_already(part, [i.record.request_id for i in runnable])  # type: ignore[union-attr]
+        already = await self._applied_already(part, [i.record.dedup_id for i in runnable])  # type: ignore[union-attr]
         # Skip ids the group applied before and copies of one record within this batch (a replayed
         # record read together with its original): only the first copy of each request_id runs.
         to_apply: list[_Item] = []
         skipped: list[_Item] = []
         for i in runnable:
-            rid = i.record.request_id  # type: ignore[union-attr]
+            rid = i.record.dedup_id  # type: ignore[union-attr]
             if rid in already:
                 skipped.append(i)
             else:
@@ -218,7 +231,7 @@ class ConsumerRunner:
         results = await self._apply_all(to_apply)
         succeeded = [i for i, r in zip(to_apply, results) if r is None]
         failed = [(i, r) for i, r in zip(to_apply, results) if r is not None]
-        await self._ack(part, stream, succeeded, skipped)
+        await self._ack_until_accepted(part, stream, succeeded, skipped)
         for item, exc in failed:
             self.stats.failures += 1
             self._last_errors[f"{stream}/{item.entry_id}"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -272,6 +285,36 @@ class ConsumerRunner:
             seen.update(rid for rid, f in zip(request_ids, flags) if int(f))
         return seen
 
+    async def _ack_until_accepted(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
+        """Mark and ack a batch whose callbacks ran. Refused (out of memory, a replica) or cut off,
+        it is retried, with the entries kept leased meanwhile: the callbacks must not run again."""
+        delay, renewed = 0.1, time.monotonic()
+        while True:
+            try:
+                await self._ack(part, stream, applied, skipped)
+                break
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("consumer %s: acks not sent (%s); retrying", self.name, exc)
+            except redis.ResponseError as exc:
+                if not is_refusal(exc):
+                    raise
+                self.stats.refusals += 1
+                if self.blocked is None:
+                    log.error("consumer %s: Redis refuses the applied markers (%s): holding %d ack(s) and "
+                              "reading nothing until it accepts them", self.name, exc, len(applied) + len(skipped))
+                self.blocked = str(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            if time.monotonic() - renewed > self.settings.claim_idle_ms / 3000.0:
+                renewed = time.monotonic()
+                try:
+                    await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i in applied + skipped])
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    pass
+        if self.blocked is not None:
+            log.info("consumer %s: Redis accepts the markers again", self.name)
+            self.blocked = None
+
     async def _ack(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
         """Mark applied ids and ack, in one transaction (the markers share the stream's hash tag)."""
         if not applied and not skipped:
@@ -282,7 +325,7 @@ class ConsumerRunner:
         expire_at = (int(now // window) + 2) * window
         async with self.redis.pipeline(transaction=True) as pipe:
             if applied:
-                pipe.sadd(bucket_key, *[i.record.request_id for i in applied])  # type: ignore[union-attr]
+                pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
             await pipe.execute()
@@ -294,9 +337,14 @@ class ConsumerRunner:
         letter = DeadLetter(stream=stream, entry_id=item.entry_id, reason=reason,
                             source=f"consumer:{self.group}", fields=item.fields, deliveries=item.deliveries,
                             delete_entry=False)
-        done = await self.scripts.dead_letter_in(self.redis, dead_key=self._part_of[stream].dead, group=self.group,
+        outcome = await self.scripts.dead_letter(dead_key=self._part_of[stream].dead, group=self.group,
                                                  consumer=self.name, letter=letter)
-        if int(done):
+        rid = item.record.request_id if item.record else text(item.fields.get(b"rid", b"?"))
+        if outcome.done:
             self.stats.dead_lettered += 1
-            rid = item.record.request_id if item.record else text(item.fields.get(b"rid", b"?"))
             log.warning("record %s (entry %s) dead-lettered: %s", rid, item.entry_id, reason)
+        elif outcome.refused is not None:
+            # Nothing was written; it stays pending here and is tried again after claim_idle.
+            self.stats.refusals += 1
+            log.error("record %s (entry %s): the dead stream refused its letter (%s); retried after claim_idle",
+                      rid, item.entry_id, outcome.refused)

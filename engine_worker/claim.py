@@ -50,6 +50,11 @@ class Claimer:
             if not any(entries for _, entries in resp or []):
                 resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, streams, count=free, block=ctx.block_ms)
             resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
+            if ctx.stopping.is_set():
+                # The read was already blocking when the stop came: what it brought goes back to
+                # the fleet at once, never into the engine.
+                await self._give_back([(text(s), text(i)) for s, entries in resp for i, _ in entries])
+                return
             running = flights.generating
             for stream, entries in resp:
                 for entry_id, fields in entries:
@@ -59,6 +64,20 @@ class Claimer:
                     defer = flights.claiming_paused or running >= flights.max_inflight
                     self._add(text(stream), text(entry_id), fields or {}, deliveries=1, defer=defer)
                     running += not defer
+
+    async def _give_back(self, entries: list[tuple[str, str]]) -> None:
+        """Hand entries claimed after the stop began straight back (owner-checked, JUSTID: their
+        delivery count stays), marked as handed back so nobody takes them for suspects."""
+        ctx = self.ctx
+        if not entries:
+            return
+        await ctx.redis.hset(ctx.keys.errors, mapping={
+            ctx.flight_key(s, i): f"handed back by {ctx.name} (claimed while stopping)" for s, i in entries})
+        for stream in {s for s, _ in entries}:
+            ids = [i for s, i in entries if s == stream]
+            lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
+            ctx.stats.handed_back += len(ids) - len(lost)
+        log.info("handed back %d entr%s claimed while stopping", len(entries), "y" if len(entries) == 1 else "ies")
 
     # ------------------------------------------------------------ idle entries
 
@@ -136,6 +155,9 @@ class Claimer:
                 continue
             claimed = await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
                                              list(counts))
+            if ctx.stopping.is_set():
+                await self._give_back([(stream, text(i)) for i, fields in claimed if fields])
+                continue
             for raw_id, fields in claimed:
                 entry_id = text(raw_id)
                 if not fields or ctx.flight_key(stream, entry_id) in self.flights:

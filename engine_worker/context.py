@@ -30,6 +30,8 @@ class WorkerStats:
     engine_errors: int = 0
     tokens: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    """Writes Redis refused, by kind (out_of_memory, ids_exhausted, wrong_type, read_only, ...)."""
 
 
 @dataclass(eq=False)

@@ -31,6 +31,8 @@ class InFlight:
     """The engine's handle of this attempt (``<key>.<deliveries>``)."""
     deliveries: int
     claimed_at: float
+    fields: Fields
+    """The entry's stream fields as claimed (a dead letter carries them)."""
     request: GenerationRequest | None = None
     task: asyncio.Task | None = None
     stop_status: RecordStatus | None = None
@@ -120,7 +122,7 @@ class Flights:
         """A claimed entry: leased (renewed) from now on; its task starts now, or when a slot and
         claiming are free again (``defer``)."""
         flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",
-                          deliveries=deliveries, claimed_at=time.time())
+                          deliveries=deliveries, claimed_at=time.time(), fields=fields)
         self._by_key[key] = flight
         if defer:
             self._deferred.append((flight, fields))

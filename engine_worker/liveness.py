@@ -11,6 +11,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import redis
+
 from redroll.shared.keys import WORKERS_GROUP
 
 from .context import WorkerContext
@@ -20,10 +22,13 @@ log = logging.getLogger("redroll.worker")
 
 
 class Liveness:
-    def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str]):
+    def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str],
+                 blocked: Callable[[], dict[str, str]]):
         self.ctx = ctx
         self.flights = flights
         self._state = state
+        self._blocked = blocked
+        self._beat_error: str | None = None
         self.started_at = time.time()
         self.interval_s = max(0.05, min(ctx.settings.heartbeat_s, ctx.settings.claim_idle_ms / 3000.0))
         self._rate_samples: deque[tuple[float, int, int]] = deque()
@@ -77,4 +82,14 @@ class Liveness:
             "fenced": stats.fenced, "lease_losses": stats.lease_losses, "dead_lettered": stats.dead_lettered,
             "state": self._state(), **self._rates(),
         }
-        await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))
+        blocked = self._blocked()
+        if blocked:
+            beat["blocked"] = blocked
+        try:
+            await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))
+        except redis.ResponseError as exc:  # out of memory, a read-only replica: said once, not per beat
+            if str(exc) != self._beat_error:
+                log.warning("heartbeat refused: %s", exc)
+            self._beat_error = str(exc)
+        else:
+            self._beat_error = None

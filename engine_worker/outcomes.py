@@ -2,31 +2,59 @@
 
 Every record is published by the fenced finish script, so a worker that lost its lease
 (paused, cut off, reclaimed by another) cannot publish.
+
+When Redis refuses a write (the scripts report it per item and write nothing of that item):
+* a producer's private reply stream that cannot take entries (exhausted ids, a key of another
+  type) costs only its own request: it is dead-lettered once, the letter naming the stream and
+  the error (the producer learns of it from the letter's ``reply_error`` field);
+* anything else — ``{ns}:results`` or ``{ns}:dead`` broken, out of memory, a read-only replica —
+  blocks the pipeline, not one request: the worker stops claiming, keeps the output and its lease,
+  and retries with backoff until the write is accepted (loudly: log, heartbeat, metric). When
+  the stream works again it publishes and claims again, without an operator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Awaitable, Callable, TypeVar
 
 import redis
 
 from redroll.shared.codec import ValidationError
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import DeadLetter
+from redroll.shared.refusals import StreamRefusedError
+from redroll.shared.scripts import DeadLetter, DeadLetterOutcome
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from .context import WorkerContext
-from .flights import InFlight
+from .flights import Flights, InFlight
 
 log = logging.getLogger("redroll.worker")
 
+T = TypeVar("T")
+
+PUBLISH_HOLD = "publish"
+"""The claiming hold while Redis refuses this worker's records or dead letters."""
+
+_TRANSPORT_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
 
 class Outcomes:
-    def __init__(self, ctx: WorkerContext):
+    def __init__(self, ctx: WorkerContext, flights: Flights):
         self.ctx = ctx
+        self.flights = flights
+        self._refusing: dict[InFlight, StreamRefusedError] = {}
+        """Entries whose record or dead letter Redis refuses, and what it answered last."""
+        self.retry_max_s = 2.0
+
+    @property
+    def blocked(self) -> dict[str, str]:
+        """Streams refusing this worker's writes now → what they answered."""
+        return {exc.key: exc.message for exc in self._refusing.values()}
+
+    # ------------------------------------------------------------ finish
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         ctx = self.ctx
@@ -36,14 +64,18 @@ class Outcomes:
         flight.publishing = True
         rid_key = part.rid(request.request_id)
 
-        def publish() -> Any:
+        def publish() -> Awaitable[bool]:
             return ctx.publisher.finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
                                         rid_key=rid_key, record=record, cap=cap)
 
         try:
-            published = await publish()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            published = await self.retrying(publish)  # a short outage: retried while the lease holds
+            published = await self._write(flight, publish)
+        except StreamRefusedError as exc:  # a private reply stream that cannot take entries
+            reason = f"reply stream {exc.key} refused the record: {exc.message}"
+            await self.dead_letter(flight, flight.fields, reason, request=request, reply_refused=reason)
+            return
+        if published is None:
+            return  # handed back (a drain) while Redis refused it: the fleet runs it again
         stats = ctx.stats
         if published:
             stats.published += 1
@@ -59,8 +91,11 @@ class Outcomes:
             log.warning("request %s: lease lost (entry %s now owned elsewhere); output dropped",
                         request.request_id, flight.entry_id, extra=flight.context())
 
+    # ------------------------------------------------------------ dead letters
+
     async def dead_letter(self, flight: InFlight, fields: dict, reason: str, *,
-                          error: ValidationError | None = None, request: GenerationRequest | None = None) -> None:
+                          error: ValidationError | None = None, request: GenerationRequest | None = None,
+                          reply_refused: str | None = None) -> None:
         ctx = self.ctx
         part = ctx.part_of[flight.stream]
         request_id = request.request_id if request else (error.request_id if error else None)
@@ -70,7 +105,7 @@ class Outcomes:
         if reply_to is not None and not part.is_reply_key(reply_to):
             reply_to = None  # never write outside the pipeline's own streams
         record = None
-        if request_id is not None and reply_to is not None:
+        if request_id is not None and reply_to is not None and reply_refused is None:
             record = CompletionRecord.failed(request, request_id=request_id, status=RecordStatus.ERROR,
                                              error=reason, worker=ctx.name,
                                              n=request.n if request else 1,
@@ -79,17 +114,82 @@ class Outcomes:
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
-                            rid_key=part.rid(request_id) if request_id else None)
-        done = await self.retrying(lambda: ctx.batcher.call(lambda pipe: ctx.scripts.dead_letter_in(
-            pipe, dead_key=part.dead, group=WORKERS_GROUP, consumer=ctx.name, letter=letter)))
-        if int(done) == 1:
+                            rid_key=part.rid(request_id) if request_id else None, reply_refused=reply_refused)
+
+        async def attempt() -> DeadLetterOutcome:
+            reply = await ctx.batcher.call(lambda pipe: ctx.scripts.dead_letter_in(
+                pipe, dead_key=part.dead, group=WORKERS_GROUP, consumer=ctx.name, letter=letter))
+            outcome = DeadLetterOutcome.from_reply(reply)
+            if outcome.refused is not None:
+                raise StreamRefusedError(part.dead, outcome.refused)
+            return outcome
+
+        outcome = await self._write(flight, attempt)
+        if outcome is None:
+            return
+        if outcome.done:
             ctx.stats.dead_lettered += 1
             if flight.deliveries > 1:
                 await ctx.redis.hdel(ctx.keys.errors, flight.key)
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
                         extra={"request_id": request_id, "entry_id": flight.entry_id})
+            if outcome.reply_error:
+                log.warning("request %s: its error record was refused (%s); the dead letter names its reply "
+                            "stream, which is how its waiter learns of it", request_id, outcome.reply_error)
         else:
             ctx.stats.fenced += 1
+
+    # ------------------------------------------------------------ refused writes
+
+    async def _write(self, flight: InFlight, attempt: Callable[[], Awaitable[T]]) -> T | None:
+        """``attempt()`` until Redis accepts it. Short outages are retried; a refusal (see the module
+        docstring) blocks claiming and is retried with backoff while the entry is still this
+        worker's. Returns None when the entry was handed back meanwhile (a drain). Raises the
+        refusal of a private reply stream that cannot take entries (the caller dead-letters)."""
+        try:
+            return await self.retrying(attempt)
+        except StreamRefusedError as exc:
+            refused = exc
+        part = self.ctx.part_of[flight.stream]
+        if _only_this_request(refused, part.reply_prefix):
+            raise refused
+        self._note(flight, refused)
+        delay = 0.25
+        try:
+            while not flight.handed_back:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                try:
+                    return await attempt()
+                except StreamRefusedError as exc:
+                    if _only_this_request(exc, part.reply_prefix):
+                        raise
+                    self._note(flight, exc)
+                except _TRANSPORT_ERRORS:
+                    pass
+            return None
+        finally:
+            self._forget(flight)
+
+    def _note(self, flight: InFlight, exc: StreamRefusedError) -> None:
+        before = self.blocked
+        self._refusing[flight] = exc
+        kinds = self.ctx.stats.refusals
+        kinds[exc.kind] = kinds.get(exc.kind, 0) + 1
+        if before.get(exc.key) != exc.message:
+            log.error("%s refuses writes (%s): claiming paused, %d record(s) held and retried until it "
+                      "accepts them (see redroll status; a stream whose ids are exhausted needs redroll repair)",
+                      exc.key, exc.message, len(self._refusing))
+        self.flights.hold(PUBLISH_HOLD)
+
+    def _forget(self, flight: InFlight) -> None:
+        exc = self._refusing.pop(flight, None)
+        if exc is not None and exc.key not in self.blocked:
+            log.info("%s accepts writes again", exc.key)
+        if not self._refusing:
+            self.flights.release(PUBLISH_HOLD)
+
+    # ------------------------------------------------------------ errors, hand-backs
 
     async def record_error(self, flight: InFlight, error: str) -> None:
         """Keep the last engine error of an entry where whichever worker dead-letters it can read it."""
@@ -119,7 +219,10 @@ class Outcomes:
         ctx = self.ctx
         if not flights:
             return 0
-        await ctx.redis.hset(ctx.keys.errors, mapping={f.key: note for f in flights})
+        try:
+            await ctx.redis.hset(ctx.keys.errors, mapping={f.key: note for f in flights})
+        except redis.ResponseError as exc:  # (out of memory: they are handed back all the same)
+            log.warning("could not mark %d hand-back(s): %s", len(flights), exc)
         handed = 0
         for stream in ctx.request_streams:
             ids = [f.entry_id for f in flights if f.stream == stream]
@@ -129,14 +232,21 @@ class Outcomes:
         return handed
 
     @staticmethod
-    async def retrying(call: Any, attempts: int = 8) -> Any:
+    async def retrying(call: Callable[[], Awaitable[T]], attempts: int = 8) -> T:
         """Retry a Redis call through short outages while the lease is still ours."""
         delay = 0.1
         for i in range(attempts):
             try:
                 return await call()
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
+            except _TRANSPORT_ERRORS:
                 if i == attempts - 1:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+
+def _only_this_request(exc: StreamRefusedError, reply_prefix: str) -> bool:
+    """A refusal that only concerns the request it is about: a producer's private reply stream that
+    cannot take entries. Everything else (the shared streams, memory, a replica) concerns them all."""
+    return exc.key.startswith(reply_prefix) and not exc.transient

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import Scripts
+from redroll.shared.scripts import Scripts, refusal
 from redroll.shared.types import CompletionRecord
 
 
@@ -36,7 +36,10 @@ class Publisher(Coalescer[_Finish]):
 
     async def finish(self, *, stream: str, entry_id: str, reply_key: str, rid_key: str,
                      record: CompletionRecord, cap: int) -> bool:
-        """Publish ``record`` if this worker still owns the entry (True), else drop it (False)."""
+        """Publish ``record`` if this worker still owns the entry (True), else drop it (False).
+
+        Raises :class:`redroll.shared.refusals.StreamRefusedError` when the reply stream refused
+        the record: nothing of it was written, and the entry is still this worker's."""
         return bool(await self._enqueue(_Finish(stream, entry_id, reply_key, rid_key, record, cap)))
 
     async def _flush(self, batch: list[tuple[_Finish, asyncio.Future]]) -> None:
@@ -52,9 +55,14 @@ class Publisher(Coalescer[_Finish]):
             return
         self.flushes += 1
         for items, reply in zip(by_stream.values(), replies):
-            for (_, fut), published in zip(items, reply):
-                if not fut.done():
-                    fut.set_result(int(published))
+            for (item, fut), outcome in zip(items, reply):
+                if fut.done():
+                    continue
+                error = refusal(outcome, item.reply_key)  # this item's reply stream refused it
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(int(outcome))
 
     async def _execute(self, by_stream: dict[str, list[tuple[_Finish, asyncio.Future]]]) -> list:
         for attempt in (1, 2):

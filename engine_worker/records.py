@@ -62,4 +62,5 @@ def build_record(
         worker=worker,
         callback=request.callback,
         group_id=request.group_id,
+        requeued=request.requeued,
     )

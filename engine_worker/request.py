@@ -105,7 +105,9 @@ class RequestRunner:
         self.flights.release_slot(flight)
         if flight.handed_back:
             return  # drained: the entry goes back to the fleet, this partial output is dropped
-        status = flight.stop_status or (RecordStatus.ABORTED if output.aborted else RecordStatus.FINISHED)
+        # Labelled by what happened: a generation that ended on its own (stop, length) just as its
+        # abort or deadline arrived is finished, not aborted.
+        status = (flight.stop_status or RecordStatus.ABORTED) if output.aborted else RecordStatus.FINISHED
         record = build_record(request, output, status=status, worker=ctx.name, info=ctx.engine.info,
                               attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
         if status is not RecordStatus.FINISHED:

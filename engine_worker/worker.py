@@ -34,7 +34,7 @@ from .engines.base import Engine
 from .flights import Flights, InFlight
 from .housekeeping import housekeeping_loop
 from .liveness import Liveness
-from .outcomes import Outcomes
+from .outcomes import PUBLISH_HOLD, Outcomes
 from .request import RequestRunner
 from .weights import WeightsGate
 
@@ -91,6 +91,7 @@ class Worker:
         self.flights = Flights(max_inflight, self._run_request, self._stopping)
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
+        self._outcomes: Outcomes | None = None
         self._control_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ state
@@ -122,7 +123,14 @@ class Worker:
             return "released"
         if "weights" in holds:
             return "updating"
+        if PUBLISH_HOLD in holds:
+            return "blocked"
         return "running"
+
+    @property
+    def blocked(self) -> dict[str, str]:
+        """Streams refusing this worker's writes now → what they answered (see :mod:`.outcomes`)."""
+        return self._outcomes.blocked if self._outcomes is not None else {}
 
     def request_stop(self) -> None:
         """Begin a graceful drain: stop claiming, finish in-flight work up to the drain timeout."""
@@ -149,8 +157,8 @@ class Worker:
         ctx = WorkerContext(settings=self.settings, name=self.name, engine=self.engine, redis=self.redis,
                             parts=self.parts, stats=self.stats, stopping=self._stopping, block_ms=self.block_ms,
                             metrics=self.metrics)
-        liveness = Liveness(ctx, self.flights, state=self.state)
-        outcomes = Outcomes(ctx)
+        liveness = Liveness(ctx, self.flights, state=self.state, blocked=lambda: self.blocked)
+        self._outcomes = outcomes = Outcomes(ctx, self.flights)
         aborted = AbortedSet()
         self._weights = WeightsGate(ctx, self.flights, heartbeat=liveness.heartbeat)
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)

@@ -31,11 +31,13 @@ from redroll.shared.connection import connect, read_groups
 from redroll.shared.control import cancel_queued, send_abort
 from redroll.shared.control import update_weights as _update_weights
 from redroll.shared.keys import PRODUCER_GROUP, Keys
+from redroll.shared.refusals import StreamRefusedError, is_transient, retry_refused
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
+from . import dead_notices
 from .rollout import RolloutGroup, continuation, group_members, stitch
 
 log = logging.getLogger("redroll.producer")
@@ -152,6 +154,11 @@ class Producer:
         groups = read_groups(self._redis, self.reply_streams)  # one reader per group
         self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
                          for i, g in enumerate(groups)]
+        for i, g in enumerate(read_groups(self._redis, [part.dead for part in self.parts])):
+            positions = await dead_notices.start_positions(self._redis, g)
+            self._readers.append(asyncio.create_task(dead_notices.watch(
+                self._redis, positions, set(self.reply_streams), self._resolve_notice, block_ms=self.block_ms,
+                closed=lambda: self._closed), name=f"producer-dead-watch-{self.name}-{i}"))
         return self
 
     async def close(self) -> None:
@@ -253,7 +260,7 @@ class Producer:
             futures.append(fut)
         self.admitted += len(prepared)
         try:
-            replies = await self._submit_with_retry(prepared)
+            replies = await self._submit_until_accepted(prepared)
         except BaseException:
             for req, _, _ in prepared:
                 self._waiters.pop(req.request_id, None)
@@ -263,7 +270,7 @@ class Producer:
         for (req, _, _), reply, fut in zip(prepared, replies, futures):
             try:
                 Scripts.submit_outcome(req.request_id, reply)
-            except DuplicateRequestError as exc:
+            except (DuplicateRequestError, StreamRefusedError) as exc:
                 self._waiters.pop(req.request_id, None)
                 self.admitted -= 1
                 fut.set_exception(exc)
@@ -272,6 +279,10 @@ class Producer:
         if failed is not None and len(prepared) == 1:
             raise failed
         return futures
+
+    async def _submit_until_accepted(self, prepared: list) -> list:
+        return await submit_until_accepted(lambda items: self._submit_with_retry(items), prepared,
+                                           f"producer {self.name}")
 
     async def _submit_with_retry(self, prepared: list, attempts: int = 8) -> list:
         """Send the submit scripts; a retry after a dropped connection reuses each submit's token,
@@ -335,14 +346,20 @@ class Producer:
         return len(self._waiters)
 
     async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> list[str]:
-        """Abort by request_id or group_id: in-flight ones are stopped by their worker; queued ones
-        are reported at once (their aborted record is published here). Returns the request_ids
-        cancelled while still queued."""
-        ids = list(request_ids)
-        await send_abort(self.redis, self.keys, ids, [group_id] if group_id else [])
-        if group_id is not None:
-            ids += [x for x in self._groups.get(group_id, []) if x not in ids]
-        return await cancel_queued(self.redis, self.keys, ids, parts=self.parts)
+        """Abort by request_id or group_id: queued ones first, each cancelled in the queue at once
+        (atomically: its aborted record is published and its entry deleted, unless a worker took
+        it meanwhile); then the rest is aborted in flight by its worker. (In that order: an
+        in-flight abort frees slots, and workers would claim the queued ones next.) Returns the
+        request_ids cancelled while still queued."""
+        ids = list(dict.fromkeys(request_ids))
+        known = ids + [x for x in self._groups.get(group_id, []) if x not in ids] if group_id is not None else ids
+        cancelled = await retry_refused(lambda: cancel_queued(self.redis, self.keys, known, parts=self.parts),
+                                        f"producer {self.name}: abort")
+        rest = [x for x in ids if x not in set(cancelled)]
+        if rest or group_id is not None:
+            await retry_refused(lambda: send_abort(self.redis, self.keys, rest, [group_id] if group_id else []),
+                                f"producer {self.name}: abort")
+        return cancelled
 
     async def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
                            **fields: Any) -> RolloutGroup:
@@ -438,34 +455,48 @@ class Producer:
             except ValidationError as exc:
                 await self._dead_letter(entry_id, fields, exc.reason)
                 continue
-            waiter = self._waiters.pop(record.request_id, None)
-            if waiter is None:
-                if record.request_id in self._recent:
-                    # Already applied here: skipped (ROLL's pop), but kept for result(fresh=True)
-                    # (a requeued request's new record may arrive before that call).
-                    self._recent[record.request_id] = record
-                    done.append(entry_id)
-                elif record.request_id in self._unclaimed:
-                    done.append(entry_id)  # a duplicate of a record not yet handed out
-                else:
-                    self._unclaimed[record.request_id] = (entry_id, record)
-                    self._unclaimed_event.set()
-                continue
-            if waiter.callback is not None:
-                try:
-                    res = waiter.callback(record)
-                    if inspect.isawaitable(res):
-                        await res
-                except Exception:
-                    log.exception("callback for request %s raised", record.request_id)
-            if not waiter.future.done():
-                waiter.future.set_result(record)
-            self._remember(record.request_id)
-            if record.status is not RecordStatus.FINISHED:
-                self.admitted -= 1  # no sample came of it: give its staleness capacity back
-            done.append(entry_id)
+            if await self._resolve(record, entry_id):
+                done.append(entry_id)
         await self._ack(done)
         if done and (self.max_inflight is not None or self.max_staleness is not None):
+            await self._notify_room()
+
+    async def _resolve(self, record: CompletionRecord, entry_id: tuple[str, str] | None = None) -> bool:
+        """Hand ``record`` to its waiter (callback, future); True when its entry can be acked now
+        (False: kept unacked for :meth:`unclaimed`, which acks it when it hands it out)."""
+        waiter = self._waiters.pop(record.request_id, None)
+        if waiter is None:
+            if record.request_id in self._recent:
+                # Already applied here: skipped (ROLL's pop), but kept for result(fresh=True)
+                # (a requeued request's new record may arrive before that call).
+                self._recent[record.request_id] = record
+            elif record.request_id in self._unclaimed or entry_id is None:
+                pass  # a duplicate of a record not yet handed out, or a notice nobody waits for
+            else:
+                self._unclaimed[record.request_id] = (entry_id, record)
+                self._unclaimed_event.set()
+                return False
+            return True
+        if waiter.callback is not None:
+            try:
+                res = waiter.callback(record)
+                if inspect.isawaitable(res):
+                    await res
+            except Exception:
+                log.exception("callback for request %s raised", record.request_id)
+        if not waiter.future.done():
+            waiter.future.set_result(record)
+        self._remember(record.request_id)
+        if record.status is not RecordStatus.FINISHED:
+            self.admitted -= 1  # no sample came of it: give its staleness capacity back
+        return True
+
+    async def _resolve_notice(self, record: CompletionRecord) -> None:
+        """A dead letter says this request's record could not reach its reply stream."""
+        if record.request_id in self._waiters:
+            log.warning("request %s was dead-lettered and its reply stream refused the error record (%s)",
+                        record.request_id, record.meta_info.get("reply_error"))
+            await self._resolve(record)
             await self._notify_room()
 
     def _remember(self, request_id: str) -> None:
@@ -490,9 +521,13 @@ class Producer:
         part = self.parts[self.reply_streams.index(stream)]
         letter = DeadLetter(stream=stream, entry_id=entry_id, reason=reason, source="producer",
                             fields=fields, delete_entry=True)
-        await self.scripts.dead_letter_in(self.redis, dead_key=part.dead, group=PRODUCER_GROUP,
-                                          consumer=self.name, letter=letter)
-        log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
+        outcome = await self.scripts.dead_letter(dead_key=part.dead, group=PRODUCER_GROUP, consumer=self.name,
+                                                 letter=letter)
+        if outcome.refused is not None:
+            log.error("undecodable record %s on %s: the dead stream refused its letter (%s); it stays pending "
+                      "here until this producer restarts", entry_id, stream, outcome.refused)
+        else:
+            log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
 
     async def _refresh_ttl(self) -> None:
         now = time.monotonic()
@@ -522,9 +557,33 @@ async def send(
         req.reply_to = target
         prepared.append((req, encode_request(req, settings.limits)))
     token_base = secrets.token_hex(8)
-    replies = await submit_batch(redis_client, scripts, settings,
-                                 [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)])
+    items = [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)]
+    replies = await submit_until_accepted(lambda chunk: submit_batch(redis_client, scripts, settings, chunk), items,
+                                          "send")
     return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]
+
+
+async def submit_until_accepted(submit: Any, items: list, what: str) -> list:
+    """``await submit(items)``; the items Redis refuses for a passing reason (out of memory, a
+    read-only replica) are submitted again, with their own tokens, until it takes them: a submit
+    waits, nothing is dropped (other refusals are the caller's, per item). One reply per item."""
+    replies = await submit(items)
+    delay, said = 0.2, False
+    while True:
+        waiting = [i for i, reply in enumerate(replies)
+                   if int(reply[0]) == 3 and is_transient(text(reply[1]).partition(": ")[2])]
+        if not waiting:
+            if said:
+                log.info("%s: Redis accepts submits again", what)
+            return replies
+        if not said:
+            log.error("%s: Redis refuses %d submit(s) (%s); retrying until it accepts them", what, len(waiting),
+                      text(replies[waiting[0]][1]))
+            said = True
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+        for i, reply in zip(waiting, await submit([items[i] for i in waiting])):
+            replies[i] = reply
 
 
 SUBMIT_CHUNK = 500

@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
     p.add_argument("--timeout", type=float, default=600.0)
 
+    p = sub.add_parser("repair", help="give streams whose ids were exhausted (XADD with the largest id) their ids back")
+    _common(p)
+    p.add_argument("streams", nargs="*", help="stream keys to repair, e.g. '{redroll}:results'")
+    p.add_argument("--all", action="store_true", help="every stream of the pipeline (requests, results, dead, "
+                                                      "control, reply streams)")
+    p.add_argument("--dry-run", action="store_true", help="only report which streams are broken")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("drain", help="ask workers to drain and exit (through the control stream)")
     _common(p)
     p.add_argument("workers", nargs="*", help="worker names (see redroll status)")
@@ -414,6 +422,36 @@ async def _run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_repair(args: argparse.Namespace) -> int:
+    from redroll.repair import pipeline_streams, repair_stream
+
+    if not args.streams and not args.all:
+        print("redroll repair: name stream keys or --all", file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    async with connect(settings) as r:
+        keys = args.streams or await pipeline_streams(r, settings.keys, settings.partition_keys)
+        reports = [await repair_stream(r, key, dry_run=args.dry_run) for key in keys]
+    if args.json:
+        print(json.dumps([x.to_json() for x in reports], indent=2))
+    for rep in reports:
+        if args.json or rep.state in ("ok", "none"):
+            continue
+        if rep.state == "repaired":
+            print(f"{rep.key}: repaired: last id {rep.last_id} -> {rep.new_last_id}; removed {len(rep.removed)} "
+                  f"entr{'y' if len(rep.removed) == 1 else 'ies'} from the future"
+                  + (f"; groups moved back: {', '.join(rep.groups_reset)}" if rep.groups_reset else ""))
+        elif rep.state == "broken":
+            print(f"{rep.key}: ids exhausted (last id {rep.last_id}): run without --dry-run to repair")
+        else:
+            print(f"{rep.key}: a {rep.kind}, not a stream: remove or rename it by hand (redroll recreates the stream)")
+    broken = [x for x in reports if x.state in ("broken", "wrongtype")]
+    if not args.json:
+        print(f"checked {len(reports)} stream(s): {sum(x.state == 'repaired' for x in reports)} repaired, "
+              f"{len(broken)} still broken")
+    return 1 if broken else 0
+
+
 async def _run_drain(args: argparse.Namespace) -> int:
     from redroll.shared.control import ControlCommand, send_command
 
@@ -479,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
-                  "weights": _run_weights, "drain": _run_drain, "dead": _run_dead, "gc": _run_gc}
+                  "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "dead": _run_dead, "gc": _run_gc}
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130

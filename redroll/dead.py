@@ -13,11 +13,12 @@ from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, decode_record, decode_request, request_to_map
 from redroll.shared.keys import Keys
+from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import id_tuple, text
 
-PLAIN = ("reason", "source", "entry", "deliveries")
+PLAIN = ("reason", "source", "entry", "deliveries", "reply_error")
 
 
 @dataclass
@@ -102,6 +103,7 @@ def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: 
     if req.reply_to is not None and not keys.is_reply_key(req.reply_to):
         raise RequeueRefused(f"{entry.id}: still invalid: reply_to {req.reply_to!r} is not a stream of this pipeline")
     req.submitted_at = time.time()
+    req.requeued += 1  # a new attempt: consumer groups that applied its error record apply this one
     out = {b"rid": req.request_id.encode()}
     if req.reply_to:
         out[b"reply_to"] = req.reply_to.encode()
@@ -138,13 +140,11 @@ async def _requeue_partition(r: Redis, settings: Settings, keys: Keys, scripts: 
                 await _requeue_record(r, keys, entry)
             else:
                 request_id, fields = patched_request_fields(entry, patches, settings, keys)
-                reply = await scripts.submit_in(r, keys.requests, keys.rid(request_id),
-                                                f"requeue:{secrets.token_hex(8)}", request_id,
-                                                text(fields[b"reply_to"]) if b"reply_to" in fields else None,
-                                                fields[b"data"], settings.rid_ttl_s)
                 try:
-                    Scripts.submit_outcome(request_id, reply)
-                except DuplicateRequestError as exc:
+                    await scripts.submit(keys.requests, keys.rid(request_id), f"requeue:{secrets.token_hex(8)}",
+                                         request_id, text(fields[b"reply_to"]) if b"reply_to" in fields else None,
+                                         fields[b"data"], settings.rid_ttl_s)
+                except (DuplicateRequestError, StreamRefusedError) as exc:
                     raise RequeueRefused(f"{entry.id}: {exc}") from None
         except RequeueRefused as exc:
             refused.append(str(exc))

@@ -16,6 +16,65 @@ from redroll.shared.streams import id_tuple, text
 STALE_AFTER_S = 10.0
 """A worker whose heartbeat is older than this is reported stale."""
 
+LAST_POSSIBLE_ID = "18446744073709551615-18446744073709551615"
+
+
+async def stream_problem(r: Redis, key: str) -> str | None:
+    """Why ``key`` cannot take new entries (a key of another type, exhausted ids), or None."""
+    try:
+        kind = text(await r.type(key))
+        if kind == "none":
+            return None
+        if kind != "stream":
+            return f"{key} is a {kind}, not a stream: every write to it is refused (WRONGTYPE)"
+        info = await r.xinfo_stream(key)
+    except redis.ResponseError as exc:
+        return f"{key}: {exc}"
+    if text(info.get("last-generated-id", "")) == LAST_POSSIBLE_ID:
+        return f"{key} has exhausted the last possible id: it refuses every new entry (redroll repair {key})"
+    return None
+
+
+async def memory_problem(r: Redis) -> str | None:
+    """Out of memory with noeviction: Redis refuses every write that grows memory (XADD, SET, ...)."""
+    try:
+        info = await r.info("memory")
+    except redis.ResponseError:
+        return None
+    if is_cluster(r):  # one answer per node
+        problems = [_memory_line(v, f"{k}: ") for k, v in info.items() if isinstance(v, dict)]
+        return "; ".join(x for x in problems if x) or None
+    return _memory_line(info)
+
+
+def _memory_line(info: dict[str, Any], where: str = "") -> str | None:
+    limit = int(info.get("maxmemory") or 0)
+    used = int(info.get("used_memory") or 0)
+    policy = text(info.get("maxmemory_policy", ""))
+    if limit and used > limit and policy == "noeviction":
+        return (f"{where}out of memory: {used} bytes used of maxmemory {limit} (noeviction): Redis refuses "
+                "XADD, SET, SADD, HSET; workers hold their records, consumers their acks, until memory frees")
+    return None
+
+
+async def collect_alerts(r: Redis, keys: Keys, parts: list[Keys], workers: list[dict[str, Any]]) -> list[str]:
+    """What stops the pipeline now: memory, streams that refuse entries, workers that are blocked."""
+    alerts = []
+    problem = await memory_problem(r)
+    if problem:
+        alerts.append(problem)
+    streams = [keys.control] + [k for part in parts for k in (part.requests, part.requests_high, part.results,
+                                                               part.dead)]
+    for key in dict.fromkeys(streams):
+        problem = await stream_problem(r, key)
+        if problem:
+            alerts.append(problem)
+    for w in workers:
+        if w.get("alive") and w.get("state") == "blocked":
+            refused = "; ".join(f"{k}: {v}" for k, v in (w.get("blocked") or {}).items())
+            alerts.append(f"worker {w['name']} is blocked (claiming paused, output held): {refused or '?'}")
+    return alerts
+
 
 async def _groups(r: Redis, stream: str, length: int) -> list[dict[str, Any]]:
     try:
@@ -97,6 +156,7 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
     return {
         "namespace": keys.namespace,
         "time": round(now, 3),
+        "alerts": await collect_alerts(r, keys, [keys], workers),
         "requests": {
             "stream": keys.requests,
             "length": req_len,
@@ -161,6 +221,7 @@ async def collect_pipeline_status(r: Redis, keys: Keys, parts: list[Keys]) -> di
                           "length": sum(p["results"]["length"] for p in per_part), "groups": list(groups.values())}
     overall["dead_letters"] = sum(p["dead_letters"] for p in per_part)
     overall["warnings"] = [w for p in per_part for w in p["warnings"]]
+    overall["alerts"] = await collect_alerts(r, keys, parts, overall["workers"])
     overall["partitions"] = [{"tag": part.tag, "node": _node_of(r, part.requests), "queued": p["requests"]["backlog"],
                               "in_flight": p["requests"]["pending"], "results": p["results"]["length"],
                               "dead_letters": p["dead_letters"]}
@@ -218,5 +279,6 @@ def render_status(status: dict[str, Any]) -> Any:
             table.add_row(p["tag"], p.get("node") or "-", str(p["queued"]), str(p["in_flight"]), str(p["results"]),
                           str(p["dead_letters"]))
         parts.append(table)
+    parts += [f"[bold red]alert:[/] {a}" for a in status.get("alerts", [])]
     parts += [f"[yellow]warning:[/] {w}" for w in status["warnings"]]
     return Group(*parts)

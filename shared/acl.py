@@ -112,7 +112,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
                   "cancel_queued and dead_letter with the keys they are given (checked read+write)"),
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high),
-                  "submit (XADD in submit.lua); cancel a queued request on abort (XRANGE, XPENDING, "
+                  "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
             Grant(("get", "set", "mget", "del"), rw(rid),
                   "submit de-duplication keys: set with the XADD, read to find a queued request, "
@@ -123,14 +123,17 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xadd",), wr(results, dead, control),
                   "the aborted record of a cancelled fire-and-forget request (results), dead letters of "
                   "undecodable records, abort / weight / drain commands on the control stream"),
+            Grant(("xread", "xrevrange"), rd(dead),
+                  "watch for dead letters of its requests whose reply stream refused the error record"),
             Grant(("zadd", "zremrangebyscore"), wr(aborted), "mark request/group ids aborted, prune old marks"),
-            Grant(("hset", "hgetall"), rw(weights), "set (and show) the desired weights"),
+            Grant(("hset", "hget", "hgetall"), rw(weights),
+                  "set (and show) the desired weights; the version a cancelled request's record names"),
             Grant(("hgetall",), rd(workers), "wait until every live worker runs the new weights"),
         ]
     if role == "worker":
         return [
             Grant((*conn, *scripts, "eval", "scan"), rw(requests, requests_high, rid, results, replies, dead),
-                  "connection upkeep; the Lua scripts finish, dead_letter and renew, and housekeeping's "
+                  "connection upkeep; the Lua scripts finish_many, dead_letter and renew, and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
@@ -138,7 +141,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "claim (XREADGROUP), reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
             Grant(("get", "del"), rw(rid), "release the submit de-duplication key in the finish"),
-            Grant(("xadd",), wr(results, dead), "publish records (finish.lua, MAXLEN ~ cap) and dead letters"),
+            Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
@@ -166,7 +169,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")
         return [
-            Grant(conn, (), "connection upkeep"),
+            Grant((*conn, "info"), (), "connection upkeep; INFO memory (status reports a Redis out of memory)"),
             Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
                    "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(*everything),
                   "read-only: redroll status, dead list, weights show, and the README's redis-cli "

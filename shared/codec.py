@@ -286,6 +286,8 @@ def request_to_map(req: GenerationRequest) -> dict[str, Any]:
         out["priority"] = req.priority
     if req.min_weight_version is not None:
         out["min_weight_version"] = req.min_weight_version
+    if req.requeued:
+        out["requeued"] = req.requeued
     return out
 
 
@@ -385,6 +387,11 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
     min_wv = get("min_weight_version")
     if min_wv is not None and (not _is_int(min_wv) or min_wv < 0):
         raise ValidationError("min_weight_version", "must be a non-negative integer or nil")
+    requeued = get("requeued", 0)
+    if requeued is None:
+        requeued = 0
+    if type(requeued) is not int or requeued < 0:
+        raise ValidationError("requeued", "must be a non-negative integer")
     submitted_at = get("submitted_at")
     if not _is_num(submitted_at):
         raise ValidationError("submitted_at", "must be unix seconds (a number)")
@@ -413,6 +420,7 @@ def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -
         model=None if model is None else _opt_str(obj, "model"),
         priority=priority,
         min_weight_version=min_wv,
+        requeued=requeued,
         v=v,
     )
 
@@ -431,6 +439,7 @@ def record_to_map(rec: CompletionRecord) -> dict[str, Any]:
         "error": rec.error,
         "callback": rec.callback,
         "group_id": rec.group_id,
+        **({"requeued": rec.requeued} if rec.requeued else {}),
     }
 
 
@@ -492,6 +501,9 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     error = obj.get("error")
     if error is not None and not isinstance(error, str):
         raise ValidationError("error", "must be a string or nil")
+    requeued = obj.get("requeued") or 0
+    if not _is_int(requeued) or requeued < 0:
+        raise ValidationError("requeued", "must be a non-negative integer")
     return CompletionRecord(
         request_id=request_id,
         status=status,
@@ -503,6 +515,7 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
         worker=_field_str(fields, "worker") or None,
         callback=_opt_str(obj, "callback", max_len=256),
         group_id=_opt_str(obj, "group_id", max_len=256),
+        requeued=requeued,
         v=v,
     )
 

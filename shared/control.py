@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -12,6 +13,8 @@ from redis.asyncio import Redis
 from .codec import ValidationError, check_request_id, decode_request
 from .keys import WORKERS_GROUP, Keys
 from .types import CompletionRecord, RecordStatus
+
+log = logging.getLogger("redroll")
 
 CONTROL_MAXLEN = 10_000
 ABORTED_RETENTION_S = 24 * 3600
@@ -73,8 +76,13 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     """Report aborted requests that no worker has taken yet at once (their record is published
     here and the entry deleted), instead of when a worker reaches them in the backlog.
 
-    Returns the request_ids cancelled this way; the others are in flight (the worker aborts them)
-    or already finished.
+    Returns the request_ids cancelled this way; the others are in flight (the worker aborts them),
+    already finished, or their reply stream refused the record (the worker that takes them deals
+    with that).
+
+    Such a record has no engine facts (prompt_tokens, cached_tokens, engine_ms, eos/pad ids):
+    no engine saw the request. It carries the pipeline's desired ``weight_version`` (the version
+    it would have run on), ``worker`` None, ``attempt`` 0 and ``queue_ms``.
     """
     from .scripts import Scripts
 
@@ -85,10 +93,14 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     for part in parts:
         held = await r.mget([part.rid(x) for x in request_ids]) if request_ids else []
         located += [(rid, part, value) for rid, value in zip(request_ids, held) if value is not None]
+    if not located:
+        return []
+    desired = await r.hget(keys.weights, "weight_version")
+    weight_version = desired.decode() if isinstance(desired, bytes) else desired
     cancelled: list[str] = []
-    for request_id, keys, value in located:
+    for request_id, keys_, value in located:
         entry_id = value.decode().rpartition(" ")[2]
-        for stream in keys.request_streams:
+        for stream in keys_.request_streams:
             found = await r.xrange(stream, entry_id, entry_id)
             if not found:
                 continue
@@ -96,13 +108,19 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
                 req = decode_request(found[0][1])
             except ValidationError:
                 break  # a worker will dead-letter it
-            reply = req.reply_to if req.reply_to and keys.is_reply_key(req.reply_to) else keys.results
+            reply = req.reply_to if req.reply_to and keys_.is_reply_key(req.reply_to) else keys_.results
+            queue_ms = max(0.0, (time.time() - req.submitted_at) * 1000.0)
             record = CompletionRecord.failed(req, request_id=req.request_id, status=RecordStatus.ABORTED, error=None,
                                              worker=None, n=req.n,
-                                             meta_info={"abort_reason": "user", "cancelled_in_queue": True})
-            done = await scripts.cancel_queued_in(r, stream=stream, reply_key=reply, rid_key=keys.rid(request_id),
+                                             meta_info={"abort_reason": "user", "cancelled_in_queue": True,
+                                                        "weight_version": weight_version, "worker": None,
+                                                        "attempt": 0, "queue_ms": round(queue_ms, 3)})
+            done = await scripts.cancel_queued_in(r, stream=stream, reply_key=reply, rid_key=keys_.rid(request_id),
                                                   group=WORKERS_GROUP, entry_id=entry_id, record=record)
-            if int(done):
+            if isinstance(done, bytes):
+                log.warning("request %s stays queued: %s refused its aborted record (%s); the worker that "
+                            "takes it aborts it", request_id, reply, done.decode(errors="replace"))
+            elif int(done):
                 cancelled.append(request_id)
             break
     return cancelled

@@ -15,12 +15,18 @@ Worker metrics:
     redroll_worker_dead_letters_total        requests dead-lettered by this worker
     redroll_worker_engine_errors_total       engine exceptions (the request is retried)
     redroll_worker_weight_version_info{weight_version}  1 for the version being served
+    redroll_worker_publish_blocked           streams refusing this worker's writes now (0 = none):
+                                             while > 0 it claims nothing and holds its records
+    redroll_worker_refusals_total{kind}      writes Redis refused (out_of_memory, ids_exhausted,
+                                             wrong_type, read_only, transient, other)
 Consumer metrics:
     redroll_consumer_callbacks_total{outcome}  applied, duplicate (skipped), failed (to be retried)
     redroll_consumer_dead_letters_total        records dead-lettered (bad, no handler, out of retries)
     redroll_consumer_reclaimed_total           records taken over from other consumers
     redroll_consumer_trimmed_total             records trimmed once every group had acked them
     redroll_consumer_callback_seconds          histogram: callback duration
+    redroll_consumer_blocked                   1 while Redis refuses its applied markers (it reads nothing)
+    redroll_consumer_refusals_total            markers or dead letters Redis refused
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ class WorkerMetrics:
                                  labels=["weight_version"])
         info.add_metric([str(self._worker.engine.info.weight_version)], 1)
         yield info
+        yield GaugeMetricFamily("redroll_worker_publish_blocked", "Streams refusing this worker's writes.",
+                                value=len(self._worker.blocked))
+        refusals = CounterMetricFamily("redroll_worker_refusals", "Writes Redis refused.", labels=["kind"])
+        for kind, n in sorted(st.refusals.items()):
+            refusals.add_metric([kind], n)
+        yield refusals
 
 
 class ConsumerMetrics:
@@ -103,7 +115,7 @@ class ConsumerMetrics:
         self.callback_time.observe(seconds)
 
     def _families(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         st = self._runner.stats
         cb = CounterMetricFamily("redroll_consumer_callbacks", "Callbacks by outcome.", labels=["outcome"])
@@ -114,6 +126,10 @@ class ConsumerMetrics:
         yield CounterMetricFamily("redroll_consumer_dead_letters", "Records dead-lettered.", value=st.dead_lettered)
         yield CounterMetricFamily("redroll_consumer_reclaimed", "Records reclaimed.", value=st.reclaimed)
         yield CounterMetricFamily("redroll_consumer_trimmed", "Records trimmed.", value=st.trimmed)
+        yield GaugeMetricFamily("redroll_consumer_blocked", "1 while Redis refuses the applied markers.",
+                                value=int(self._runner.blocked is not None))
+        yield CounterMetricFamily("redroll_consumer_refusals", "Markers or dead letters Redis refused.",
+                                  value=st.refusals)
 
 
 def serve(metrics: WorkerMetrics | ConsumerMetrics, port: int, addr: str = "0.0.0.0") -> Any:

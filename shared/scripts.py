@@ -15,6 +15,7 @@ from redis.asyncio.cluster import ClusterPipeline
 
 from .codec import encode_record
 from .connection import is_cluster
+from .refusals import StreamRefusedError
 from .types import CompletionRecord
 
 
@@ -22,8 +23,6 @@ def _load(name: str) -> str:
     return resources.files(__package__).joinpath("lua", name).read_text()
 
 
-SUBMIT_LUA = _load("submit.lua")
-FINISH_LUA = _load("finish.lua")
 DEAD_LETTER_LUA = _load("dead_letter.lua")
 RENEW_LUA = _load("renew.lua")
 CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
@@ -63,6 +62,42 @@ class DeadLetter:
     reply_to: str | None = None
     error_record: CompletionRecord | None = None
     rid_key: str | None = None
+    reply_refused: str | None = None
+    """Why the waiter's reply stream cannot take the error record (it refused the finished record):
+    then none is sent, and the dead letter carries this as its ``reply_error`` field."""
+
+
+@dataclass(frozen=True)
+class DeadLetterOutcome:
+    """What the dead-letter script did with one entry."""
+
+    done: bool
+    """Dead-lettered: the letter written, the entry acked (and deleted when asked)."""
+    refused: str | None = None
+    """The dead stream refused the letter: nothing was written, the entry stays pending."""
+    reply_error: str | None = None
+    """Dead-lettered, but the reply stream refused the error record (see the letter's reply_error)."""
+
+    @property
+    def fenced(self) -> bool:
+        """The entry was no longer this consumer's: nothing was written."""
+        return not self.done and self.refused is None
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> "DeadLetterOutcome":
+        code, message = int(reply[0]), _s(reply[1])
+        if code == 1:
+            return cls(done=True, reply_error=message or None)
+        if code == -1:
+            return cls(done=False, refused=message)
+        return cls(done=False)
+
+
+def refusal(reply: Any, key: str) -> StreamRefusedError | None:
+    """A per-item script reply that is an error string (what ``key`` answered), as an exception."""
+    if isinstance(reply, (bytes, str)):
+        return StreamRefusedError(key, _s(reply))
+    return None
 
 
 def _s(value: Any) -> str:
@@ -94,12 +129,11 @@ def _run(script: Any, keys: list, args: list, client: Any, *, checked: bool = Tr
 
 
 class Scripts:
-    """Registered scripts on one client. Calls accept a pipeline as ``client`` to batch them."""
+    """Registered scripts on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
+    them (then the reply comes with the pipeline's); the others run now."""
 
     def __init__(self, redis: Redis):
         self.redis = redis
-        self._submit = redis.register_script(SUBMIT_LUA)
-        self._finish = redis.register_script(FINISH_LUA)
         self._dead = redis.register_script(DEAD_LETTER_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
@@ -107,46 +141,28 @@ class Scripts:
         self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
 
     # -- submit
-    def submit_args(self, requests_key: str, rid_key: str, token: str, request_id: str,
-                    reply_to: str | None, data: bytes, rid_ttl_s: int) -> tuple[list, list]:
-        return [requests_key, rid_key], [token, request_id, reply_to or "", data, rid_ttl_s]
-
     @staticmethod
     def submit_outcome(request_id: str, reply: Sequence[Any]) -> SubmitOutcome:
+        """One item's ``[code, value]`` as an outcome; raises :class:`DuplicateRequestError` (another
+        submit holds the id) or :class:`StreamRefusedError` (nothing was written: out of memory, a
+        read-only replica, a key of another type)."""
         code, value = int(reply[0]), _s(reply[1])
         if code == 0:
             raise DuplicateRequestError(request_id)
+        if code == 3:
+            key, _, message = value.partition(": ")
+            raise StreamRefusedError(key, message)
         return SubmitOutcome(entry_id=value, retried=(code == 2))
 
-    def submit_in(self, client: Any, *a: Any) -> Any:
-        """Run (awaitable) or queue on a pipeline the submit script; see :meth:`submit_outcome`."""
-        keys, args = self.submit_args(*a)
-        return _run(self._submit, keys, args, client)
-
-    # -- finish
-    def finish_in(self, client: Any, *, requests_key: str, reply_key: str, rid_key: str, group: str,
-                  consumer: str, entry_id: str, record: CompletionRecord, reply_cap: int = 0) -> Any:
-        """Queue (on a pipeline) or run the fenced finish; result 1 = published, 0 = fenced."""
-        f = encode_record(record)
-        return _run(self._finish, [requests_key, reply_key, rid_key],
-                    [group, consumer, entry_id, f["rid"], f["status"], f["worker"], f["data"], reply_cap], client)
-
-    def finish_many_in(self, client: Any, *, requests_key: str, group: str, consumer: str, worker: str,
-                       items: Sequence[tuple[str, str, str, CompletionRecord, int]]) -> Any:
-        """Fenced finish of many entries of one stream in one script call.
-
-        ``items``: (entry_id, reply_key, rid_key, record, reply_cap). Result: one 1/0 per item.
-        """
-        keys: list[Any] = [requests_key]
-        args: list[Any] = [group, consumer, worker]
-        for entry_id, reply_key, rid_key, record, cap in items:
-            f = encode_record(record)
-            keys += [reply_key, rid_key]
-            args += [entry_id, f["rid"], f["status"], f["data"], cap]
-        return _run(self._finish_many, keys, args, client, checked=False)
+    async def submit(self, requests_key: str, rid_key: str, token: str, request_id: str, reply_to: str | None,
+                     data: bytes, rid_ttl_s: int) -> SubmitOutcome:
+        """Submit one request now (see :meth:`submit_many_in` and :meth:`submit_outcome`)."""
+        (reply,) = await self.submit_many_in(self.redis, requests_key=requests_key, rid_ttl_s=rid_ttl_s,
+                                             items=[(rid_key, token, request_id, reply_to, data)], checked=True)
+        return self.submit_outcome(request_id, reply)
 
     def submit_many_in(self, client: Any, *, requests_key: str, rid_ttl_s: int,
-                       items: Sequence[tuple[str, str, str, str | None, bytes]]) -> Any:
+                       items: Sequence[tuple[str, str, str, str | None, bytes]], checked: bool = False) -> Any:
         """De-duplicated submit of many requests to one stream in one script call.
 
         ``items``: (rid_key, token, request_id, reply_to, data). Result: one [code, value] per item
@@ -157,14 +173,41 @@ class Scripts:
         for rid_key, token, request_id, reply_to, data in items:
             keys.append(rid_key)
             args += [token, request_id, reply_to or "", data]
-        return _run(self._submit_many, keys, args, client, checked=False)
+        return _run(self._submit_many, keys, args, client, checked=checked)
+
+    # -- finish
+    async def finish(self, *, requests_key: str, reply_key: str, rid_key: str, group: str, consumer: str,
+                     entry_id: str, record: CompletionRecord, reply_cap: int = 0) -> int:
+        """The fenced finish of one entry now: 1 published, 0 fenced; raises
+        :class:`StreamRefusedError` when the reply stream refused the record (nothing written)."""
+        (reply,) = await self.finish_many_in(self.redis, requests_key=requests_key, group=group, consumer=consumer,
+                                             worker=record.worker or "", checked=True,
+                                             items=[(entry_id, reply_key, rid_key, record, reply_cap)])
+        error = refusal(reply, reply_key)
+        if error is not None:
+            raise error
+        return int(reply)
+
+    def finish_many_in(self, client: Any, *, requests_key: str, group: str, consumer: str, worker: str,
+                       items: Sequence[tuple[str, str, str, CompletionRecord, int]], checked: bool = False) -> Any:
+        """Fenced finish of many entries of one stream in one script call.
+
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap). Result: per item 1 (published),
+        0 (fenced) or the error its reply stream answered (see :func:`refusal`).
+        """
+        keys: list[Any] = [requests_key]
+        args: list[Any] = [group, consumer, worker]
+        for entry_id, reply_key, rid_key, record, cap in items:
+            f = encode_record(record)
+            keys += [reply_key, rid_key]
+            args += [entry_id, f["rid"], f["status"], f["data"], cap]
+        return _run(self._finish_many, keys, args, client, checked=checked)
 
     async def load_all(self) -> None:
         """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
 
         On a cluster, SCRIPT LOAD goes to every primary."""
-        scripts = (self._submit, self._finish, self._dead, self._renew, self._cancel, self._finish_many,
-                   self._submit_many)
+        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many)
         if is_cluster(self.redis):
             for script in scripts:
                 await self.redis.script_load(script.script)
@@ -176,6 +219,7 @@ class Scripts:
 
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:
+        """Queue or run the dead-letter script; its reply reads with :meth:`DeadLetterOutcome.from_reply`."""
         keys = [letter.stream, dead_key]
         reply_idx = rid_idx = 0
         rec_args: list[Any] = ["", "", "", ""]
@@ -192,13 +236,19 @@ class Scripts:
             pairs += [k, v]
         args = [group, consumer, letter.entry_id, letter.reason, letter.source,
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
-                letter.deliveries, len(pairs) // 2, *pairs]
+                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs]
         return _run(self._dead, keys, args, client)
+
+    async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:
+        reply = await self.dead_letter_in(self.redis, dead_key=dead_key, group=group, consumer=consumer,
+                                          letter=letter)
+        return DeadLetterOutcome.from_reply(reply)
 
     # -- cancel
     def cancel_queued_in(self, client: Any, *, stream: str, reply_key: str, rid_key: str, group: str,
                          entry_id: str, record: CompletionRecord) -> Any:
-        """Publish ``record`` and delete the entry, only if no worker has taken it (1) — else 0."""
+        """Publish ``record`` and delete the entry, only if no worker has taken it (1) — else 0, or
+        the error the reply stream answered (nothing written)."""
         f = encode_record(record)
         return _run(self._cancel, [stream, reply_key, rid_key], [group, entry_id, f["rid"], f["status"], f["data"]],
                     client)

@@ -102,6 +102,9 @@ class GenerationRequest:
     """0 = normal; 1 = high (queued on ``{ns}:requests:high``, claimed before normal requests)."""
     min_weight_version: int | None = None
     """Only workers whose (integer) weight_version is at least this may generate it."""
+    requeued: int = 0
+    """How often ``redroll dead requeue`` gave this request another attempt (its record says so,
+    and consumer groups de-duplicate each attempt on its own: see DESIGN.md "requeue")."""
     v: int = SCHEMA_VERSION
 
     @property
@@ -123,6 +126,8 @@ class CompletionRecord:
     worker: str | None = None
     callback: str | None = None
     group_id: str | None = None
+    requeued: int = 0
+    """The request's requeue count: a requeued request's record is a new attempt, not a duplicate."""
     v: int = SCHEMA_VERSION
 
     @property
@@ -155,4 +160,10 @@ class CompletionRecord:
             worker=worker,
             callback=request.callback if request is not None else None,
             group_id=request.group_id if request is not None else None,
+            requeued=request.requeued if request is not None else 0,
         )
+
+    @property
+    def dedup_id(self) -> str:
+        """What consumer groups de-duplicate on: the request_id, per requeue attempt."""
+        return self.request_id if not self.requeued else f"{self.request_id}#requeue{self.requeued}"

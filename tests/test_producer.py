@@ -136,15 +136,15 @@ async def test_submit_script_retry_with_same_token_is_success(settings, r):
     req.reply_to = keys.results
     data = encode_request(req, settings.limits)["data"]
     args = (keys.requests, keys.rid(req.request_id), "tok-A", req.request_id, req.reply_to, data, 60)
-    first = Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *args))
-    second = Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *args))
+    first = await scripts.submit(*args)
+    second = await scripts.submit(*args)
     assert first.retried is False and second.retried is True
     assert first.entry_id == second.entry_id
     assert await r.xlen(keys.requests) == 1
     # a different token is a refusal
     other = (keys.requests, keys.rid(req.request_id), "tok-B", req.request_id, req.reply_to, data, 60)
     with pytest.raises(DuplicateRequestError):
-        Scripts.submit_outcome(req.request_id, await scripts.submit_in(r, *other))
+        await scripts.submit(*other)
     assert await r.xlen(keys.requests) == 1
 
 

@@ -312,14 +312,14 @@ async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
     w = connect(users["worker"])
     try:
         with pytest.raises(redis.ResponseError) as info:
-            await Scripts(w).submit_in(w, keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
+            await Scripts(w).submit(keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
         message = assert_denied(info.value, users["worker"])
         assert "script" in message
         # ... and a consumer may not even name the request stream to a script.
         c = connect(users["consumer"])
         try:
             with pytest.raises(redis.exceptions.NoPermissionError) as info:
-                await Scripts(c).submit_in(c, keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
+                await Scripts(c).submit(keys.requests, keys.rid("x"), "tok", "x", None, b"\x80", 60)
             assert_denied(info.value, users["consumer"])
         finally:
             await c.aclose()

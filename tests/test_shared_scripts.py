@@ -9,7 +9,7 @@ import pytest
 
 from redroll.shared.codec import decode_record
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
+from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, DuplicateRequestError, Scripts
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 
@@ -26,9 +26,7 @@ def record(rid: str, status: RecordStatus = RecordStatus.FINISHED, worker: str =
 
 
 async def submit(scripts: Scripts, keys, rid: str, token: str, ttl: int = 60):
-    reply = await scripts.submit_in(scripts.redis, keys.requests, keys.rid(rid), token, rid, keys.results,
-                                    data_for(rid), ttl)
-    return Scripts.submit_outcome(rid, reply)
+    return await scripts.submit(keys.requests, keys.rid(rid), token, rid, keys.results, data_for(rid), ttl)
 
 
 async def read_one(r, keys, consumer: str) -> str:
@@ -87,11 +85,11 @@ async def test_submit_without_reply_to_and_in_pipeline(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     await r.script_flush()  # the pipeline must load the script itself
     async with r.pipeline(transaction=False) as pipe:
-        scripts.submit_in(pipe, keys.requests, keys.rid("p1"), "t", "p1", None, data_for("p1"), 60)
-        scripts.submit_in(pipe, keys.requests, keys.rid("p2"), "t", "p2", keys.results, data_for("p2"), 60)
-        scripts.submit_in(pipe, keys.requests, keys.rid("p1"), "t", "p1", None, data_for("p1"), 60)
+        for rid, reply_to in (("p1", None), ("p2", keys.results), ("p1", None)):
+            scripts.submit_many_in(pipe, requests_key=keys.requests, rid_ttl_s=60, checked=True,
+                                   items=[(keys.rid(rid), "t", rid, reply_to, data_for(rid))])
         replies = await pipe.execute()
-    outs = [Scripts.submit_outcome(rid, rep) for rid, rep in zip(["p1", "p2", "p1"], replies)]
+    outs = [Scripts.submit_outcome(rid, rep) for rid, (rep,) in zip(["p1", "p2", "p1"], replies)]
     assert [o.retried for o in outs] == [False, False, True]
     assert outs[0].entry_id == outs[2].entry_id
     entries = await r.xrange(keys.requests)
@@ -105,7 +103,7 @@ async def test_finish_releases_rid_so_it_can_be_reused(r, settings):
     first = await submit(scripts, keys, "reuse-me", "tok-1")
     entry = await read_one(r, keys, "c1")
     assert entry == first.entry_id
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, rid="reuse-me")) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="reuse-me")) == 1
     assert await r.exists(keys.rid("reuse-me")) == 0
     # a new submit of the same id (another caller) is accepted now
     second = await submit(scripts, keys, "reuse-me", "tok-2")
@@ -117,7 +115,7 @@ async def test_finish_keeps_a_rid_key_naming_another_entry(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1", rid="x1")
     await r.set(keys.rid("x1"), "other-token 1-1")  # a later submit holds the id now
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, rid="x1")) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="x1")) == 1
     assert (await r.get(keys.rid("x1"))) == b"other-token 1-1"
 
 
@@ -127,7 +125,7 @@ async def test_finish_keeps_a_rid_key_naming_another_entry(r, settings):
 async def test_finish_by_owner_publishes_once_acks_and_deletes(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")
-    res = await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry))
+    res = await scripts.finish(**finish_kwargs(keys, "c1", entry))
     assert res == 1
     results = await r.xrange(keys.results)
     assert len(results) == 1
@@ -137,7 +135,7 @@ async def test_finish_by_owner_publishes_once_acks_and_deletes(r, settings):
     assert await r.xlen(keys.requests) == 0
     assert (await r.xpending(keys.requests, G))["pending"] == 0
     # a second finish of the same entry (e.g. a retried call) publishes nothing
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 0
     assert await r.xlen(keys.results) == 1
 
 
@@ -151,9 +149,12 @@ async def test_finish_in_pipeline(r, settings):
     await r.script_flush()
     async with r.pipeline(transaction=False) as pipe:
         for i, entry in enumerate(ids):
-            scripts.finish_in(pipe, **finish_kwargs(keys, "c1" if i != 1 else "intruder", entry, rid=f"r{i}"))
+            consumer = "c1" if i != 1 else "intruder"
+            scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer=consumer, worker=consumer,
+                                   checked=True, items=[(entry, keys.results, keys.rid(f"r{i}"),
+                                                         record(f"r{i}", worker=consumer), 0)])
         res = await pipe.execute()
-    assert res == [1, 0, 1]
+    assert res == [[1], [0], [1]]
     assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"r0", b"r2"]
     assert [e[0].decode() for e in await r.xrange(keys.requests)] == [ids[1]]
 
@@ -161,7 +162,7 @@ async def test_finish_in_pipeline(r, settings):
 async def test_finish_refused_for_non_owner(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c2", entry)) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c2", entry)) == 0
     assert await r.xlen(keys.results) == 0
     assert await r.xlen(keys.requests) == 1
     p = await pending(r, keys, entry)
@@ -171,7 +172,7 @@ async def test_finish_refused_for_non_owner(r, settings):
 async def test_finish_refused_for_unknown_entry(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     await ensure_group(r, keys.requests, G)
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", "1-1")) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c1", "1-1")) == 0
     assert await r.exists(keys.results) == 0
 
 
@@ -181,12 +182,12 @@ async def test_finish_refused_after_another_consumer_claimed(r, settings):
     claimed = await r.xclaim(keys.requests, G, "c2", 0, [entry])
     assert claimed and claimed[0][0].decode() == entry
     # the stale owner (lease lost) cannot publish
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 0
     assert await r.xlen(keys.results) == 0
     assert await r.xlen(keys.requests) == 1
     # the new owner can, exactly once
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c2", entry)) == 1
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c2", entry)) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 0
     assert await r.xlen(keys.results) == 1
     assert await r.xlen(keys.requests) == 0
 
@@ -197,7 +198,7 @@ async def test_finish_reply_cap(r, settings):
     for i in range(300):
         await r.xadd(keys.results, {"rid": f"old{i}"})
     entry = await add_and_claim(r, keys, "c1")
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry, reply_cap=10)) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, reply_cap=10)) == 1
     n = await r.xlen(keys.results)
     assert n < 301  # approximate trim (~) happened
     last = await r.xrevrange(keys.results, count=1)
@@ -262,7 +263,7 @@ async def test_hand_back_lets_another_consumer_autoclaim_at_once(r, settings):
     assert p["times_delivered"] == 2
     # and the former owner can neither renew nor finish it any more
     assert await scripts.renew(keys.requests, G, "c1", [entry]) == [entry]
-    assert await scripts.finish_in(r, **finish_kwargs(keys, "c1", entry)) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 0
 
 
 # ---------------------------------------------------------------- dead letter
@@ -286,9 +287,9 @@ async def test_dead_letter_writes_dead_entry_error_record_acks_and_deletes(r, se
     original = dict((await r.xrange(keys.requests))[0][1])
     # a hostile original field named like a reserved one must not overwrite them
     fields = {**original, b"reason": b"forged", b"source": b"forged"}
-    res = await scripts.dead_letter_in(r, dead_key=keys.dead, group=G, consumer="c1",
-                                       letter=letter_for(keys, entry, fields))
-    assert res == 1
+    res = await scripts.dead_letter(dead_key=keys.dead, group=G, consumer="c1",
+                                    letter=letter_for(keys, entry, fields))
+    assert res.done and res.refused is None and res.reply_error is None
     dead = await r.xrange(keys.dead)
     assert len(dead) == 1
     d = dead[0][1]
@@ -318,7 +319,7 @@ async def test_dead_letter_without_delete_and_without_reply(r, settings):
         scripts.dead_letter_in(pipe, dead_key=keys.dead, group=G, consumer="c1",
                                letter=letter_for(keys, entry, fields, reply=False, delete=False))
         res = await pipe.execute()
-    assert res == [1]
+    assert [DeadLetterOutcome.from_reply(x).done for x in res] == [True]
     d = (await r.xrange(keys.dead))[0][1]
     assert d[b"data"] == b"\xc1garbage"  # binary original fields survive
     assert await r.exists(keys.results) == 0
@@ -330,9 +331,9 @@ async def test_dead_letter_refused_for_non_owner(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")
     await r.set(keys.rid("req-1"), f"tok {entry}")
-    res = await scripts.dead_letter_in(r, dead_key=keys.dead, group=G, consumer="c2",
-                                       letter=letter_for(keys, entry, {b"rid": b"req-1"}))
-    assert res == 0
+    res = await scripts.dead_letter(dead_key=keys.dead, group=G, consumer="c2",
+                                    letter=letter_for(keys, entry, {b"rid": b"req-1"}))
+    assert res.fenced and not res.done
     assert await r.exists(keys.dead) == 0
     assert await r.exists(keys.results) == 0
     assert await r.xlen(keys.requests) == 1

@@ -3,7 +3,9 @@
 -- KEYS[1] request stream  KEYS[2] reply stream  KEYS[3] rid key
 -- ARGV[1] group  ARGV[2] request entry id  ARGV[3] rid  ARGV[4] status  ARGV[5] data (msgpack record)
 -- Returns 1 when cancelled, 0 when the entry is gone or already delivered to a worker (the worker
--- then aborts it, as for any in-flight request).
+-- then aborts it, as for any in-flight request), or the error the reply stream answered (nothing
+-- was written: the entry stays queued, and the worker that takes it deals with the stream).
+-- All or nothing: every read comes before the first write, the XADD (through pcall).
 if #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) == 0 then
   return 0
 end
@@ -30,10 +32,13 @@ if ok then
     end
   end
 end
-redis.call('XADD', KEYS[2], '*', 'rid', ARGV[3], 'status', ARGV[4], 'worker', '', 'data', ARGV[5])
+local held = redis.pcall('GET', KEYS[3])
+local added = redis.pcall('XADD', KEYS[2], '*', 'rid', ARGV[3], 'status', ARGV[4], 'worker', '', 'data', ARGV[5])
+if type(added) == 'table' and added.err then
+  return added.err
+end
 redis.call('XDEL', KEYS[1], ARGV[2])
-local held = redis.call('GET', KEYS[3])
-if held and string.sub(held, -string.len(ARGV[2]) - 1) == ' ' .. ARGV[2] then
+if type(held) == 'string' and string.sub(held, -string.len(ARGV[2]) - 1) == ' ' .. ARGV[2] then
   redis.call('DEL', KEYS[3])
 end
 return 1

@@ -4,35 +4,63 @@
 -- ARGV[6] delete the entry after ack (1/0)   ARGV[7] index of the reply key in KEYS (0 = none)
 -- ARGV[8] index of the rid key in KEYS (0 = none)
 -- ARGV[9..12] error record: rid, status, worker, data (used when a reply key is given)
--- ARGV[13] delivery count   ARGV[14] number of original field pairs, then the pairs
--- Returns 1 when dead-lettered, 0 when this consumer no longer owns the entry.
+-- ARGV[13] delivery count   ARGV[14] why the waiter's reply stream cannot be used ('' = it can)
+-- ARGV[15] number of original field pairs, then the pairs
+-- Returns {code, message}: {1, ''} dead-lettered (and the error record sent, when asked);
+-- {1, error} dead-lettered, but the reply stream refused the error record: the dead letter then
+-- carries a field reply_error (a waiting producer learns of its request from it);
+-- {0, ''} this consumer no longer owns the entry; {-1, error} the dead stream refused the letter:
+-- nothing was written, the entry stays pending.
+--
+-- All or nothing (Redis keeps the writes a script made before a failing redis.call): the reads
+-- come first; the two XADDs go through pcall; when the dead letter is refused, the error record
+-- just added is deleted again before returning. Out of memory and a read-only replica refuse the
+-- first write, so then nothing is written at all. A call dead-letters an entry at most once.
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then
-  return 0
+  return {0, ''}
 end
-local entry = {'reason', ARGV[4], 'source', ARGV[5], 'entry', ARGV[3], 'deliveries', ARGV[13]}
-local npairs = tonumber(ARGV[14])
-for i = 0, npairs - 1 do
-  local k = ARGV[15 + 2 * i]
-  if k ~= 'reason' and k ~= 'source' and k ~= 'entry' and k ~= 'deliveries' then
-    table.insert(entry, k)
-    table.insert(entry, ARGV[16 + 2 * i])
+local rid_idx = tonumber(ARGV[8])
+local held = false
+if rid_idx > 0 then
+  held = redis.pcall('GET', KEYS[rid_idx])
+end
+local reply_err = ARGV[14]
+local sent = false
+local reply_idx = tonumber(ARGV[7])
+if reply_idx > 0 and reply_err == '' then
+  sent = redis.pcall('XADD', KEYS[reply_idx], '*', 'rid', ARGV[9], 'status', ARGV[10], 'worker', ARGV[11],
+                     'data', ARGV[12])
+  if type(sent) == 'table' and sent.err then
+    reply_err = KEYS[reply_idx] .. ': ' .. sent.err
+    sent = false
   end
 end
-redis.call('XADD', KEYS[2], '*', unpack(entry))
-local reply_idx = tonumber(ARGV[7])
-if reply_idx > 0 then
-  redis.call('XADD', KEYS[reply_idx], '*', 'rid', ARGV[9], 'status', ARGV[10], 'worker', ARGV[11], 'data', ARGV[12])
+local entry = {'reason', ARGV[4], 'source', ARGV[5], 'entry', ARGV[3], 'deliveries', ARGV[13]}
+if reply_err ~= '' then
+  table.insert(entry, 'reply_error')
+  table.insert(entry, reply_err)
+end
+local npairs = tonumber(ARGV[15])
+for i = 0, npairs - 1 do
+  local k = ARGV[16 + 2 * i]
+  if k ~= 'reason' and k ~= 'source' and k ~= 'entry' and k ~= 'deliveries' and k ~= 'reply_error' then
+    table.insert(entry, k)
+    table.insert(entry, ARGV[17 + 2 * i])
+  end
+end
+local added = redis.pcall('XADD', KEYS[2], '*', unpack(entry))
+if type(added) == 'table' and added.err then
+  if sent then
+    redis.call('XDEL', KEYS[reply_idx], sent)
+  end
+  return {-1, added.err}
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] == '1' then
   redis.call('XDEL', KEYS[1], ARGV[3])
 end
-local rid_idx = tonumber(ARGV[8])
-if rid_idx > 0 then
-  local held = redis.call('GET', KEYS[rid_idx])
-  if held and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
-    redis.call('DEL', KEYS[rid_idx])
-  end
+if type(held) == 'string' and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
+  redis.call('DEL', KEYS[rid_idx])
 end
-return 1
+return {1, reply_err}

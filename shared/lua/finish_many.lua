@@ -1,8 +1,15 @@
--- Fenced finish of many requests of one stream in one call (same checks as finish.lua, per item).
+-- Fenced finish of many requests of one stream in one call.
 -- KEYS[1] request stream, then per item i (1-based): KEYS[2i] reply stream, KEYS[2i+1] rid key
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
 -- then per item 5 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none)
--- Returns one integer per item: 1 published, 0 fenced (this consumer no longer owns the entry).
+-- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry), or
+-- the error the reply stream answered (a string: nothing of that item was written; it stays
+-- pending for the worker to dead-letter, hold or retry).
+--
+-- All or nothing per item: Redis keeps the writes a script made before a failing redis.call, so
+-- an item's reads come first and its first write, the XADD, goes through pcall; its ack, delete
+-- and rid release follow only once that XADD succeeded (and cannot fail: the request stream and
+-- group were read above). One item's refusal never changes another item's fate.
 local out = {}
 local done = {}
 local n = (#KEYS - 1) / 2
@@ -13,20 +20,27 @@ for i = 1, n do
   if #p == 0 or p[1][2] ~= ARGV[2] then
     out[i] = 0
   else
-    local reply = KEYS[2 * i]
+    local reply, ridkey = KEYS[2 * i], KEYS[2 * i + 1]
+    local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
     local cap = tonumber(ARGV[a + 5])
+    local added
     if cap > 0 then
-      redis.call('XADD', reply, 'MAXLEN', '~', cap, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3], 'data', ARGV[a + 4])
+      added = redis.pcall('XADD', reply, 'MAXLEN', '~', cap, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3],
+                          'worker', ARGV[3], 'data', ARGV[a + 4])
     else
-      redis.call('XADD', reply, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3], 'data', ARGV[a + 4])
+      added = redis.pcall('XADD', reply, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3], 'worker', ARGV[3],
+                          'data', ARGV[a + 4])
     end
-    done[#done + 1] = entry
-    local ridkey = KEYS[2 * i + 1]
-    local held = redis.call('GET', ridkey)
-    if held and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
-      redis.call('DEL', ridkey)
+    if type(added) == 'table' and added.err then
+      out[i] = added.err
+    else
+      done[#done + 1] = entry
+      -- Release the submit de-duplication key only if it still names this entry.
+      if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
+        redis.call('DEL', ridkey)
+      end
+      out[i] = 1
     end
-    out[i] = 1
   end
 end
 -- Ack and delete every published entry at once (still inside this one atomic script).
