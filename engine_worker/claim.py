@@ -53,7 +53,9 @@ class Claimer:
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.
-                await self._give_back([(text(s), text(i)) for s, entries in resp for i, _ in entries])
+                late = [(text(s), text(i)) for s, entries in resp for i, _ in entries]
+                ctx.stats.claimed += len(late)
+                await self._give_back(late)
                 return
             running = flights.generating
             for stream, entries in resp:

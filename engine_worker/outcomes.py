@@ -110,6 +110,8 @@ class Outcomes:
                                              error=reason, worker=ctx.name,
                                              n=request.n if request else 1,
                                              meta_info={"worker": ctx.name, "attempt": flight.deliveries})
+            if request is None and error is not None:
+                record.callback = error.callback  # (routed to the handler the request named)
         flight.publishing = True
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
@@ -133,7 +135,7 @@ class Outcomes:
                 await ctx.redis.hdel(ctx.keys.errors, flight.key)
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
                         extra={"request_id": request_id, "entry_id": flight.entry_id})
-            if outcome.reply_error:
+            if outcome.reply_error and reply_refused is None:
                 log.warning("request %s: its error record was refused (%s); the dead letter names its reply "
                             "stream, which is how its waiter learns of it", request_id, outcome.reply_error)
         else:

@@ -39,6 +39,8 @@ class ValidationError(ValueError):
         # Filled in when they could be read, so that a waiter can be told.
         self.request_id = request_id
         self.reply_to = reply_to
+        self.callback: str | None = None
+        """The handler the request named, when readable (its error record is routed to it)."""
 
     @property
     def reason(self) -> str:
@@ -326,6 +328,9 @@ def decode_request(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -
             exc.request_id = rid if ok else _readable_request_id(fields)
         if exc.reply_to is None:
             exc.reply_to = reply_to if isinstance(reply_to, str) else (_field_str(fields, "reply_to") or None)
+        callback = obj.get("callback") if isinstance(obj, dict) else None
+        if isinstance(callback, str) and len(callback) <= 256:
+            exc.callback = callback
         raise
 
 

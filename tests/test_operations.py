@@ -98,6 +98,32 @@ async def test_dead_requeue_fixed_and_still_invalid(settings, r):
     assert fixed.status is RecordStatus.FINISHED and len(fixed.output_token_ids[0]) == 4
 
 
+async def test_a_requeued_request_is_a_new_attempt_for_consumer_groups(settings, r):
+    """A group that applied the error record of a dead-lettered request applies the record of
+    its requeue too (each requeue is its own attempt: ``requeued`` in the record)."""
+    from redroll.consumer.runner import ConsumerRunner
+    from tests.conftest import running
+
+    keys = settings.keys
+    seen: list[tuple[str, str, int]] = []
+    worker = Worker(settings, SyntheticEngine(), block_ms=200)
+    consumer = ConsumerRunner(settings, group="trainer", block_ms=200,
+                              handlers={"h": lambda rec: seen.append((rec.request_id, rec.status.value,
+                                                                      rec.requeued))})
+    async with running(worker, consumer):
+        bad = {"v": 1, "request_id": "redo-me", "prompt": "x", "submitted_at": time.time(), "callback": "h",
+               "sampling_params": {"temperature": -1.0, "max_new_tokens": 4}}
+        await r.xadd(keys.requests, {"rid": "redo-me", "data": msgpack.packb(bad)})
+        await wait_until(lambda: len(seen) == 1)
+        (entry,) = await dead.list_dead(r, keys)
+        done, refused = await dead.requeue(r, settings, [entry.id], patches={"sampling_params.temperature": 0.7})
+        assert done == [entry.id] and refused == []
+        await wait_until(lambda: len(seen) == 2)
+        await asyncio.sleep(0.5)
+    assert seen == [("redo-me", "error", 0), ("redo-me", "finished", 1)]
+    assert consumer.stats.duplicates_skipped == 0
+
+
 async def test_dead_cli_list_requeue_purge(settings, r):
     from tests.test_cli import run_cli
 

@@ -211,3 +211,61 @@ async def test_same_seed_same_tokens_transformers_engine(settings):
     same = {tuple(recs[i].output_token_ids[0]) for i in (0, 2)}
     assert len(same) == 1 and recs[0].output_token_ids == recs[2].output_token_ids
     assert recs[1].output_token_ids == recs[3].output_token_ids
+
+
+# ---------------------------------------------------------------- cases found checking rollouts from outside
+
+
+async def test_a_record_cancelled_in_the_queue_carries_the_promised_meta(settings, r):
+    async with Producer(settings) as p:  # no worker: it stays queued
+        await p.update_weights("/ckpt/7", "7", wait=False)
+        fut = await p.submit(request_id="queued-meta", prompt="x", meta_info={"mine": 1})
+        await asyncio.sleep(0.05)
+        assert await p.abort(["queued-meta"]) == ["queued-meta"]
+        rec = await asyncio.wait_for(fut, 2)
+    assert rec.status is RecordStatus.ABORTED and rec.finish_reasons == [None]
+    meta = rec.meta_info
+    assert meta["mine"] == 1 and meta["cancelled_in_queue"] is True and meta["abort_reason"] == "user"
+    assert meta["weight_version"] == "7" and meta["worker"] is None and meta["attempt"] == 0
+    assert meta["queue_ms"] >= 50
+
+
+async def test_abort_cancels_the_queued_ones_before_aborting_in_flight(settings):
+    # 24 in flight, 16 queued: the in-flight abort frees every slot, so cancelling afterwards would
+    # leave the workers to claim (and abort) the queued 16.
+    pair = await _start(settings, max_inflight=24, token_ms=50)
+    async with Producer(settings) as p:
+        futs = await p.submit_many([dict(request_id=f"ab-{i}", prompt=f"x{i}", sampling_params={"max_new_tokens": 400})
+                                    for i in range(40)])
+        await wait_until(lambda: pair[0].generating_count == 24, 10)
+        cancelled = await p.abort([f"ab-{i}" for i in range(40)])
+        recs = await asyncio.wait_for(asyncio.gather(*futs), 15)
+    await _stop(pair)
+    assert len(cancelled) == 16
+    in_queue = [rec for rec in recs if rec.meta_info.get("cancelled_in_queue")]
+    by_worker = [rec for rec in recs if not rec.meta_info.get("cancelled_in_queue")]
+    assert len(in_queue) == 16 and len(by_worker) == 24
+    assert all(rec.status is RecordStatus.ABORTED for rec in recs)
+    assert pair[0].stats.claimed == 24
+
+
+class _Unstoppable(SyntheticEngine):
+    """Finishes every generation on its own, whatever abort arrives (an abort that came too late)."""
+
+    def abort(self, handle: str) -> None:
+        pass
+
+
+async def test_a_sample_that_finished_as_its_abort_arrived_is_finished(settings):
+    worker = Worker(settings, _Unstoppable(token_ms=20), max_inflight=8, block_ms=200)
+    task = asyncio.create_task(worker.run())
+    async with Producer(settings) as p:
+        group = await p.submit_group(4, group_id="late-abort", prompt="x", sampling_params={"max_new_tokens": 10})
+        outcome = await group.take(1, timeout=15)
+    worker.request_stop()
+    await task
+    assert len(outcome.accepted) == 1 and outcome.members == 4
+    # The other three were running when their abort came and finished anyway: labelled by what
+    # happened (finished, finish reason length), so take() files them as surplus.
+    assert len(outcome.surplus) == 3 and not outcome.aborted
+    assert all(rec.status is RecordStatus.FINISHED and rec.finish_reasons == ["length"] for rec in outcome.surplus)

@@ -11,6 +11,7 @@ import pytest
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
+from redroll.producer.client import make_request, send
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
@@ -165,3 +166,37 @@ async def test_drain_longer_than_claim_idle_keeps_leases(settings, r):
     await stop(w2, t2)
     assert rec.status is RecordStatus.FINISHED and rec.meta_info["worker"] == w1.name
     assert w2.stats.reclaimed == 0 and w1.stats.fenced == 0
+
+
+class _Counting(SyntheticEngine):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.generated: list[str] = []
+
+    async def generate(self, request, handle):
+        self.generated.append(request.request_id)
+        return await super().generate(request, handle)
+
+
+async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r):
+    """A claim read already blocking when the stop comes still returns entries submitted after it:
+    they are handed back (delivery count unchanged), never started, and another worker runs them."""
+    engine = _Counting()
+    worker = Worker(settings, engine, max_inflight=8, block_ms=3000)
+    task = asyncio.create_task(worker.run())
+    await wait_until(lambda: worker.stats.claimed == 0 and worker.state() == "running")
+    await asyncio.sleep(0.3)  # the claim read is blocking now
+    worker.request_stop()
+    await send(settings, r, [make_request(request_id=f"late-{i}", prompt="x") for i in range(3)])
+    await asyncio.wait_for(task, 10)
+    assert engine.generated == [] and worker.stats.claimed == 3 and worker.stats.handed_back == 3
+    pending = await r.xpending_range(settings.keys.requests, "workers", min="-", max="+", count=10)
+    assert len(pending) == 3 and all(int(p["times_delivered"]) == 1 for p in pending)
+    assert all(int(p["time_since_delivered"]) >= settings.claim_idle_ms for p in pending)
+    second = Worker(settings, SyntheticEngine(), max_inflight=8, block_ms=200)
+    second_task = asyncio.create_task(second.run())
+    await wait_until(lambda: second.stats.published == 3, 10)
+    second.request_stop()
+    await second_task
+    collected = [f[b"rid"] for _, f in await r.xrange(settings.keys.results)]
+    assert sorted(collected) == [b"late-0", b"late-1", b"late-2"]
