@@ -32,14 +32,24 @@ class Liveness:
         self.started_at = time.time()
         self.interval_s = max(0.05, min(ctx.settings.heartbeat_s, ctx.settings.claim_idle_ms / 3000.0))
         self._rate_samples: deque[tuple[float, int, int]] = deque()
+        self._done = asyncio.Event()
 
     async def run(self) -> None:
-        # Runs through the drain too (it is cancelled once the worker has stopped): work that is
-        # still finishing keeps its leases, and the heartbeat says "draining".
-        while True:
-            await asyncio.sleep(self.interval_s)
+        # Runs through the drain too (until :meth:`stop`, once the worker has stopped): work that
+        # is still finishing keeps its leases, and the heartbeat says "draining".
+        while not self._done.is_set():
+            try:
+                await asyncio.wait_for(self._done.wait(), self.interval_s)
+                return
+            except asyncio.TimeoutError:
+                pass
             await self.renew_leases()
             await self.heartbeat()
+
+    def stop(self) -> None:
+        """End :meth:`run` at its next step (a cancellation alone can be lost: Python 3.11's
+        ``asyncio.wait_for`` returns the result when cancelled as its awaitable completes)."""
+        self._done.set()
 
     async def renew_leases(self) -> None:
         ctx = self.ctx

@@ -10,7 +10,9 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-from redroll.shared.control import ControlCommand
+import redis
+
+from redroll.shared.control import ControlCommand, send_command
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
 
@@ -49,6 +51,9 @@ class WeightsGate:
         return version_number(text(raw or b""))
 
     async def run_command(self, cmd: ControlCommand) -> None:
+        """Run a weights or memory command; a failure (or a refusal: an engine refuses what would
+        crash it) is logged and reported on the control stream as ``command_failed``, naming this
+        worker, the command and the error (``redroll weights`` prints it)."""
         try:
             if cmd.kind == "update_weights":
                 await self.update(str(cmd.args["model_path"]), cmd.args.get("weight_version"),
@@ -57,8 +62,14 @@ class WeightsGate:
                 await self.release_memory()
             elif cmd.kind == "resume_memory":
                 await self.resume_memory()
-        except Exception:
-            log.exception("control command %s failed", cmd.kind)
+        except Exception as exc:
+            log.error("control command %s failed: %s: %s", cmd.kind, type(exc).__name__, exc)
+            try:
+                await send_command(self.ctx.redis, self.ctx.keys, ControlCommand(
+                    "command_failed", target=None, args={"worker": self.ctx.name, "command": cmd.kind,
+                                                         "error": f"{type(exc).__name__}: {exc}"[:500]}))
+            except redis.RedisError as report_exc:
+                log.warning("could not report the failure of %s: %s", cmd.kind, report_exc)
 
     async def _quiesce(self, hold: str, abort_inflight: bool = False) -> None:
         """Stop claiming and wait until nothing is in flight (aborting it first when asked)."""
@@ -90,12 +101,18 @@ class WeightsGate:
                 self.flights.release("weights")
 
     async def release_memory(self) -> None:
-        """Free engine memory for a colocated trainer; claiming stays paused until resume."""
+        """Free engine memory for a colocated trainer; claiming stays paused until resume (and
+        resumes at once when the engine refuses the release)."""
         await self._quiesce("memory")
-        release = getattr(self.engine, "release_memory_occupation", None)
-        if release is not None:
-            await release()
-        await self._heartbeat()
+        release = getattr(self.engine, "release_memory_occupation", None)  # (none: nothing to free)
+        try:
+            if release is not None:
+                await release()
+        except BaseException:
+            self.flights.release("memory")
+            raise
+        finally:
+            await self._heartbeat()
 
     async def resume_memory(self) -> None:
         resume = getattr(self.engine, "resume_memory_occupation", None)

@@ -88,6 +88,9 @@ class Worker:
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
+        self.started = asyncio.Event()
+        """Set once the engine runs and the worker claims (whoever owns the process's signal handlers
+        installs them after this: an engine may replace them while it starts)."""
         self.flights = Flights(max_inflight, self._run_request, self._stopping)
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
@@ -182,6 +185,7 @@ class Worker:
         await liveness.heartbeat()
         log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
                  self.engine.info.name, self.engine.info.model, self.max_inflight)
+        self.started.set()
         groups = read_groups(self.redis, self.parts)  # one claim loop per group
         loops = [
             *(asyncio.create_task(self._guard(ctx, claimer.loop_for(g, len(groups))), name=f"claim-{i}")
@@ -211,9 +215,14 @@ class Worker:
                 log.error("worker %s: shutdown did not finish in %.0fs; still running: %s", self.name, limit,
                           "; ".join(_describe_task(t) for t in stuck[:20]))
         finally:
-            for t in background + loops + list(self._control_tasks):
+            liveness.stop()
+            tasks = [*background, *loops, *self._control_tasks]
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*background, *loops, *self._control_tasks, return_exceptions=True)
+            _, stuck = await asyncio.wait(tasks, timeout=10)
+            if stuck:  # (never seen since the lease loop stops on its own; said loudly if it happens)
+                log.error("worker %s: tasks still running after cancel: %s", self.name,
+                          "; ".join(_describe_task(t) for t in stuck))
             try:
                 await self.redis.hdel(self.keys.workers, self.name)
             except redis.RedisError as exc:

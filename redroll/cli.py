@@ -205,9 +205,10 @@ def _tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def _install_signals(stop: Any, grace_s: float) -> None:
+def _install_signals(stop: Any, grace_s: float) -> Any:
     """First SIGTERM/SIGINT: graceful drain, bounded by ``grace_s`` (then exit: whatever was still
-    held is reclaimed by the fleet after claim_idle). Second: exit at once."""
+    held is reclaimed by the fleet after claim_idle). Second: exit at once. Returns a function that
+    installs the same handlers again (an engine may have replaced them: SGLang does)."""
     loop = asyncio.get_running_loop()
     hits = {"n": 0}
 
@@ -223,8 +224,12 @@ def _install_signals(stop: Any, grace_s: float) -> None:
         loop.call_later(grace_s, give_up)
         stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, handler, sig)
+    def install() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, handler, sig)
+
+    install()
+    return install
 
 
 async def _serve(process: Any, metrics_class: Any, metrics_port: int | None, settings: Settings) -> int:
@@ -234,9 +239,18 @@ async def _serve(process: Any, metrics_class: Any, metrics_port: int | None, set
 
         process.metrics = metrics_class(process)
         serve(process.metrics, metrics_port)
-    _install_signals(process.request_stop, settings.drain_timeout_s + 10)
+    install = _install_signals(process.request_stop, settings.drain_timeout_s + 10)
     _tune_gc()
-    await process.run()
+    task = asyncio.create_task(process.run())
+    started = getattr(process, "started", None)
+    if started is not None:
+        # SGLang's tokenizer manager puts its own SIGTERM handler on the loop when the engine starts
+        # (tokenizer_manager.py:2453-2459): once started, redroll's drain takes SIGTERM back.
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        install()
+    await task
     return 0
 
 
@@ -340,7 +354,7 @@ async def _run_abort(args: argparse.Namespace) -> int:
 
 
 async def _run_weights(args: argparse.Namespace) -> int:
-    from redroll.shared.control import ControlCommand, send_command, update_weights
+    from redroll.shared.control import ControlCommand, send_command, update_weights, wait_for_memory_command
 
     settings = _settings(args)
     async with connect(settings) as r:
@@ -360,9 +374,17 @@ async def _run_weights(args: argparse.Namespace) -> int:
                       ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))
                 return 0
             kind = "release_memory" if args.action == "release" else "resume_memory"
-            await send_command(r, settings.keys, ControlCommand(kind))
-            print(f"{kind} broadcast")
-            return 0
+            sent = await send_command(r, settings.keys, ControlCommand(kind))
+            if args.no_wait:
+                print(f"{kind} broadcast")
+                return 0
+            want = "released" if args.action == "release" else "running"
+            done, failed = await wait_for_memory_command(r, settings.keys, kind, sent, want,
+                                                         timeout=min(args.timeout, 120.0))
+            for worker, error in sorted(failed.items()):
+                print(f"redroll weights {args.action}: worker {worker} refused: {error}", file=sys.stderr)
+            print(f"{kind}: {len(done)} worker(s) {want}" + (f", {len(failed)} refused" if failed else ""))
+            return 1 if failed else 0
         except TimeoutError as exc:
             print(f"redroll weights: {exc}", file=sys.stderr)
             return 1

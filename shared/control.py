@@ -175,3 +175,28 @@ async def update_weights(r: Redis, keys: Keys, model_path: str, weight_version: 
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers still behind weight_version {weight_version!r}: {', '.join(sorted(behind))}")
         await asyncio.sleep(0.1)
+
+
+async def wait_for_memory_command(r: Redis, keys: Keys, kind: str, sent_id: str, want_state: str, *,
+                                  timeout: float = 60.0, stale_after_s: float = 10.0
+                                  ) -> tuple[list[str], dict[str, str]]:
+    """After broadcasting a memory command (entry ``sent_id``): wait until every live worker is in
+    ``want_state`` or reported ``command_failed`` for ``kind``. Returns (workers done, worker →
+    error); on timeout, what is known by then."""
+    import asyncio
+
+    failed: dict[str, str] = {}
+    position = sent_id
+    deadline = time.monotonic() + timeout
+    while True:
+        for _stream, entries in await r.xread({keys.control: position}, count=100) or []:
+            for entry_id, fields in entries:
+                position = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                cmd = ControlCommand.from_fields(fields)
+                if cmd is not None and cmd.kind == "command_failed" and cmd.args.get("command") == kind:
+                    failed[str(cmd.args.get("worker"))] = str(cmd.args.get("error"))
+        workers = await live_workers(r, keys, stale_after_s)
+        done = sorted(n for n, b in workers.items() if b.get("state") == want_state and n not in failed)
+        if set(done) | set(failed) >= set(workers) or time.monotonic() > deadline:
+            return done, failed
+        await asyncio.sleep(0.1)

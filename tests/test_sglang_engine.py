@@ -1,5 +1,9 @@
-"""The SGLang adapter against the 0.5.x stand-in (tests/sglang_standin.py): mapping, rids, aborts, errors,
-weights, memory, and the real worker loop on a real redis-server."""
+"""The SGLang adapter against the 0.5.23 stand-in (tests/sglang_standin/): mapping, rids, aborts, errors,
+limits, weights, memory, signals, shutdown, and the real worker loop on a real redis-server.
+
+Each of the defects found by reading sglang 0.5.23 (pinned version, lost aborts, LoRA, the context
+limit, SIGTERM, shutdown, memory release/resume, deterministic seeds) has a test here that fails
+on the adapter before its fix."""
 
 from __future__ import annotations
 
@@ -12,7 +16,12 @@ import time
 import pytest
 
 from redroll.engine_worker.engines.base import EngineOutput
-from redroll.engine_worker.engines.sglang_engine import EngineRequestError, SGLangEngine, WeightUpdateError
+from redroll.engine_worker.engines.sglang_engine import (
+    EngineCommandRefused,
+    EngineRequestError,
+    SGLangEngine,
+    WeightUpdateError,
+)
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, RecordStatus, SamplingParams
 from tests import sglang_standin as sgl
@@ -109,8 +118,9 @@ async def test_validate_refuses_what_sglang_refuses():
         engine.validate(req(input_ids=[1] * 10, max_new_tokens=8))
         with pytest.raises(ValidationError, match="input_ids"):
             engine.validate(req(input_ids=[1, 600]))  # outside the vocabulary
+        engine.validate(req(input_ids=[1] * 32, max_new_tokens=32))  # == context: accepted (">", :1358)
         with pytest.raises(ValidationError, match="max_new_tokens"):
-            engine.validate(req(input_ids=[1] * 32, max_new_tokens=32))  # == context: SGLang's ">="
+            engine.validate(req(input_ids=[1] * 32, max_new_tokens=33))
         with pytest.raises(ValidationError, match="maximum allowed length"):
             engine.validate(req(input_ids=[1] * 40, max_new_tokens=1))  # the scheduler's limit
         with pytest.raises(ValidationError, match="skip_tokenizer_init"):
@@ -131,9 +141,10 @@ async def test_stop_length_and_eos_mapping():
         assert out.samples[0].token_ids == [100, 101, 102, 103] and out.samples[0].finish_reason == "stop"
         out = await engine.generate(req(max_new_tokens=5), "h-len")
         assert out.samples[0].token_ids == [100, 101, 102, 103, 104] and out.samples[0].finish_reason == "length"
-        # schedule_batch.py check_finished: length is checked before stop tokens
+        # schedule_batch.py:2030-2039 update_finish_state: a stop token beats the length cap at the
+        # same token (which matters to RL truncation masks)
         out = await engine.generate(req(max_new_tokens=4, stop_token_ids=(103,)), "h-both")
-        assert out.samples[0].finish_reason == "length"
+        assert out.samples[0].finish_reason == "stop"
         assert not out.aborted and out.prompt_tokens == 3
     finally:
         await engine.close()
@@ -207,6 +218,10 @@ async def test_n_samples_are_separate_calls_with_prefix_free_fixed_width_rids():
 async def test_lora_path_is_passed():
     engine = await started(extra_args={"lora_paths": ["adapter-a=/loras/a"]})
     try:
+        # Only lora_paths given: SGLang leaves the raw field None (arg_groups/lora_hook.py:38-41) and
+        # resolves it elsewhere (tokenizer_manager.py:544). The adapter once read the raw field and
+        # dead-lettered every LoRA request.
+        assert engine.engine.server_args.enable_lora is None
         engine.validate(req(lora_path="adapter-a"))
         await engine.generate(req(lora_path="adapter-a", max_new_tokens=1), "h-lora")
         assert engine.engine.calls[-1]["lora_path"] == "adapter-a"
@@ -360,21 +375,58 @@ async def test_abort_before_generate_starts_nothing():
         await engine.close()
 
 
-async def test_abort_lost_while_tokenizing_is_re_sent():
-    """An abort that reaches the scheduler before the request (tokenize window) is dropped by SGLang;
-    the adapter keeps re-sending it until the sample's call returns."""
+async def test_an_abort_while_tokenizing_is_not_lost():
+    """SGLang sends one AbortReq per rid and drops the rest (tokenizer_manager.py:2241-2265); one sent
+    before the request reached the scheduler (the tokenize window, :926-950) finds nothing there, and
+    the request runs to max_new_tokens. The adapter cancels an undispatched call instead: SGLang
+    drops its state and sends nothing (:3850-3874)."""
     engine = await started({"token_delay_s": 0.005, "tokenize_delay_s": 0.05})
     try:
         task = asyncio.ensure_future(engine.generate(req(max_new_tokens=2000), "h-race"))
-        await asyncio.sleep(0.01)  # inside the tokenize window: rid registered, scheduler empty
+        await asyncio.sleep(0.01)  # inside the tokenize window: rid registered, not dispatched
+        tm = engine.engine.tokenizer_manager
+        (state,) = tm.rid_to_state.values()
+        assert not state.dispatched
+        started_at = time.monotonic()
         engine.abort("h-race")
         out = await asyncio.wait_for(task, 5)
-        assert out.samples[0].finish_reason == "abort" and len(out.samples[0].token_ids) < 2000
-        calls = engine.engine.tokenizer_manager.abort_calls
-        assert len(calls) >= 2 and len({rid for rid, _ in calls}) == 1
-        assert not any(abort_all for _, abort_all in calls)
+        assert time.monotonic() - started_at < 0.5
+        assert (out.samples[0].token_ids, out.samples[0].finish_reason) == ([], "abort")
+        assert tm.aborts_dispatched == [] and tm.rid_to_state == {} and scheduler(engine).forward_passes == 0
+        await asyncio.sleep(0.1)  # nothing reaches the scheduler later either
+        assert scheduler(engine).forward_passes == 0
     finally:
         await engine.close()
+
+
+async def test_an_abort_after_dispatch_is_sent_once_and_lands():
+    engine = await started({"token_delay_s": 0.005})
+    try:
+        task = asyncio.ensure_future(engine.generate(req(n=2, max_new_tokens=2000), "h-once"))
+        tm = engine.engine.tokenizer_manager
+        await wait_until(lambda: len(scheduler(engine).running) == 2, timeout=5)
+        for _ in range(3):
+            engine.abort("h-once")  # repeated: SGLang would drop the repeats anyway
+        out = await asyncio.wait_for(task, 5)
+        assert [s.finish_reason for s in out.samples] == ["abort", "abort"]
+        assert sorted(tm.aborts_dispatched) == sorted(set(tm.aborts_dispatched)) and len(tm.aborts_dispatched) == 2
+    finally:
+        await engine.close()
+
+
+async def test_what_sglang_does_with_an_early_abort():
+    """The hazard itself, on the stand-in directly (what 0.5.23 does): an abort during tokenization
+    is dispatched before the request and lost; its repeats are dropped; the request runs to the end."""
+    engine = sgl.Engine.with_options(token_delay_s=0.002, tokenize_delay_s=0.05)(model_path="/m")
+    tm = engine.tokenizer_manager
+    task = asyncio.ensure_future(engine.async_generate(input_ids=[1, 2], rid="early",
+                                                       sampling_params={"max_new_tokens": 30}))
+    await asyncio.sleep(0.01)
+    for _ in range(5):
+        tm.abort_request("early")
+    out = await asyncio.wait_for(task, 5)
+    assert tm.aborts_dispatched == ["early"] and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 30
 
 
 async def test_cancelled_generate_aborts_in_sglang():
@@ -409,7 +461,7 @@ async def test_tokenizer_manager_validation_error_becomes_engine_request_error()
     engine = await started({"model_context_len": 16})
     try:
         with pytest.raises(EngineRequestError, match="maximum context length of 16 tokens") as err:
-            await asyncio.wait_for(engine.generate(req(input_ids=[1] * 8, max_new_tokens=8), "h-ctx"), 5)
+            await asyncio.wait_for(engine.generate(req(input_ids=[1] * 8, max_new_tokens=9), "h-ctx"), 5)
         assert err.value.status_code == 400
     finally:
         await engine.close()
@@ -548,8 +600,9 @@ async def test_weight_update_waits_for_requests_in_flight():
         gen = asyncio.ensure_future(engine.generate(req(max_new_tokens=30), "h-inflight"))
         await wait_until(lambda: scheduler(engine).forward_passes >= 2, timeout=5)
         await engine.update_weights_from_disk("/ckpt/next", weight_version="v9")
-        assert gen.done() and gen.result().weight_version == "default"
-        assert len(gen.result().samples[0].token_ids) == 30
+        assert not scheduler(engine).running  # the update waited for it (the writer lock)
+        out = await asyncio.wait_for(gen, 5)
+        assert out.weight_version == "default" and len(out.samples[0].token_ids) == 30
     finally:
         await engine.close()
 
@@ -560,8 +613,47 @@ async def test_release_and_resume_memory_reach_the_tokenizer_manager():
         await engine.release_memory_occupation()
         await engine.resume_memory_occupation(tags=["weights"])
         await engine.resume_memory_occupation(tags=["kv_cache"])
+        assert engine.released_tags == ["cuda_graph"]
+        await engine.resume_memory_occupation()  # the rest
         assert engine.engine.tokenizer_manager.memory_calls == [
-            ("release", None), ("resume", ["weights"]), ("resume", ["kv_cache"])]
+            ("release", ["kv_cache", "weights", "cuda_graph"]), ("resume", ["weights"]), ("resume", ["kv_cache"]),
+            ("resume", ["cuda_graph"])]
+        assert scheduler(engine).crash is None and engine.released_tags == []
+    finally:
+        await engine.close()
+
+
+async def test_memory_commands_sglang_would_crash_on_are_refused():
+    # Without the memory saver a release frees nothing (utils/torch_memory_saver_adapter.py:156-160).
+    engine = await started()
+    try:
+        with pytest.raises(EngineCommandRefused, match="--enable-memory-saver"):
+            await engine.release_memory_occupation()
+    finally:
+        await engine.close()
+    engine = await started({"token_delay_s": 0.005}, enable_memory_saver=True)
+    try:
+        # Resuming what was never released: a KeyError that kills the scheduler (weight_updater.py:390).
+        with pytest.raises(EngineCommandRefused, match="nothing to resume"):
+            await engine.resume_memory_occupation()
+        with pytest.raises(EngineCommandRefused, match="were not released"):
+            await engine.release_memory_occupation(tags=["kv_cache"]) or await engine.resume_memory_occupation(
+                tags=["weights"])
+        await engine.resume_memory_occupation(tags=["kv_cache"])
+        # Releasing while SGLang still holds a request: the idle assert would kill the scheduler
+        # (weight_updater.py:339-341); the adapter waits for idle, and refuses after a timeout.
+        busy = asyncio.ensure_future(engine.generate(req(max_new_tokens=4000), "h-busy"))
+        await wait_until(lambda: len(scheduler(engine).running) == 1, timeout=5)
+        with pytest.raises(EngineCommandRefused, match="holds 1 request"):
+            await engine.release_memory_occupation(idle_timeout_s=0.2)
+        engine.abort("h-busy")
+        await busy
+        await engine.release_memory_occupation()
+        assert scheduler(engine).crash is None and engine.released_tags == ["cuda_graph", "kv_cache", "weights"]
+        # What the stand-in (like 0.5.23) does when asked directly: the scheduler dies.
+        with pytest.raises(sgl.SchedulerCrash):
+            await engine.engine.tokenizer_manager.resume_memory_occupation(
+                sgl.ResumeMemoryOccupationReqInput(tags=["not-released"]), None)
     finally:
         await engine.close()
 
@@ -573,7 +665,10 @@ async def test_close_aborts_in_flight_work_and_shuts_the_engine_down():
     await wait_until(lambda: len(scheduler(engine).running) == 1, timeout=5)
     await asyncio.wait_for(engine.close(), 5)
     assert task.done() and task.result().samples[0].finish_reason == "abort"
-    assert inner.shutdown_called and engine.engine is None
+    # Not Engine.shutdown() (it blocks, kills every child of the worker, and is an atexit hook):
+    assert inner.shutdown_calls == 0 and inner.killed == [] and engine.engine is None
+    assert all(t.done() for t in inner.tokenizer_manager.asyncio_tasks)
+    assert inner.tokenizer_manager._subprocess_watchdog.stopped
     with pytest.raises(RuntimeError, match="start"):
         await engine.generate(req(), "late")
 
@@ -587,7 +682,7 @@ async def test_start_refuses_an_sglang_without_per_request_rids():
     engine = SGLangEngine("/m", engine_factory=Sglang04)
     with pytest.raises(RuntimeError, match="rid"):
         await engine.start()
-    assert Sglang04.instances[-1].shutdown_called and engine.engine is None
+    assert Sglang04.instances[-1].shutdown_calls == 0 and engine.engine is None
 
 
 # --------------------------------------------------------------------------- the real worker loop
@@ -628,3 +723,133 @@ async def test_real_worker_loop_with_the_stand_in(settings, r):
     assert all(0 < len(ids) < 3000 for ids in aborted.output_token_ids)
     assert [len(x) for x in aborted.output_logprobs] == [len(x) for x in aborted.output_token_ids]
     assert engine.engine is None  # the worker closed it
+
+
+# --------------------------------------------------------------------------- defects found reading 0.5.23
+
+
+async def test_at_the_context_limit_sglang_lowers_max_new_tokens_and_the_record_says_so():
+    # context 64, scheduler input limit 58 (max_req_len 63: tp_worker.py:568-572). input 10 +
+    # max_new 54 == 64 passes the tokenizer (">", :1358); the scheduler lowers max_new_tokens to
+    # 63 - 10 - 1 = 52 without a word (scheduler.py:2710): the output says so.
+    engine = await started({"model_context_len": 64, "max_req_input_len": 58, "token_fn": stepping_tokens})
+    try:
+        request = req(input_ids=list(range(10, 20)), max_new_tokens=54)
+        engine.validate(request)
+        out = await engine.generate(request, "h-clamp")
+        assert out.samples[0].finish_reason == "length" and len(out.samples[0].token_ids) == 52
+        assert out.extra["max_new_tokens_effective"] == 52
+        out = await engine.generate(req(input_ids=[5, 6, 7], max_new_tokens=8), "h-room")
+        assert "max_new_tokens_effective" not in out.extra
+        # Reserved (speculative) tokens count against the context on the tokenizer side (:1334-1335).
+    finally:
+        await engine.close()
+    engine = await started({"model_context_len": 64, "num_reserved_tokens": 4})
+    try:
+        engine.validate(req(input_ids=[1] * 30, max_new_tokens=30))
+        with pytest.raises(ValidationError, match="exceeds the model's context length"):
+            engine.validate(req(input_ids=[1] * 30, max_new_tokens=31))
+    finally:
+        await engine.close()
+
+
+async def test_deterministic_inference_gives_every_sample_its_own_seed():
+    # With --enable-deterministic-inference SGLang gives every unseeded request seed 42
+    # (sampling_batch_info.py:157-172): n samples of a group would all be the same.
+    raw = sgl.Engine.with_options()(model_path="/m", enable_deterministic_inference=True)
+    a = await raw.async_generate(input_ids=[1, 2], rid="u-1", sampling_params={"max_new_tokens": 8})
+    b = await raw.async_generate(input_ids=[1, 2], rid="u-2", sampling_params={"max_new_tokens": 8})
+    assert a["output_ids"] == b["output_ids"]
+    engine = await started(extra_args={"enable_deterministic_inference": True})
+    try:
+        out = await engine.generate(req(n=4, max_new_tokens=8), "h-det")
+        assert len({tuple(s.token_ids) for s in out.samples}) == 4
+        seeds = out.extra["sampling_seeds"]
+        assert len(set(seeds)) == 4 and [c["sampling_params"]["sampling_seed"] for c in engine.engine.calls] == seeds
+        seeded = await engine.generate(req(n=2, max_new_tokens=8, sampling_seed=7), "h-seeded")
+        again = await engine.generate(req(n=2, max_new_tokens=8, sampling_seed=7), "h-seeded-2")
+        assert [s.token_ids for s in seeded.samples] == [s.token_ids for s in again.samples]
+        assert seeded.extra["sampling_seeds"] == [7, 8]
+    finally:
+        await engine.close()
+
+
+async def test_close_keeps_the_loop_running_and_the_workers_own_children_alive():
+    # Engine.shutdown() blocks the loop and SIGKILLs every child of the process
+    # (entrypoints/engine.py:1450-1497): the adapter kills only SGLang's own, off the loop.
+    ours = subprocess.Popen(["sleep", "60"])
+    sglangs = subprocess.Popen(["sleep", "60"])
+    try:
+        engine = await started({"child_pids": (sglangs.pid,)})
+        ticks: list[float] = []
+
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        tick_task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        inner = engine.engine
+        await asyncio.wait_for(engine.close(), 10)
+        tick_task.cancel()
+        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        assert max(gaps) < 0.2, f"the event loop stalled for {max(gaps):.2f}s"
+        assert inner.shutdown_calls == 0 and inner.killed == []
+        assert sglangs.poll() is not None  # SGLang's process is gone ...
+        assert ours.poll() is None  # ... the worker's own child is not
+    finally:
+        ours.kill()
+        sglangs.kill()
+        ours.wait()
+
+
+@pytest.mark.slow
+async def test_sigterm_drains_on_sglang_like_on_the_other_engines(settings, r, tmp_path):
+    """SGLang installs its own SIGTERM handler on its first call (tokenizer_manager.py:2453-2459);
+    its handler waits for idle, kills every child and exits (:3508-3571): no hand-back, no
+    deregistration, and claiming goes on meanwhile. A worker on SGLang must drain as any other."""
+    import json as json_
+
+    from redroll.producer.client import make_request, send
+    from tests.conftest import spawn
+
+    env = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_sglang'}{os.pathsep}{ROOT}",
+           "REDROLL_STANDIN_OPTIONS": json_.dumps({"token_delay_s": 0.01, "watchdog_interval_s": 0.2})}
+    log = tmp_path / "worker.log"
+    proc = spawn(settings, "worker", "--engine", "sglang", "--model-path", "/models/m", "--max-inflight", "4",
+                 log=log, **env)
+    try:
+        keys = settings.keys
+        await send(settings, r, [make_request(request_id=f"long-{i}", input_ids=[3, 4, i + 5],
+                                              sampling_params={"max_new_tokens": 3000}) for i in range(4)])
+        await wait_until(lambda: _pending(r, keys, 4), timeout=30)
+        await send(settings, r, [make_request(request_id=f"queued-{i}", input_ids=[9, 9], sampling_params={
+            "max_new_tokens": 4}) for i in range(4)])
+        await asyncio.sleep(0.5)
+        proc.terminate()
+        started_at = time.monotonic()
+        code = await asyncio.to_thread(proc.wait, 30)
+        elapsed = time.monotonic() - started_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    assert elapsed < settings.drain_timeout_s + 8, out[-3000:]
+    assert "handed back 4 request(s)" in out, out[-3000:]
+    assert await r.hlen(keys.workers) == 0  # deregistered
+    pending = await r.xpending_range(keys.requests, "workers", min="-", max="+", count=10)
+    assert len(pending) == 4 and all(int(p["time_since_delivered"]) >= settings.claim_idle_ms for p in pending)
+    assert await r.xlen(keys.requests) == 8  # the queued ones were never claimed
+    assert (await r.xinfo_groups(keys.requests))[0]["entries-read"] == 4
+
+
+async def _pending(r, keys, n: int) -> bool:
+    import redis
+
+    try:
+        summary = await r.xpending(keys.requests, "workers")
+    except redis.ResponseError:  # no group yet: the worker is still starting
+        return False
+    return int(summary["pending"]) == n

@@ -1,59 +1,56 @@
-"""The SGLang 0.5.x adapter: the Engine protocol on an in-process ``sglang.Engine``.
+"""The SGLang adapter: the Engine protocol on an in-process ``sglang.Engine``, for sglang 0.5.23.
 
 sglang is imported lazily inside :meth:`SGLangEngine.start` (and the io_struct classes inside the
-weight/memory calls), so importing this module needs neither sglang nor torch.
+weight/memory calls), so importing this module needs neither sglang nor torch. Every name used
+here is listed in :mod:`.sglang_contract` and checked against the pinned wheel by the contract
+tests. References are to files under ``sglang/srt/`` of sglang 0.5.23, with their line numbers:
 
-What the adapter relies on, and where in sglang (sgl-project/sglang, ``python/sglang/srt/``) it was
-checked (0.5.x sources; commits read: entrypoints/engine.py 001067ff (main, 0.5.x line) and 18bfdd16
-(0.4.x, for contrast), the 0.5.x tokenizer_manager.py / io_struct.py / scheduler.py /
-schedule_batch.py versions quoted next to each use below):
-
-* ``Engine.async_generate(prompt=..., input_ids=..., sampling_params=..., return_logprob=..., lora_path=...,
-  rid=...)`` returns one dict ``{"text"?, "output_ids", "meta_info"}`` for a single request
-  (entrypoints/engine.py ``Engine.async_generate`` -> tokenizer_manager.py ``generate_request``).
-* ``n > 1`` inside SGLang is NOT used: io_struct.py ``GenerateReqInput._handle_parallel_sampling`` turns
-  the request into a batch, and tokenizer_manager.py ``_handle_batch_request`` gives every sample a
-  fresh ``regenerate_rid()`` uuid that the caller never sees, so such samples cannot be aborted by rid.
-  Instead every sample is its own ``async_generate`` call with its own rid.
-* rids: ``scheduler.py Scheduler.abort_request`` matches ``req.rid.startswith(recv_req.rid)`` (a PREFIX
-  match, also for running requests), so no live rid may be a prefix of another: every rid here is
-  ``rr-<8 hex per engine>-<12-digit counter>-<fixed-width sample index>``, all bases of one engine of
-  equal length. (The worker's handle ``<entry_id>.<deliveries>`` is not prefix-free: ``X.1`` vs ``X.10``.)
-* ``tokenizer_manager.py TokenizerManager.abort_request(rid="", abort_all=False)`` silently ignores a rid
-  that is not (yet) in ``rid_to_state``, and an abort that reaches the scheduler before the request
-  does (while it is being tokenized) finds nothing: aborts are therefore re-sent until the sample's
-  call returns (:meth:`SGLangEngine._reabort_loop`).
-* Finish reasons (schedule_batch.py ``FINISH_MATCHED_TOKEN/FINISH_MATCHED_STR/FINISH_LENGTH/FINISH_ABORT
-  .to_json``): ``{"type": "stop"|"length"|"abort", ...}``; an abort carries ``message``, ``status_code``
-  and ``err_type``; ``status_code`` is None for a requested abort (``FINISH_ABORT()``).
-* Abort shapes: in the waiting queue (tokenizer_manager.py ``_handle_abort_req``): empty ``output_ids``,
-  ``meta_info`` without ``prompt_tokens``/``cached_tokens``; while running (``_handle_batch_output``):
-  the partial ``output_ids`` and ``output_token_logprobs`` plus the usual counters.
-* Error aborts (tokenizer_manager.py ``_wait_one_response``): status 400 -> ``raise ValueError(message)``;
-  503/500 -> ``raise fastapi.HTTPException(status_code, detail=message)``; validation in
-  ``_validate_one_request`` raises ``ValueError`` before the scheduler sees the request; later 0.5.x
-  ``_init_req_state`` raises ``ValueError(f"Duplicate request ID detected: {rid}")``. All of these
-  become :class:`EngineRequestError` (the worker hands the request back; dead-letter after
-  ``max_deliveries``), unless we had asked for the abort, in which case the sample ends "abort". So
-  does an abort we did not ask for (e.g. ``abort_all`` from ``pause_generation``).
-* Weights and memory (tokenizer_manager.py ``update_weights_from_disk(obj, request)`` ->
-  ``(success, message, num_paused_requests)``, ``release_memory_occupation(obj, request)``,
-  ``resume_memory_occupation(obj, request)``; io_struct.py ``UpdateWeightFromDiskReqInput(model_path,
-  load_format, abort_all_requests, weight_version, ...)``, ``Release/ResumeMemoryOccupationReqInput(tags)``)
-  are awaited on the tokenizer manager: the ``Engine`` wrappers call ``self.loop.run_until_complete``
-  (entrypoints/engine.py ``Engine.update_weights_from_disk``) and fail inside a running loop.
+* ``Engine.__init__`` blocks its thread until the model is loaded (entrypoints/engine.py:278-396,
+  ``wait_for_ready`` :1350): it runs off the event loop. The tokenizer manager binds to the loop of
+  its first call (tokenizer_manager.py:2440-2463): :meth:`start` makes that call on the worker's
+  loop. That call also installs SGLang's SIGTERM/SIGQUIT handlers on the loop (:2453-2459); its
+  SIGTERM handler waits for idle, SIGKILLs every child and exits (:3508-3571), so whoever runs the
+  worker installs its own handlers after :meth:`start` (``redroll worker`` does).
+* Each sample is its own ``async_generate(..., rid=...)`` call (engine.py:545-601, ``rid`` :595):
+  with ``n > 1`` SGLang gives samples fresh uuid rids (tokenizer_manager.py:2144, :2174) that
+  could not be aborted. The scheduler aborts by rid *prefix* (scheduler.py:5688, :5800), so
+  rids are fixed-width and prefix-free: ``rr-<8 hex>-<12-digit counter>-<sample index>``.
+* Abort: ``abort_request`` sends one AbortReq per rid and drops every later call for it
+  (``state.abort_sent``, tokenizer_manager.py:2241-2265). An abort that reached the scheduler
+  before the request (still tokenizing, paused, waiting for a LoRA adapter: :926-950) would be
+  lost. So a sample not yet dispatched (``ReqState.dispatched``, :281, set at :1810 right after
+  the send) is aborted by cancelling its call: SGLang then drops the undelivered state and sends
+  nothing (:3850-3874). A dispatched one is aborted once; the AbortReq follows the request on the
+  same channel.
+* Errors: a scheduler abort with status 400 raises ``ValueError``, 401-599 ``fastapi.HTTPException``
+  (``_handle_abort_finish_reason``, :1891-1922), validation ``ValueError`` before dispatch
+  (:1307-1435, :3736, :3835-3836). All become :class:`EngineRequestError`, unless the abort was ours.
+* Limits: SGLang refuses ``input + reserved >= context`` and ``input + reserved + max_new >
+  context`` (:1333-1378), and the scheduler ``input >= max_req_input_len`` (managers/utils.py:
+  259-289). It then lowers ``max_new_tokens`` silently to ``max_req_len - input - 1`` (scheduler.py
+  :2693-2740; ``max_req_len = max_req_input_len + 5``, tp_worker.py:568-572): the record says so
+  in ``meta_info.max_new_tokens_effective``.
+* ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then every
+  unseeded request gets 42 (sampling/sampling_batch_info.py:157-172): each sample gets its own seed.
+* Weights and memory are awaited on the tokenizer manager with io_struct inputs: the Engine's
+  sync wrappers use ``loop.run_until_complete`` (engine.py:1702-1720, :1831-1841) and fail inside
+  the worker's running loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import itertools
 import logging
+import os
 import secrets
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -62,6 +59,7 @@ from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .sglang_contract import MEMORY_TAGS, SGLANG_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +89,11 @@ class WeightUpdateError(RuntimeError):
     """``update_weights_from_disk`` reported failure (SGLang keeps, or rolls back to, the old weights)."""
 
 
+class EngineCommandRefused(RuntimeError):
+    """A weight or memory command the adapter refuses because SGLang would crash on it, or it would
+    do nothing (the message says which and what to do)."""
+
+
 @dataclass(eq=False)
 class _Job:
     """One ``generate`` call: n samples, each its own SGLang request."""
@@ -98,9 +101,10 @@ class _Job:
     handle: str
     rids: list[str]
     aborted: bool = False
-    live: set[str] = field(default_factory=set)
-    """rids whose ``async_generate`` call is in flight."""
-    reabort_task: asyncio.Task | None = None
+    calls: dict[str, asyncio.Task] = field(default_factory=dict)
+    """rid → the task running its ``async_generate`` call (while it runs)."""
+    started: set[str] = field(default_factory=set)
+    """rids whose call has begun (SGLang may hold state for them)."""
 
 
 @dataclass
@@ -113,7 +117,7 @@ class _Sample:
 
 
 class SGLangEngine:
-    """Engine protocol on ``sglang.Engine`` (0.5.x), in this process and event loop."""
+    """Engine protocol on ``sglang.Engine`` (0.5.23), in this process and event loop."""
 
     def __init__(
         self,
@@ -131,6 +135,7 @@ class SGLangEngine:
         weight_version: str | None = None,
         extra_args: dict | None = None,
         engine_factory: Callable[..., Any] | None = None,
+        shutdown_timeout_s: float = 30.0,
     ) -> None:
         self.model_path = model_path
         self.loaded_model_path = model_path
@@ -138,6 +143,7 @@ class SGLangEngine:
         self.skip_tokenizer_init = skip_tokenizer_init
         self._weight_version = weight_version
         self._engine_factory = engine_factory
+        self.shutdown_timeout_s = shutdown_timeout_s
         named: dict[str, Any] = {
             "tp_size": tp_size,
             "dp_size": dp_size,
@@ -154,11 +160,12 @@ class SGLangEngine:
         clash = sorted(k for k in extra if k == "model_path" or (k in named and named[k] is not None))
         if clash:
             raise ValueError(f"extra_args repeats engine argument(s) {', '.join(clash)}; set them once")
-        # Only what is set, so ServerArgs' own defaults apply to the rest
-        # (entrypoints/engine.py Engine.__init__: ServerArgs(**kwargs)).
+        # Only what is set, so ServerArgs' own defaults apply to the rest (engine.py:297: ServerArgs(**kwargs)).
         self._engine_kwargs: dict[str, Any] = {"model_path": model_path}
         self._engine_kwargs.update({k: v for k, v in named.items() if v is not None})
         self._engine_kwargs.update(extra)
+        self.memory_saver = bool(self._engine_kwargs.get("enable_memory_saver"))
+        self.deterministic = bool(self._engine_kwargs.get("enable_deterministic_inference"))
 
         self.info = EngineInfo(name=ENGINE_NAME, model=model_path, weight_version=weight_version or "0",
                                max_context=context_length)
@@ -166,12 +173,14 @@ class SGLangEngine:
         self.tokenizer: Any = None
         self.server_args: Any = None
         self._max_req_input_len: int | None = None
+        self._reserved_tokens = 0
+        self._lora_enabled = False
+        self._released_tags: set[str] = set()
+        """Memory tags released and not resumed yet (SGLang crashes on resuming any other)."""
         self._jobs: dict[str, _Job] = {}
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._rid_prefix = f"rr-{secrets.token_hex(4)}-"
         self._seq = itertools.count(1)
-        self.abort_retry_s = 0.05
-        """First re-send interval for aborts that SGLang may not have taken yet (doubles up to 1 s)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,36 +189,45 @@ class SGLangEngine:
         return dict(self._engine_kwargs)
 
     async def start(self) -> None:
-        """Build the engine in the running event loop and read what it knows about the model.
-
-        ``sglang.Engine.__init__`` launches the scheduler/detokenizer processes and blocks until they
-        are ready; it is called here, on the loop, because the tokenizer manager's asyncio state binds
-        to the loop it is first used on (tokenizer_manager.py ``auto_create_handle_loop``).
-        """
+        """Build the engine (off the loop: it blocks until the model is loaded) and bind its
+        tokenizer manager to this event loop."""
         if self.engine is not None:
             return
         factory = self._engine_factory
         if factory is None:
             import sglang  # lazy: the queue core must import without it
 
+            _check_version(getattr(sglang, "__version__", None))
             factory = sglang.Engine
-        engine = factory(**self.engine_kwargs())
-        _require_rid_parameter(engine)
+        engine = await asyncio.to_thread(lambda: factory(**self.engine_kwargs()))
+        try:
+            _require_rid_parameter(engine)
+        except RuntimeError:
+            await self._shutdown(engine)
+            raise
         self.engine = engine
+        engine.tokenizer_manager.auto_create_handle_loop()  # see the module docstring (signals)
         self._fill_info()
 
     def _fill_info(self) -> None:
         engine = self.engine
-        tm = getattr(engine, "tokenizer_manager", None)
+        tm = engine.tokenizer_manager
         model_config = getattr(tm, "model_config", None)
-        self.server_args = getattr(engine, "server_args", None) or getattr(tm, "server_args", None)
+        self.server_args = getattr(tm, "server_args", None) or getattr(engine, "server_args", None)
         self.tokenizer = getattr(tm, "tokenizer", None)
         vocab = getattr(model_config, "vocab_size", None)
         context = getattr(tm, "context_len", None) or getattr(model_config, "context_len", None)
         self.info.vocab_size = int(vocab) if vocab else None
         self.info.max_context = int(context) if context else self.info.max_context
-        max_input = getattr(tm, "max_req_input_len", None)  # set by engine.py from the scheduler
+        max_input = getattr(tm, "max_req_input_len", None)  # set by engine.py:1355-1357 from the scheduler
         self._max_req_input_len = int(max_input) if isinstance(max_input, int) else None
+        self._reserved_tokens = int(getattr(tm, "num_reserved_tokens", 0) or 0)  # :605 (EAGLE drafts)
+        # The resolved value (tokenizer_manager.py:544): with only lora_paths given, the raw
+        # server_args.enable_lora stays None (arg_groups/lora_hook.py:38-41 declare, not assign).
+        self._lora_enabled = bool(getattr(tm, "enable_lora", False))
+        if self.server_args is not None:
+            self.deterministic = bool(getattr(self.server_args, "enable_deterministic_inference", self.deterministic))
+            self.memory_saver = bool(getattr(self.server_args, "enable_memory_saver", self.memory_saver))
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is None:
             hf_eos = getattr(model_config, "hf_eos_token_id", None)  # configs/model_config.py: a set or None
@@ -220,19 +238,45 @@ class SGLangEngine:
         self.info.eos_token_id = eos
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.info.pad_token_id = pad if pad is not None else eos
-        server_version = getattr(self.server_args, "weight_version", None)  # server_args.py: "default"
+        server_version = getattr(self.server_args, "weight_version", None)  # fields/serving.py:172-175: "default"
         self.info.weight_version = self._weight_version or server_version or "0"
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Abort what is in flight, give it ``timeout_s`` to return, and shut the engine down."""
+        """Abort what is in flight, give it ``timeout_s`` to return, and stop SGLang's processes."""
         for job in list(self._jobs.values()):
             self._abort_job(job)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._jobs and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         engine, self.engine = self.engine, None
-        if engine is not None and hasattr(engine, "shutdown"):
-            engine.shutdown()
+        if engine is not None:
+            await self._shutdown(engine)
+
+    async def _shutdown(self, engine: Any) -> None:
+        """Stop SGLang without ``Engine.shutdown()``: that blocks the loop for up to 60 s, SIGKILLs
+        every child of this process (not only SGLang's) and raises on timeout (entrypoints/engine.py
+        :1450-1497, utils/common.py:2507-2564); it is also registered with atexit (:326). Here: stop
+        its watchdog and tasks, and kill only the processes SGLang started (:398-400), reaped off
+        the loop."""
+        with contextlib.suppress(Exception):
+            atexit.unregister(engine.shutdown)
+        tm = getattr(engine, "tokenizer_manager", None)
+        watchdog = getattr(tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            with contextlib.suppress(Exception):
+                watchdog.stop()
+        for task in list(getattr(tm, "asyncio_tasks", ()) or ()):
+            task.cancel()
+        pids: list[int] = []
+        with contextlib.suppress(Exception):
+            pids = [int(p) for p in engine.get_all_child_pids()]
+        for pid in pids:
+            with contextlib.suppress(Exception):
+                os.kill(pid, signal.SIGKILL)
+        if pids:
+            left = await asyncio.to_thread(_reap, pids, self.shutdown_timeout_s)
+            if left:
+                log.error("SGLang processes %s did not exit within %.0fs after SIGKILL", left, self.shutdown_timeout_s)
 
     def _require_engine(self) -> Any:
         if self.engine is None:
@@ -243,15 +287,13 @@ class SGLangEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what SGLang would refuse, so it is dead-lettered at once instead of retried."""
-        check_token_ids(request, self.info.vocab_size, self.info.max_context)
+        check_token_ids(request, self.info.vocab_size, None)
         if request.prompt is not None and request.input_ids is None and self._started_without_tokenizer():
             # tokenizer_manager.py _tokenize_one_request: "The engine initialized with
             # skip_tokenizer_init=True cannot accept text prompts."
             raise ValidationError("prompt", "this SGLang engine runs with skip_tokenizer_init: send input_ids")
-        if request.input_ids is not None and not request.input_ids:
-            raise ValidationError("input_ids", "must not be empty")  # io_struct.py _determine_batch_size
-        if request.lora_path is not None and self.server_args is not None and not getattr(
-                self.server_args, "enable_lora", None):
+        if request.lora_path is not None and self.engine is not None and not self._lora_enabled:
+            # tokenizer_manager.py:3729-3736 (ValueError "LoRA is not enabled")
             raise ValidationError("lora_path", "LoRA is not enabled on this SGLang engine (start it with lora_paths)")
         prompt_len = self._prompt_len(request)
         if prompt_len is None:
@@ -259,18 +301,26 @@ class SGLangEngine:
         context = self.info.max_context
         max_new = request.sampling_params.max_new_tokens
         field_name = "input_ids" if request.input_ids is not None else "prompt"
-        # tokenizer_manager.py _validate_one_request: both limits are ">=", not ">".
-        if context is not None and prompt_len >= context:
-            raise ValidationError(field_name, f"the input ({prompt_len} tokens) is longer than the model's "
+        counted = prompt_len + self._reserved_tokens  # tokenizer_manager.py:1334-1335
+        if context is not None and counted >= context:  # :1338
+            raise ValidationError(field_name, f"the input ({counted} tokens) is longer than the model's "
                                               f"context length ({context} tokens)")
-        if context is not None and prompt_len + max_new >= context:
+        if context is not None and counted + max_new > context:  # :1354-1358 (">": equal is accepted)
             raise ValidationError("sampling_params.max_new_tokens",
-                                  f"prompt ({prompt_len}) + max_new_tokens ({max_new}) reaches the model's "
+                                  f"prompt ({counted}) + max_new_tokens ({max_new}) exceeds the model's "
                                   f"context length of {context} tokens")
-        # managers/utils.py validate_input_length (scheduler): a 400 abort otherwise.
+        # managers/utils.py:272 validate_input_length (scheduler): a 400 abort otherwise.
         if self._max_req_input_len is not None and prompt_len >= self._max_req_input_len:
             raise ValidationError(field_name, f"input length ({prompt_len} tokens) exceeds the engine's maximum "
                                               f"allowed length ({self._max_req_input_len} tokens)")
+
+    def effective_max_new_tokens(self, prompt_len: int, requested: int) -> int:
+        """What SGLang's scheduler will really allow: ``min(requested, max_req_len - input - 1)``
+        (scheduler.py:2710; ``max_req_len = max_req_input_len + 5``, tp_worker.py:568-572). Its KV
+        memory cap (scheduler.py:2723, per batch) cannot be known here."""
+        if self._max_req_input_len is None:
+            return requested
+        return max(0, min(requested, self._max_req_input_len + 5 - prompt_len - 1))
 
     def _started_without_tokenizer(self) -> bool:
         return self.skip_tokenizer_init or (self.engine is not None and self.tokenizer is None)
@@ -299,8 +349,9 @@ class SGLangEngine:
         if handle in self._aborted:
             del self._aborted[handle]
             job.aborted = True  # aborted before it started: start nothing
+        seeds = self._sample_seeds(request)
         self._jobs[handle] = job
-        tasks = [asyncio.ensure_future(self._run_sample(engine, job, request, i)) for i in range(n)]
+        tasks = [asyncio.ensure_future(self._run_sample(engine, job, request, i, seeds[i])) for i in range(n)]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
@@ -317,9 +368,25 @@ class SGLangEngine:
             raise
         finally:
             self._jobs.pop(handle, None)
-            if job.reabort_task is not None:
-                job.reabort_task.cancel()
-        return self._engine_output(request, samples)
+        output = self._engine_output(request, samples)
+        if any(s is not None for s in seeds) and self.deterministic:
+            output.extra["sampling_seeds"] = seeds
+        prompt_len = output.prompt_tokens
+        effective = self.effective_max_new_tokens(prompt_len, request.sampling_params.max_new_tokens)
+        if effective < request.sampling_params.max_new_tokens:
+            output.extra["max_new_tokens_effective"] = effective
+        return output
+
+    def _sample_seeds(self, request: GenerationRequest) -> list[int | None]:
+        """One seed per sample: the request's seed + index (separate requests with one seed would
+        sample identical sequences). Unseeded samples under deterministic inference get a random
+        seed each, since SGLang would give them all 42 (sampling_batch_info.py:157-172)."""
+        seed = request.sampling_params.sampling_seed
+        if seed is not None:
+            return [seed + i for i in range(request.n)]
+        if self.deterministic:
+            return [secrets.randbits(63) for _ in range(request.n)]
+        return [None] * request.n
 
     def abort(self, handle: str) -> None:
         """Abort every live sample of ``handle``; samples not yet started will not start."""
@@ -333,45 +400,34 @@ class SGLangEngine:
 
     def _abort_job(self, job: _Job) -> None:
         job.aborted = True
-        self._send_aborts(job)
-        if job.live and (job.reabort_task is None or job.reabort_task.done()):
-            job.reabort_task = asyncio.get_running_loop().create_task(
-                self._reabort_loop(job), name=f"sglang-reabort-{job.handle}")
-
-    def _send_aborts(self, job: _Job) -> None:
         engine = self.engine
         if engine is None:
             return
-        for rid in sorted(job.live):
-            try:
-                # tokenizer_manager.py abort_request(rid="", abort_all=False): exact rid, never abort_all.
-                engine.tokenizer_manager.abort_request(rid)
-            except Exception:  # pragma: no cover - SGLang-side failure; the re-send loop retries
-                log.exception("abort_request(%s) failed", rid)
+        tm = engine.tokenizer_manager
+        for rid, call in list(job.calls.items()):
+            if call.done():
+                continue
+            state = tm.rid_to_state.get(rid)
+            if rid not in job.started or (state is not None and not state.dispatched):
+                # Not sent to the scheduler yet: cancel the call; SGLang drops the undelivered state and
+                # sends nothing (tokenizer_manager.py:3850-3874). An abort sent now would reach the
+                # scheduler before the request, and every later one would be dropped (:2249-2250).
+                call.cancel()
+            elif state is not None:
+                try:
+                    tm.abort_request(rid)  # dispatched: this one AbortReq follows the request (:2241-2265)
+                except Exception:  # pragma: no cover - SGLang-side failure
+                    log.exception("abort_request(%s) failed", rid)
+            # (started and no state: it has finished; its output is on its way)
 
-    async def _reabort_loop(self, job: _Job) -> None:
-        """Re-send aborts while samples are live: SGLang drops an abort that arrives before the
-        request is in ``rid_to_state`` or in the scheduler (tokenizer_manager.py ``abort_request``)."""
-        delay = self.abort_retry_s
-        try:
-            while job.live:
-                await asyncio.sleep(delay)
-                if not job.live:
-                    return
-                self._send_aborts(job)
-                delay = min(delay * 2, 1.0)
-        except asyncio.CancelledError:
-            pass
-
-    async def _run_sample(self, engine: Any, job: _Job, request: GenerationRequest, index: int) -> _Sample:
+    async def _run_sample(self, engine: Any, job: _Job, request: GenerationRequest, index: int,
+                          seed: int | None) -> _Sample:
         rid = job.rids[index]
         if job.aborted:
             return self._never_started(request)
         sampling = request.sampling_params.engine_kwargs()  # a fresh dict: SGLang may edit it in place
-        if request.sampling_params.sampling_seed is not None:
-            # Separate requests with one seed would sample identical sequences: seed + index, as the
-            # transformers engine does.
-            sampling["sampling_seed"] = request.sampling_params.sampling_seed + index
+        if seed is not None:
+            sampling["sampling_seed"] = seed
         kwargs: dict[str, Any] = {"sampling_params": sampling, "return_logprob": request.return_logprob, "rid": rid}
         if request.input_ids is not None:
             kwargs["input_ids"] = list(request.input_ids)
@@ -379,19 +435,29 @@ class SGLangEngine:
             kwargs["prompt"] = request.prompt
         if request.lora_path is not None:
             kwargs["lora_path"] = request.lora_path
-        job.live.add(rid)
+
+        async def call_sglang() -> Any:
+            job.started.add(rid)
+            return await engine.async_generate(**kwargs)
+
+        call = asyncio.ensure_future(call_sglang())
+        job.calls[rid] = call
         try:
-            out = await engine.async_generate(**kwargs)
+            await asyncio.wait([call])  # (an abort may cancel the call; it never cancels this task)
         except asyncio.CancelledError:
+            call.cancel()
             raise
-        except Exception as exc:
+        finally:
+            job.calls.pop(rid, None)
+        if call.cancelled():
+            return self._never_started(request)  # our abort, before SGLang dispatched it
+        exc = call.exception()
+        if exc is not None:
             if job.aborted:
                 log.debug("sample %s raised after our abort (%s); reporting it aborted", rid, exc)
                 return self._never_started(request)
             raise _request_error(exc, rid) from exc
-        finally:
-            job.live.discard(rid)
-        return self._map_output(out, job, request, rid)
+        return self._map_output(call.result(), job, request, rid)
 
     # ------------------------------------------------------------------ output mapping
 
@@ -403,9 +469,9 @@ class SGLangEngine:
         finish = meta.get("finish_reason")
         reason = _finish_type(finish)
         if reason == "abort" and not job.aborted:
-            # Not our abort: an error abort SGLang returned instead of raising (a status other than
-            # 400/500/503), or an abort from elsewhere (abort_all by pause_generation or by a weight
-            # update with abort_all_requests). Nobody asked to abort this request: retry it.
+            # Not our abort: an error abort SGLang returned instead of raising (no status code), or an
+            # abort from elsewhere (abort_all by a pause or a weight update with abort_all_requests).
+            # Nobody asked to abort this request: retry it.
             status = finish.get("status_code") if isinstance(finish, dict) else None
             message = finish.get("message") if isinstance(finish, dict) else None
             raise EngineRequestError(f"aborted inside SGLang, not by redroll: {message or 'Aborted'}",
@@ -419,13 +485,14 @@ class SGLangEngine:
         token_ids = [int(t) for t in (out.get("output_ids") or [])]
         logprobs: list[float] | None = None
         if request.return_logprob:
+            # (logprob, token_id, text|None) per output token (tokenizer_manager.py:3104-3116)
             entries = meta.get("output_token_logprobs") or []
             if len(entries) != len(token_ids) or any(
                     e[1] is not None and int(e[1]) != t for e, t in zip(entries, token_ids)):
                 raise EngineRequestError(f"SGLang's output_token_logprobs ({len(entries)}) do not line up with "
                                          f"output_ids ({len(token_ids)}) for rid {rid}", rid=rid)
             logprobs = [float(e[0]) for e in entries]
-        prompt_tokens = meta.get("prompt_tokens")
+        prompt_tokens = meta.get("prompt_tokens")  # absent for an abort in the waiting queue (:3603-3628)
         latency = meta.get("e2e_latency")
         return _Sample(
             output=SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason),
@@ -463,8 +530,8 @@ class SGLangEngine:
                                        load_format: str | None = None) -> str:
         """Load new weights in place; returns SGLang's message, raises :class:`WeightUpdateError`.
 
-        SGLang waits for the requests in flight (tokenizer_manager.py ``update_weights_from_disk`` takes
-        ``model_update_lock.writer_lock``; every generate_request holds the reader lock).
+        SGLang waits for the requests in flight (tokenizer_manager.py:2306-2309 takes the writer lock;
+        every generate_request holds the reader lock, :941-957).
         """
         engine = self._require_engine()
         cls = self._io_class("UpdateWeightFromDiskReqInput")
@@ -473,25 +540,63 @@ class SGLangEngine:
             if dataclasses.is_dataclass(cls) and "weight_version" not in {f.name for f in dataclasses.fields(cls)}:
                 raise WeightUpdateError("this SGLang's UpdateWeightFromDiskReqInput has no weight_version field")
             kwargs["weight_version"] = weight_version
+        # (success, message, num_paused_requests) (tokenizer_manager.py:2288-2322)
         result = await engine.tokenizer_manager.update_weights_from_disk(cls(**kwargs), None)
         success, message = _update_result(result)
         if not success:
             raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) failed: {message}")
         self.loaded_model_path = model_path
-        server_version = getattr(self.server_args, "weight_version", None)
-        self.info.weight_version = weight_version or server_version or self.info.weight_version
+        self.info.weight_version = weight_version or self.info.weight_version
         return message
 
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free GPU memory (weights and/or KV cache) until :meth:`resume_memory_occupation`."""
+    async def release_memory_occupation(self, tags: list[str] | None = None, *, idle_timeout_s: float = 30.0) -> None:
+        """Free GPU memory (weights, KV cache, CUDA graphs) until :meth:`resume_memory_occupation`.
+
+        Refused (:class:`EngineCommandRefused`) when it would free nothing (no memory saver:
+        utils/torch_memory_saver_adapter.py:29-52, 156-160), for a tag already released, and when
+        SGLang still holds requests: the release asserts an idle scheduler (weight_updater.py:339-341)
+        and a failed assert kills the scheduler, which SIGQUITs this process (scheduler.py:6370-6373).
+        """
         engine = self._require_engine()
+        if not self.memory_saver:
+            raise EngineCommandRefused("releasing memory frees nothing without the memory saver: start the "
+                                       "worker with --enable-memory-saver")
+        tags = list(tags) if tags else list(MEMORY_TAGS)
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise EngineCommandRefused(f"unknown memory tag(s) {unknown}; SGLang has {list(MEMORY_TAGS)}")
+        again = sorted(set(tags) & self._released_tags)
+        if again:
+            raise EngineCommandRefused(f"memory tag(s) {again} are released already; resume them first")
+        tm = engine.tokenizer_manager
+        deadline = asyncio.get_running_loop().time() + idle_timeout_s
+        while tm.rid_to_state:
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineCommandRefused(f"SGLang still holds {len(tm.rid_to_state)} request(s) after "
+                                           f"{idle_timeout_s:.0f}s; a release needs an idle scheduler")
+            await asyncio.sleep(0.05)
         cls = self._io_class("ReleaseMemoryOccupationReqInput")
-        await engine.tokenizer_manager.release_memory_occupation(cls(tags=tags) if tags is not None else cls(), None)
+        await tm.release_memory_occupation(cls(tags=tags), None)
+        self._released_tags |= set(tags)
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`release_memory_occupation` freed (by default all of it). Resuming
+        a tag that was not released raises KeyError in the scheduler, which then SIGQUITs this process
+        (weight_updater.py:390, scheduler.py:6370-6373): refused here instead."""
         engine = self._require_engine()
+        tags = list(tags) if tags else sorted(self._released_tags)
+        if not tags:
+            raise EngineCommandRefused("no engine memory is released: nothing to resume")
+        never = sorted(set(tags) - self._released_tags)
+        if never:
+            raise EngineCommandRefused(f"memory tag(s) {never} were not released; resume only {sorted(self._released_tags)}")
         cls = self._io_class("ResumeMemoryOccupationReqInput")
-        await engine.tokenizer_manager.resume_memory_occupation(cls(tags=tags) if tags is not None else cls(), None)
+        await engine.tokenizer_manager.resume_memory_occupation(cls(tags=tags), None)
+        self._released_tags -= set(tags)
+
+    @property
+    def released_tags(self) -> list[str]:
+        return sorted(self._released_tags)
 
     def _io_class(self, name: str) -> type:
         """An io_struct class: from the engine factory (its ``io_struct`` attribute or its module, the
@@ -513,17 +618,48 @@ class SGLangEngine:
 # ---------------------------------------------------------------------- helpers
 
 
+def _check_version(version: str | None) -> None:
+    if version != SGLANG_VERSION:
+        log.warning("sglang %s is installed; redroll is tested with sglang %s (pip install 'redroll[sglang]')",
+                    version, SGLANG_VERSION)
+
+
 def _require_rid_parameter(engine: Any) -> None:
-    """Per-sample rids need ``async_generate(rid=...)`` (entrypoints/engine.py, 0.5.x; absent in 0.4.x)."""
+    """Per-sample rids need ``async_generate(rid=...)`` (entrypoints/engine.py:595)."""
     try:
         parameters = inspect.signature(engine.async_generate).parameters
     except (TypeError, ValueError, AttributeError):
         return
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     if "rid" not in parameters and not accepts_any:
-        if hasattr(engine, "shutdown"):
-            engine.shutdown()
-        raise RuntimeError("this sglang's Engine.async_generate has no rid parameter; redroll needs sglang>=0.5")
+        raise RuntimeError(f"this sglang's Engine.async_generate has no rid parameter; redroll needs sglang "
+                           f"{SGLANG_VERSION}")
+
+
+def _reap(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait (in a thread) until ``pids`` are gone; returns those still there after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        still = []
+        for pid in left:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not our child (or reaped): is it still there?
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                still.append(pid)
+                continue
+            if done == 0:
+                still.append(pid)
+        left = still
+        if left:
+            time.sleep(0.05)
+    return left
 
 
 def _finish_type(finish: Any) -> str | None:
@@ -537,17 +673,17 @@ def _finish_type(finish: Any) -> str | None:
 
 def _request_error(exc: BaseException, rid: str) -> EngineRequestError:
     """SGLang's exceptions for one request -> :class:`EngineRequestError` (message and status kept)."""
-    status = getattr(exc, "status_code", None)  # fastapi.HTTPException from _wait_one_response
+    status = getattr(exc, "status_code", None)  # fastapi.HTTPException (tokenizer_manager.py:1919)
     detail = getattr(exc, "detail", None)
     if status is not None:
         return EngineRequestError(str(detail if detail is not None else exc), status_code=int(status), rid=rid)
-    if isinstance(exc, ValueError):  # 400 aborts and tokenizer-manager validation
+    if isinstance(exc, ValueError):  # 400 aborts (:1917-1918) and tokenizer-manager validation
         return EngineRequestError(str(exc), status_code=400, rid=rid)
     return EngineRequestError(f"{type(exc).__name__}: {exc}", rid=rid)
 
 
 def _update_result(result: Any) -> tuple[bool, str]:
-    """``(success, message, num_paused_requests)`` (0.5.x), ``(success, message)`` (older), or an object."""
+    """``(success, message, num_paused_requests)`` (0.5.23), ``(success, message)``, or an object."""
     if isinstance(result, tuple):
         success = bool(result[0]) if result else False
         message = str(result[1]) if len(result) > 1 else ""
@@ -557,4 +693,5 @@ def _update_result(result: Any) -> tuple[bool, str]:
     return bool(result), ""
 
 
-__all__ = ["ENGINE_NAME", "EngineRequestError", "SGLangEngine", "WeightUpdateError"]
+__all__ = ["ENGINE_NAME", "EngineCommandRefused", "EngineRequestError", "SGLANG_VERSION", "SGLangEngine",
+           "WeightUpdateError"]
