@@ -109,14 +109,20 @@ def test_unreachable_redis_is_one_clear_line(settings):
 def test_compose_is_valid_and_names_real_commands():
     spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = spec["services"]
-    assert {"redis", "engine_worker", "consumer"} <= set(services)
+    assert {"redis", "engine_worker_0", "engine_worker_1", "consumer"} <= set(services)
     assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
-    worker = services["engine_worker"]
-    gpu = worker["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    worker = services["engine_worker_0"]
+    gpus = []
+    for name in ("engine_worker_0", "engine_worker_1"):
+        # each worker its own GPU set: no replicas sharing one `count: 1` reservation
+        assert "replicas" not in services[name].get("deploy", {})
+        (gpu,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"] and "count" not in gpu
+        gpus.append(tuple(re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", d) for d in gpu["device_ids"]))
+    assert len(set(gpus)) == 2
     assert any(v.endswith(":/models:ro") for v in worker["volumes"])
     parser = build_parser()
-    for name in ("engine_worker", "consumer"):
+    for name in ("engine_worker_0", "consumer"):
         cmd = [c for c in services[name]["command"]]
         assert cmd[0] == "redroll"
         # Substitute compose variables with their defaults, then let the real parser check the flags.
