@@ -13,7 +13,8 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 
-from redroll.shared.control import ABORTED_RETENTION_S, ControlCommand, aborted_member
+from redroll.shared.commands import ENGINE_COMMANDS, Abort, Command, Drain, parse_command
+from redroll.shared.control import ABORTED_RETENTION_S, aborted_member
 from redroll.shared.keys import Keys
 from redroll.shared.streams import text
 from redroll.shared.types import GenerationRequest
@@ -43,7 +44,7 @@ class AbortedSet:
         for member, score in await r.zrangebyscore(keys.aborted, since, "+inf", withscores=True):
             self._members[text(member)] = float(score)
 
-    def remember(self, cmd: ControlCommand) -> None:
+    def remember(self, cmd: Abort) -> None:
         for rid in cmd.request_ids:
             self._members[aborted_member(request_id=rid)] = cmd.sent_at
         for gid in cmd.group_ids:
@@ -60,10 +61,7 @@ class ControlTarget(Protocol):
 
     def request_stop(self) -> None: ...
 
-    def run_engine_command(self, cmd: ControlCommand) -> None: ...
-
-
-ENGINE_COMMANDS = ("update_weights", "release_memory", "resume_memory")
+    def run_engine_command(self, cmd: Command) -> None: ...
 
 
 class ControlListener:
@@ -90,18 +88,18 @@ class ControlListener:
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
                     self.last_id = text(entry_id)
-                    cmd = ControlCommand.from_fields(fields)
+                    cmd = parse_command(fields)
                     if cmd is not None:
                         self.apply(cmd)
 
-    def apply(self, cmd: ControlCommand) -> None:
+    def apply(self, cmd: Command) -> None:
         if cmd.target not in (None, "*", self.name):
             return
-        if cmd.kind == "abort":
+        if isinstance(cmd, Abort):
             self.aborted.remember(cmd)
             self.target.abort_matching(set(cmd.request_ids), set(cmd.group_ids))
-        elif cmd.kind == "drain":
+        elif isinstance(cmd, Drain):
             log.info("drain requested through the control stream")
             self.target.request_stop()
-        elif cmd.kind in ENGINE_COMMANDS:
+        elif isinstance(cmd, ENGINE_COMMANDS):
             self.target.run_engine_command(cmd)

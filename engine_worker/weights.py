@@ -12,7 +12,8 @@ from typing import Any, Awaitable, Callable
 
 import redis
 
-from redroll.shared.control import ControlCommand, send_command
+from redroll.shared.commands import Command, CommandFailed, ReleaseMemory, ResumeMemory, UpdateWeights
+from redroll.shared.control import send_command
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
 
@@ -50,24 +51,22 @@ class WeightsGate:
         raw = await self.ctx.redis.hget(self.ctx.keys.weights, "weight_version")
         return version_number(text(raw or b""))
 
-    async def run_command(self, cmd: ControlCommand) -> None:
+    async def run_command(self, cmd: Command) -> None:
         """Run a weights or memory command; a failure (or a refusal: an engine refuses what would
         crash it) is logged and reported on the control stream as ``command_failed``, naming this
         worker, the command and the error (``redroll weights`` prints it)."""
         try:
-            if cmd.kind == "update_weights":
-                await self.update(str(cmd.args["model_path"]), cmd.args.get("weight_version"),
-                                  abort_inflight=bool(cmd.args.get("abort_inflight", False)))
-            elif cmd.kind == "release_memory":
+            if isinstance(cmd, UpdateWeights):
+                await self.update(cmd.model_path, cmd.weight_version, abort_inflight=cmd.abort_inflight)
+            elif isinstance(cmd, ReleaseMemory):
                 await self.release_memory()
-            elif cmd.kind == "resume_memory":
+            elif isinstance(cmd, ResumeMemory):
                 await self.resume_memory()
         except Exception as exc:
             log.error("control command %s failed: %s: %s", cmd.kind, type(exc).__name__, exc)
             try:
-                await send_command(self.ctx.redis, self.ctx.keys, ControlCommand(
-                    "command_failed", target=None, args={"worker": self.ctx.name, "command": cmd.kind,
-                                                         "error": f"{type(exc).__name__}: {exc}"[:500]}))
+                await send_command(self.ctx.redis, self.ctx.keys, CommandFailed(
+                    worker=self.ctx.name, command=cmd.kind, error=f"{type(exc).__name__}: {exc}"[:500]))
             except redis.RedisError as report_exc:
                 log.warning("could not report the failure of %s: %s", cmd.kind, report_exc)
 

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
+from redroll.shared.commands import Command
 from redroll.shared.connection import connect, read_groups
-from redroll.shared.control import ControlCommand
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
@@ -150,7 +150,7 @@ class Worker:
         assert self._requests is not None
         self._requests.abort_matching(request_ids, group_ids)
 
-    def run_engine_command(self, cmd: ControlCommand) -> None:
+    def run_engine_command(self, cmd: Command) -> None:
         assert self._weights is not None
         task = asyncio.create_task(self._weights.run_command(cmd))
         self._control_tasks.add(task)

@@ -8,7 +8,6 @@ restarted producer with the same name finds the records it had not yet handled.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
 import secrets
@@ -17,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
+import msgspec
 import redis
 from redis.asyncio import Redis
 
@@ -380,7 +380,7 @@ class Producer:
         original = request or make_request(**fields)
         if original.n != 1:
             raise ValueError("generate_resumable is single-sample; use submit_group for n samples")
-        original = dataclasses.replace(original, collect_unfinished=True)
+        original = msgspec.structs.replace(original, collect_unfinished=True)
         segments: list[CompletionRecord] = []
         current: GenerationRequest | None = original
         while current is not None and len(segments) < max_segments:

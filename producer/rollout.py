@@ -9,10 +9,11 @@ reported (accepted, rejected, surplus, aborted or failed), none is lost.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol
+
+import msgspec
 
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
@@ -130,11 +131,11 @@ def continuation(original: GenerationRequest, so_far: list[int], segment: int) -
     left = original.sampling_params.max_new_tokens - len(so_far)
     if left <= 0:
         return None
-    sp = dataclasses.replace(original.sampling_params, max_new_tokens=left,
+    sp = msgspec.structs.replace(original.sampling_params, max_new_tokens=left,
                              min_new_tokens=max(0, original.sampling_params.min_new_tokens - len(so_far)))
     meta = dict(original.meta_info)
     meta.update(continues=original.request_id, segment=segment)
-    return dataclasses.replace(original, request_id=f"{original.request_id}~{segment}",
+    return msgspec.structs.replace(original, request_id=f"{original.request_id}~{segment}",
                                input_ids=list(original.input_ids) + list(so_far), sampling_params=sp,
                                meta_info=meta, collect_unfinished=True, reply_to=None)
 

@@ -354,7 +354,8 @@ async def _run_abort(args: argparse.Namespace) -> int:
 
 
 async def _run_weights(args: argparse.Namespace) -> int:
-    from redroll.shared.control import ControlCommand, send_command, update_weights, wait_for_memory_command
+    from redroll.shared.commands import ReleaseMemory, ResumeMemory
+    from redroll.shared.control import send_command, update_weights, wait_for_memory_command
 
     settings = _settings(args)
     async with connect(settings) as r:
@@ -374,7 +375,7 @@ async def _run_weights(args: argparse.Namespace) -> int:
                       ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))
                 return 0
             kind = "release_memory" if args.action == "release" else "resume_memory"
-            sent = await send_command(r, settings.keys, ControlCommand(kind))
+            sent = await send_command(r, settings.keys, ReleaseMemory() if args.action == "release" else ResumeMemory())
             if args.no_wait:
                 print(f"{kind} broadcast")
                 return 0
@@ -475,7 +476,8 @@ async def _run_repair(args: argparse.Namespace) -> int:
 
 
 async def _run_drain(args: argparse.Namespace) -> int:
-    from redroll.shared.control import ControlCommand, send_command
+    from redroll.shared.commands import Drain
+    from redroll.shared.control import send_command
 
     if not args.workers and not args.all:
         print("redroll drain: name workers or --all", file=sys.stderr)
@@ -483,7 +485,7 @@ async def _run_drain(args: argparse.Namespace) -> int:
     settings = _settings(args)
     async with connect(settings) as r:
         for target in (["*"] if args.all else args.workers):
-            await send_command(r, settings.keys, ControlCommand("drain", target=target))
+            await send_command(r, settings.keys, Drain(target=None if target == "*" else target))
     print("drain sent to " + ("every worker" if args.all else ", ".join(args.workers)))
     return 0
 

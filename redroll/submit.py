@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import sys
 from typing import IO, Any, Iterable
+
+import msgspec
 
 from redroll.producer.client import Producer, make_request, send
 from redroll.shared.codec import ValidationError, encode_request
@@ -55,9 +56,7 @@ def read_requests(lines: Iterable[str], settings: Settings, source: str = "input
 
 
 def record_to_json(record: CompletionRecord) -> dict[str, Any]:
-    d = dataclasses.asdict(record)
-    d["status"] = record.status.value
-    return d
+    return msgspec.to_builtins(record)
 
 
 async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | None,

@@ -1,32 +1,38 @@
-"""msgpack codec for request and result entries, with validation.
+"""The MessagePack codec of request and result entries: msgspec decodes and validates in one pass
+against the Structs of :mod:`.types`; this module adds what a static schema cannot say.
 
-Every rejection raises :class:`ValidationError` naming the field and the rule it broke. Decoding
-never raises anything else, whatever the bytes.
+* the stream-field envelope (plain ``rid``, ``reply_to``, ``status``, ``worker`` beside ``data``);
+* limits that come from settings (payload bytes, ``max_new_tokens``, ``n``, input length, the size
+  of ``meta_info``) and cross-field rules (exactly one of ``input_ids`` / ``prompt``,
+  ``min_new_tokens`` ≤ ``max_new_tokens``, one finish reason and one logprob list per sample);
+* the newer-``v`` hand-back, and nil standing for a default (a producer may send ``null`` for an
+  optional key);
+* recovering ``request_id``, ``reply_to`` and ``callback`` from an invalid entry, so that its
+  waiter can be told.
+
+Every rejection raises :class:`ValidationError` naming the field (the path msgspec reports,
+e.g. ``input_ids[3]``) and the rule. Decoding never raises anything else, whatever the bytes.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import msgpack
+import msgspec
 
 from .types import (
-    FINISH_REASONS,
-    PASSTHROUGH_SAMPLING_KEYS,
+    REQUEST_ID_PATTERN,
     SCHEMA_VERSION,
     CompletionRecord,
     GenerationRequest,
+    RecordData,
     RecordStatus,
     SamplingParams,
 )
 
-REQUEST_ID_RE = re.compile(r"^[!-z|~]{1,128}\Z")  # \Z, not $: "$" also matches before a final newline
-"""1–128 printable ASCII characters, no whitespace, no braces."""
-
-INT64_MAX = 2**63 - 1
+REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 
 
 class ValidationError(ValueError):
@@ -64,29 +70,55 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
+_ENCODER = msgspec.msgpack.Encoder()
+_REQUEST_DECODER = msgspec.msgpack.Decoder(GenerationRequest)
+_RECORD_DECODER = msgspec.msgpack.Decoder(RecordData)
+_ANY_DECODER = msgspec.msgpack.Decoder()
 
-# ---------------------------------------------------------------- low-level helpers
+# ---------------------------------------------------------------- msgspec errors → ValidationError
+
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$")
+_MISSING = re.compile(r"^Object missing required field `(.*)`$")
+_COLLAPSE = ("sampling_params.stop[", "sampling_params.stop_regex", "sampling_params.logit_bias",
+             "sampling_params.custom_params", "meta_info")
+"""Paths reported at their field, not deeper (a stop string, a key inside meta_info)."""
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
-def _unpack(data: Any, field: str) -> Any:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValidationError(field, "missing or not bytes")
-    try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises many exception types for garbage
-        raise ValidationError(field, f"not valid msgpack ({type(exc).__name__})") from None
+def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationError:
+    message = str(exc)
+    at = _AT.search(message)
+    path = at.group(1) if at else ""
+    rule = message[: at.start()] if at else message
+    if m := _UNKNOWN.match(rule):
+        path = _join(path, m.group(1))
+        rule = "unknown sampling parameter" if path.startswith("sampling_params") or prefix else "unknown field"
+    elif m := _MISSING.match(rule):
+        path = _join(path, m.group(1))
+        rule = "is required"
+    path = prefix + path if path else prefix.rstrip(".")
+    for short in _COLLAPSE:
+        if path.startswith(short):
+            path = short.rstrip("[")
+    if re.match(r"^output_logprobs\[\d+\]\[", path):
+        path = path[: path.index("]") + 1]
+    return ValidationError(path or "data", rule)
+
+
+# ---------------------------------------------------------------- the stream-field envelope
+
+
+def _field(fields: Mapping[Any, Any], name: str) -> Any:
+    raw = fields.get(name.encode())
+    return fields.get(name) if raw is None else raw
 
 
 def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
-    raw = fields.get(name.encode())
-    if raw is None:
-        raw = fields.get(name)
-    if raw is None:
-        return None
+    raw = _field(fields, name)
     if isinstance(raw, (bytes, bytearray)):
         try:
             return bytes(raw).decode("utf-8")
@@ -95,210 +127,93 @@ def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
     return raw if isinstance(raw, str) else None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    t = type(v)
-    if t is float:
-        return math.isfinite(v)
-    if t is int:
-        return True
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
-
-
-def _opt_str(d: dict, key: str, *, max_len: int = 4096) -> str | None:
-    v = d.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise ValidationError(key, f"must be a string or nil, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise ValidationError(key, f"longer than {max_len} characters")
-    return v
-
-
-def _bool(d: dict, key: str, default: bool = False) -> bool:
-    v = d.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ValidationError(key, f"must be a boolean, got {type(v).__name__}")
-    return v
+def _data(fields: Mapping[Any, Any]) -> bytes:
+    data = _field(fields, "data")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValidationError("data", "missing or not bytes")
+    return data
 
 
 def check_request_id(value: Any, field: str = "request_id") -> str:
     if not isinstance(value, str):
         raise ValidationError(field, f"must be a string, got {type(value).__name__}")
     if not REQUEST_ID_RE.match(value):
-        raise ValidationError(
-            field, "must be 1-128 printable ASCII characters without whitespace or braces"
-        )
+        raise ValidationError(field, "must be 1-128 printable ASCII characters without whitespace or braces")
     return value
 
 
-def _token_list(value: Any, field: str, max_len: int) -> list[int]:
-    if not isinstance(value, list):
-        raise ValidationError(field, f"must be a list of integers, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise ValidationError(field, f"longer than {max_len} tokens")
-    if set(map(type, value)) <= {int} and (not value or (min(value) >= 0 and max(value) <= 2**31 - 1)):
-        return value  # the common case, checked fast; the loop below says what is wrong otherwise
-    for i, t in enumerate(value):
-        if not _is_int(t):
-            raise ValidationError(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
-        if t < 0 or t > 2**31 - 1:
-            raise ValidationError(f"{field}[{i}]", f"token id {t} out of range")
-    return value
+# ---------------------------------------------------------------- what the schema cannot say
 
 
-# ---------------------------------------------------------------- sampling params
-
-_NUM_RANGES: dict[str, tuple[float, float, bool]] = {
-    # name: (low, high, low_inclusive)
-    "temperature": (0.0, 100.0, True),
-    "top_p": (0.0, 1.0, False),
-    "min_p": (0.0, 1.0, True),
-    "repetition_penalty": (0.0, 2.0, False),
-    "frequency_penalty": (-2.0, 2.0, True),
-    "presence_penalty": (-2.0, 2.0, True),
-}
-
-
-_SAMPLING_CACHE: dict[tuple, SamplingParams] = {}
-_SAMPLING_CACHE_MAX = 1024
-
-
-def decode_sampling_params(raw: Any, limits: Limits = DEFAULT_LIMITS) -> SamplingParams:
-    """Validate a sampling-parameter map into :class:`SamplingParams`.
-
-    A batch of requests mostly repeats a few maps: each distinct one (keys, value types and
-    values, under the same limits) is validated once and its (frozen) result shared.
-    """
-    if type(raw) is dict:
-        try:
-            key = (limits, *((k, type(v), v) for k, v in raw.items()))
-            cached = _SAMPLING_CACHE.get(key)
-        except TypeError:  # an unhashable value (a list): validate it every time
-            return _decode_sampling_params(raw, limits)
-        if cached is None:
-            cached = _decode_sampling_params(raw, limits)
-            if not cached.extra and len(_SAMPLING_CACHE) < _SAMPLING_CACHE_MAX:  # (extra is a mutable dict)
-                _SAMPLING_CACHE[key] = cached
-        return cached
-    return _decode_sampling_params(raw, limits)
+def check_sampling_params(sp: SamplingParams, limits: Limits, prefix: str = "sampling_params.") -> SamplingParams:
+    """The bounds that come from settings, and the cross-field rules, of decoded sampling params."""
+    if sp.n > limits.max_n:
+        raise ValidationError(prefix + "n", f"must be an integer in [1, {limits.max_n}]")
+    if sp.max_new_tokens > limits.max_new_tokens:
+        raise ValidationError(prefix + "max_new_tokens",
+                              f"{sp.max_new_tokens} out of range [0, {limits.max_new_tokens}]")
+    if sp.min_new_tokens > limits.max_new_tokens:
+        raise ValidationError(prefix + "min_new_tokens", f"must be an integer in [0, {limits.max_new_tokens}]")
+    if sp.min_new_tokens > sp.max_new_tokens:
+        raise ValidationError(prefix + "min_new_tokens", "larger than max_new_tokens")
+    if sp.top_k == 0:
+        raise ValidationError(prefix + "top_k", "must be -1 (disabled) or a positive integer")
+    return sp
 
 
-def _decode_sampling_params(raw: Any, limits: Limits) -> SamplingParams:
-    if raw is None:
-        return SamplingParams()
-    if not isinstance(raw, dict):
-        raise ValidationError("sampling_params", f"must be a map, got {type(raw).__name__}")
-    kw: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = f"sampling_params.{key}"
-        if value is None:
-            continue
-        if key in _NUM_RANGES:
-            low, high, low_inc = _NUM_RANGES[key]
-            if not _is_num(value):
-                raise ValidationError(name, "must be a finite number")
-            if value > high or value < low or (value == low and not low_inc):
-                bracket = "[" if low_inc else "("
-                raise ValidationError(name, f"{value} out of range {bracket}{low}, {high}]")
-            kw[key] = float(value)
-        elif key == "max_new_tokens":
-            if not _is_int(value):
-                raise ValidationError(name, "must be an integer")
-            if not 0 <= value <= limits.max_new_tokens:
-                raise ValidationError(name, f"{value} out of range [0, {limits.max_new_tokens}]")
-            kw[key] = value
-        elif key == "min_new_tokens":
-            if not _is_int(value) or not 0 <= value <= limits.max_new_tokens:
-                raise ValidationError(name, f"must be an integer in [0, {limits.max_new_tokens}]")
-            kw[key] = value
-        elif key == "top_k":
-            if not _is_int(value) or not (value == -1 or 1 <= value <= 2**31 - 1):
-                raise ValidationError(name, "must be -1 (disabled) or a positive integer")
-            kw[key] = value
-        elif key == "n":
-            if not _is_int(value) or not 1 <= value <= limits.max_n:
-                raise ValidationError(name, f"must be an integer in [1, {limits.max_n}]")
-            kw[key] = value
-        elif key == "sampling_seed":
-            if not _is_int(value) or not 0 <= value <= INT64_MAX:
-                raise ValidationError(name, "must be a non-negative 64-bit integer")
-            kw[key] = value
-        elif key == "stop":
-            if isinstance(value, str):
-                value = [value]
-            if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-                raise ValidationError(name, "must be a non-empty string or a list of them")
-            if len(value) > 64:
-                raise ValidationError(name, "more than 64 stop strings")
-            kw[key] = tuple(value)
-        elif key == "stop_token_ids":
-            kw[key] = tuple(_token_list(value, name, 1024))
-        elif key in ("ignore_eos", "skip_special_tokens"):
-            if not isinstance(value, bool):
-                raise ValidationError(name, "must be a boolean")
-            kw[key] = value
-        elif key in PASSTHROUGH_SAMPLING_KEYS:
-            if not isinstance(value, PASSTHROUGH_SAMPLING_KEYS[key]) or (
-                isinstance(value, bool) and bool not in PASSTHROUGH_SAMPLING_KEYS[key]
-            ):
-                allowed = "/".join(t.__name__ for t in PASSTHROUGH_SAMPLING_KEYS[key])
-                raise ValidationError(name, f"must be {allowed}")
-            extra[key] = value
-        else:
-            raise ValidationError(name, "unknown sampling parameter")
-    if kw.get("min_new_tokens", 0) > kw.get("max_new_tokens", SamplingParams.max_new_tokens):
-        raise ValidationError("sampling_params.min_new_tokens", "larger than max_new_tokens")
-    return SamplingParams(extra=extra, **kw)
+def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
+    try:
+        if req.v == 0:
+            raise ValidationError("v", "schema version must be a positive integer")
+        if req.submitted_at is None:
+            raise ValidationError("submitted_at", "must be unix seconds (a number)")
+        if (req.input_ids is None) == (req.prompt is None):
+            raise ValidationError("input_ids/prompt", "exactly one of input_ids or prompt is required")
+        if req.input_ids is not None and len(req.input_ids) > limits.max_input_tokens:
+            raise ValidationError("input_ids", f"longer than {limits.max_input_tokens} tokens")
+        check_sampling_params(req.sampling_params, limits)
+        if req.meta_info and len(_ENCODER.encode(req.meta_info)) > limits.max_meta_bytes:
+            raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
+    except ValidationError as exc:
+        exc.request_id, exc.reply_to, exc.callback = req.request_id, req.reply_to, req.callback
+        raise
+    return req
+
+
+def _without_nils(obj: Any) -> tuple[Any, bool]:
+    """``obj`` with nil values dropped at the top and in ``sampling_params`` (nil means "the default"
+    for an optional key), and whether anything was dropped."""
+    if not isinstance(obj, dict):
+        return obj, False
+    out = {k: v for k, v in obj.items() if v is not None}
+    dropped = len(out) != len(obj)
+    sampling = out.get("sampling_params")
+    if isinstance(sampling, dict):
+        kept = {k: v for k, v in sampling.items() if v is not None}
+        if len(kept) != len(sampling):
+            out["sampling_params"], dropped = kept, True
+    return out, dropped
 
 
 # ---------------------------------------------------------------- requests
 
 
 def request_to_map(req: GenerationRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "v": req.v,
-        "request_id": req.request_id,
-        "sampling_params": req.sampling_params.to_wire(),
-        "return_logprob": req.return_logprob,
-        "collect_unfinished": req.collect_unfinished,
-        "meta_info": req.meta_info,
-        "reply_to": req.reply_to,
-        "callback": req.callback,
-        "group_id": req.group_id,
-        "deadline": req.deadline,
-        "submitted_at": req.submitted_at,
-    }
-    if req.input_ids is not None:
-        out["input_ids"] = req.input_ids
-    if req.prompt is not None:
-        out["prompt"] = req.prompt
-    if req.lora_path is not None:
-        out["lora_path"] = req.lora_path
-    if req.model is not None:
-        out["model"] = req.model
-    if req.priority:
-        out["priority"] = req.priority
-    if req.min_weight_version is not None:
-        out["min_weight_version"] = req.min_weight_version
-    if req.requeued:
-        out["requeued"] = req.requeued
-    return out
+    return msgspec.to_builtins(req)
 
 
 def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS) -> dict[str, bytes]:
-    """Validate and encode a request into stream fields: ``rid`` and ``reply_to`` plain, ``data`` msgpack."""
-    obj = request_to_map(req)
-    data = _pack(obj)
-    # The same validation a worker applies: the producer refuses exactly what a worker would.
-    validate_request_map(obj, len(data), limits)
+    """Validate and encode a request into stream fields: ``rid`` and ``reply_to`` plain, ``data``
+    msgpack. The producer refuses exactly what a worker would: the bytes are decoded as a worker
+    decodes them. ``v`` 0 and a missing ``submitted_at`` become this schema and now."""
+    if req.v == 0:
+        req.v = SCHEMA_VERSION
+    if req.submitted_at is None:
+        import time
+
+        req.submitted_at = time.time()
+    data = _ENCODER.encode(req)
+    decode_request_data(data, limits)
     fields = {"rid": req.request_id.encode()}
     if req.reply_to:
         fields["reply_to"] = req.reply_to.encode()
@@ -308,144 +223,80 @@ def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS) -> d
 
 def decode_request(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> GenerationRequest:
     """Decode and validate request stream fields. Raises only :class:`ValidationError`."""
-    data = fields.get(b"data")
-    if data is None:
-        data = fields.get("data")
     try:
-        obj = _unpack(data, "data")
+        return decode_request_data(_data(fields), limits)
     except ValidationError as exc:
-        exc.request_id = _readable_request_id(fields)
-        exc.reply_to = _field_str(fields, "reply_to") or None
-        raise
-    try:
-        return validate_request_map(obj, len(data), limits)
-    except ValidationError as exc:
-        # Say who is waiting, from the payload if it can be read there, else from the plain fields.
-        rid = obj.get("request_id") if isinstance(obj, dict) else None
-        reply_to = obj.get("reply_to") if isinstance(obj, dict) else None
+        # Say who is waiting: from the payload if it could be read there, else the plain fields.
         if exc.request_id is None:
-            ok = isinstance(rid, str) and REQUEST_ID_RE.match(rid)
-            exc.request_id = rid if ok else _readable_request_id(fields)
+            rid = _field_str(fields, "rid")
+            exc.request_id = rid if rid is not None and REQUEST_ID_RE.match(rid) else None
         if exc.reply_to is None:
-            exc.reply_to = reply_to if isinstance(reply_to, str) else (_field_str(fields, "reply_to") or None)
-        callback = obj.get("callback") if isinstance(obj, dict) else None
-        if isinstance(callback, str) and len(callback) <= 256:
-            exc.callback = callback
+            exc.reply_to = _field_str(fields, "reply_to") or None
         raise
 
 
-def _readable_request_id(fields: Mapping[Any, Any]) -> str | None:
-    rid = _field_str(fields, "rid")
-    return rid if rid is not None and REQUEST_ID_RE.match(rid) else None
+def decode_request_data(data: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerationRequest:
+    """Decode and validate a request's ``data`` map."""
+    if len(data) > limits.max_payload_bytes:
+        raise ValidationError("data", f"payload of {len(data)} bytes exceeds the limit of {limits.max_payload_bytes}")
+    try:
+        req = _REQUEST_DECODER.decode(data)
+    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+        req = _decode_leniently(data, exc)
+    except msgspec.DecodeError as exc:
+        raise ValidationError("data", f"not valid msgpack ({exc})") from None
+    if req.v > SCHEMA_VERSION:
+        raise NewerSchemaError("v", f"schema version {req.v} is newer than {SCHEMA_VERSION}",
+                               request_id=req.request_id)
+    return _check_request(req, limits)
 
 
-def validate_request_map(obj: Any, size: int, limits: Limits = DEFAULT_LIMITS) -> GenerationRequest:
-    if size > limits.max_payload_bytes:
-        raise ValidationError("data", f"payload of {size} bytes exceeds the limit of {limits.max_payload_bytes}")
+def _decode_leniently(data: bytes, first: msgspec.ValidationError) -> GenerationRequest:
+    """After a strict decode failed: a newer ``v`` is handed back whatever else is wrong; nil
+    values are dropped and the decode tried once more; otherwise the first error, with whatever
+    can be read of the request's id, reply stream and handler."""
+    try:
+        obj = _ANY_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ValidationError("data", f"not valid msgpack ({exc})") from None
     if not isinstance(obj, dict):
-        raise ValidationError("data", f"must be a map, got {type(obj).__name__}")
-    get = obj.get  # (every request runs this: plain local lookups, type() checks for the common case)
-    v = get("v")
-    if type(v) is not int or v < 1:
-        raise ValidationError("v", "schema version must be a positive integer")
-    request_id = check_request_id(get("request_id"))
-    if v > SCHEMA_VERSION:
-        raise NewerSchemaError("v", f"schema version {v} is newer than {SCHEMA_VERSION}", request_id=request_id)
-    input_ids = get("input_ids")
-    prompt = get("prompt")
-    if (input_ids is None) == (prompt is None):
-        raise ValidationError("input_ids/prompt", "exactly one of input_ids or prompt is required")
-    if input_ids is not None:
-        input_ids = _token_list(input_ids, "input_ids", limits.max_input_tokens)
-        if not input_ids:
-            raise ValidationError("input_ids", "must not be empty")
-    else:
-        if not isinstance(prompt, str):
-            raise ValidationError("prompt", f"must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValidationError("prompt", "must not be empty")
-    sampling = decode_sampling_params(get("sampling_params"), limits)
-    meta = get("meta_info")
-    if meta is None:
-        meta = {}
-    elif not isinstance(meta, dict) or (meta and not all(isinstance(k, str) for k in meta)):
-        raise ValidationError("meta_info", "must be a map with string keys")
-    elif meta and len(_pack(meta)) > limits.max_meta_bytes:
-        raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
-    reply_to = get("reply_to")
-    if reply_to is not None and (type(reply_to) is not str or len(reply_to) > 512):
-        reply_to = _opt_str(obj, "reply_to", max_len=512)  # (raises, or accepts a str subclass)
-    callback = get("callback")
-    if callback is not None and (type(callback) is not str or len(callback) > 256):
-        callback = _opt_str(obj, "callback", max_len=256)
-    group_id = get("group_id")
-    if group_id is not None:
-        group_id = check_request_id(group_id, "group_id")
-    deadline = get("deadline")
-    if deadline is not None and not _is_num(deadline):
-        raise ValidationError("deadline", "must be unix seconds (a number) or nil")
-    priority = get("priority", 0)
-    if priority is None:
-        priority = 0
-    if type(priority) is not int or priority not in (0, 1):
-        raise ValidationError("priority", "must be 0 (normal) or 1 (high)")
-    min_wv = get("min_weight_version")
-    if min_wv is not None and (not _is_int(min_wv) or min_wv < 0):
-        raise ValidationError("min_weight_version", "must be a non-negative integer or nil")
-    requeued = get("requeued", 0)
-    if requeued is None:
-        requeued = 0
-    if type(requeued) is not int or requeued < 0:
-        raise ValidationError("requeued", "must be a non-negative integer")
-    submitted_at = get("submitted_at")
-    if not _is_num(submitted_at):
-        raise ValidationError("submitted_at", "must be unix seconds (a number)")
-    return_logprob = get("return_logprob")
-    if type(return_logprob) is not bool:
-        return_logprob = _bool(obj, "return_logprob")
-    collect_unfinished = get("collect_unfinished")
-    if type(collect_unfinished) is not bool:
-        collect_unfinished = _bool(obj, "collect_unfinished")
-    lora_path = get("lora_path")
-    model = get("model")
-    return GenerationRequest(
-        request_id=request_id,
-        input_ids=input_ids,
-        prompt=prompt,
-        sampling_params=sampling,
-        return_logprob=return_logprob,
-        collect_unfinished=collect_unfinished,
-        meta_info=meta,
-        reply_to=reply_to,
-        callback=callback,
-        group_id=group_id,
-        deadline=float(deadline) if deadline is not None else None,
-        submitted_at=float(submitted_at),
-        lora_path=None if lora_path is None else _opt_str(obj, "lora_path"),
-        model=None if model is None else _opt_str(obj, "model"),
-        priority=priority,
-        min_weight_version=min_wv,
-        requeued=requeued,
-        v=v,
-    )
+        raise ValidationError("data", f"must be a map, got {type(obj).__name__}") from None
+    v, rid = obj.get("v"), obj.get("request_id")
+    readable_rid = rid if isinstance(rid, str) and REQUEST_ID_RE.match(rid) else None
+    if type(v) is int and v > SCHEMA_VERSION:
+        raise NewerSchemaError("v", f"schema version {v} is newer than {SCHEMA_VERSION}", request_id=readable_rid)
+    stripped, dropped = _without_nils(obj)
+    error = _from_msgspec(first)
+    if dropped:
+        try:
+            return _REQUEST_DECODER.decode(_ENCODER.encode(stripped))
+        except msgspec.ValidationError as exc:
+            error = _from_msgspec(exc)
+    error.request_id = readable_rid
+    reply_to, callback = obj.get("reply_to"), obj.get("callback")
+    error.reply_to = reply_to if isinstance(reply_to, str) else None
+    error.callback = callback if isinstance(callback, str) and len(callback) <= 256 else None
+    raise error from None
+
+
+def decode_sampling_params(raw: Any, limits: Limits = DEFAULT_LIMITS) -> SamplingParams:
+    """Validate a sampling-parameter map (the producer's helper: what a worker would accept)."""
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise ValidationError("sampling_params", f"must be a map, got {type(raw).__name__}")
+    try:
+        sp = msgspec.convert({k: v for k, v in raw.items() if v is not None}, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise _from_msgspec(exc, "sampling_params.") from None
+    return check_sampling_params(sp, limits)
 
 
 # ---------------------------------------------------------------- records
 
 
 def record_to_map(rec: CompletionRecord) -> dict[str, Any]:
-    return {
-        "v": rec.v,
-        "request_id": rec.request_id,
-        "output_token_ids": rec.output_token_ids,
-        "finish_reasons": rec.finish_reasons,
-        "output_logprobs": rec.output_logprobs,
-        "meta_info": rec.meta_info,
-        "error": rec.error,
-        "callback": rec.callback,
-        "group_id": rec.group_id,
-        **({"requeued": rec.requeued} if rec.requeued else {}),
-    }
+    return msgspec.to_builtins(rec.data())
 
 
 def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
@@ -454,76 +305,40 @@ def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
         "rid": rec.request_id.encode(),
         "status": rec.status.value.encode(),
         "worker": (rec.worker or "").encode(),
-        "data": _pack(record_to_map(rec)),
+        "data": _ENCODER.encode(rec.data()),
     }
 
 
 _STATUS_BY_FIELD: dict[Any, RecordStatus] = {
     **{s.value.encode(): s for s in RecordStatus}, **{s.value: s for s in RecordStatus}}
-_NUMBER_TYPES = {int, float}
-_REASONS_OK = {None, *FINISH_REASONS}
 
 
 def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     """Decode and validate a result entry. Raises only :class:`ValidationError`."""
-    status = _STATUS_BY_FIELD.get(fields.get(b"status"))
+    status = _STATUS_BY_FIELD.get(_field(fields, "status"))
     if status is None:
-        status_raw = _field_str(fields, "status")
-        try:
-            status = RecordStatus(status_raw)
-        except ValueError:
-            raise ValidationError("status", f"unknown status {status_raw!r}") from None
-    data = fields.get(b"data")
-    obj = _unpack(data if data is not None else fields.get("data"), "data")
-    if not isinstance(obj, dict):
-        raise ValidationError("data", f"must be a map, got {type(obj).__name__}")
-    v = obj.get("v")
-    if not _is_int(v) or v < 1:
-        raise ValidationError("v", "schema version must be a positive integer")
-    request_id = check_request_id(obj.get("request_id"))
-    ids = obj.get("output_token_ids")
-    if not isinstance(ids, list):
-        raise ValidationError("output_token_ids", "must be a list per sample")
-    ids = [_token_list(s, f"output_token_ids[{i}]", 10**7) for i, s in enumerate(ids)]
-    reasons = obj.get("finish_reasons")
-    if not isinstance(reasons, list) or len(reasons) != len(ids):
+        raise ValidationError("status", f"unknown status {_field_str(fields, 'status')!r}")
+    try:
+        data = _RECORD_DECODER.decode(_data(fields))
+    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+        raise _from_msgspec(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ValidationError("data", f"not valid msgpack ({exc})") from None
+    ids = data.output_token_ids
+    if len(data.finish_reasons) != len(ids):
         raise ValidationError("finish_reasons", "must be a list with one entry per sample")
-    for i, r in enumerate(reasons):
-        if r is not None and (type(r) is not str or r not in _REASONS_OK):
-            raise ValidationError(f"finish_reasons[{i}]", f"unknown finish reason {r!r}")
-    logprobs = obj.get("output_logprobs")
+    logprobs = data.output_logprobs
     if logprobs is not None:
-        if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+        if len(logprobs) != len(ids):
             raise ValidationError("output_logprobs", "must be a list with one entry per sample")
         for i, (lp, s) in enumerate(zip(logprobs, ids)):
-            if not isinstance(lp, list) or len(lp) != len(s):
+            if len(lp) != len(s):
                 raise ValidationError(f"output_logprobs[{i}]", "must have the same length as its token ids")
-            if not set(map(type, lp)) <= _NUMBER_TYPES:  # one pass in C; bool is not a number here
-                raise ValidationError(f"output_logprobs[{i}]", "must be numbers")
-    meta = obj.get("meta_info") or {}
-    if not isinstance(meta, dict):
-        raise ValidationError("meta_info", "must be a map")
-    error = obj.get("error")
-    if error is not None and not isinstance(error, str):
-        raise ValidationError("error", "must be a string or nil")
-    requeued = obj.get("requeued") or 0
-    if not _is_int(requeued) or requeued < 0:
-        raise ValidationError("requeued", "must be a non-negative integer")
-    return CompletionRecord(
-        request_id=request_id,
-        status=status,
-        output_token_ids=ids,
-        finish_reasons=reasons,
-        output_logprobs=logprobs,
-        meta_info=meta,
-        error=error,
-        worker=_field_str(fields, "worker") or None,
-        callback=_opt_str(obj, "callback", max_len=256),
-        group_id=_opt_str(obj, "group_id", max_len=256),
-        requeued=requeued,
-        v=v,
-    )
+    return CompletionRecord(status=status, worker=_field_str(fields, "worker") or None,
+                            **{f.name: getattr(data, f.name) for f in _RECORD_FIELDS})
 
+
+_RECORD_FIELDS = msgspec.structs.fields(RecordData)
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -532,8 +347,10 @@ __all__ = [
     "SCHEMA_VERSION",
     "ValidationError",
     "check_request_id",
+    "check_sampling_params",
     "decode_record",
     "decode_request",
+    "decode_request_data",
     "decode_sampling_params",
     "encode_record",
     "encode_request",

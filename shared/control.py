@@ -1,16 +1,17 @@
-"""Control-stream commands (abort, drain, ...) broadcast to every worker."""
+"""Broadcasting control commands (abort, drain, weights, memory) and cancelling queued requests.
+
+The commands themselves are the tagged union of :mod:`.commands`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import msgpack
 from redis.asyncio import Redis
 
 from .codec import ValidationError, check_request_id, decode_request
+from .commands import Abort, Command, CommandFailed, UpdateWeights, command_fields, parse_command
 from .keys import WORKERS_GROUP, Keys
 from .types import CompletionRecord, RecordStatus
 
@@ -18,34 +19,6 @@ log = logging.getLogger("redroll")
 
 CONTROL_MAXLEN = 10_000
 ABORTED_RETENTION_S = 24 * 3600
-
-
-@dataclass
-class ControlCommand:
-    kind: str  # "abort" | "drain" | ...
-    request_ids: list[str] = field(default_factory=list)
-    group_ids: list[str] = field(default_factory=list)
-    target: str | None = None  # a worker name, or None for all
-    args: dict[str, Any] = field(default_factory=dict)
-    sent_at: float = field(default_factory=time.time)
-
-    def to_fields(self) -> dict[str, bytes]:
-        data = msgpack.packb(
-            {"kind": self.kind, "request_ids": self.request_ids, "group_ids": self.group_ids,
-             "target": self.target, "args": self.args, "sent_at": self.sent_at},
-            use_bin_type=True,
-        )
-        return {"kind": self.kind.encode(), "target": (self.target or "*").encode(), "data": data}
-
-    @classmethod
-    def from_fields(cls, fields: dict[bytes, bytes]) -> "ControlCommand | None":
-        try:
-            obj = msgpack.unpackb(fields[b"data"], raw=False)
-            return cls(kind=str(obj["kind"]), request_ids=list(obj.get("request_ids") or []),
-                       group_ids=list(obj.get("group_ids") or []), target=obj.get("target"),
-                       args=dict(obj.get("args") or {}), sent_at=float(obj.get("sent_at") or 0))
-        except Exception:
-            return None
 
 
 def aborted_member(request_id: str | None = None, group_id: str | None = None) -> str:
@@ -66,7 +39,7 @@ async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), grou
     async with r.pipeline(transaction=True) as pipe:
         pipe.zadd(keys.aborted, members)
         pipe.zremrangebyscore(keys.aborted, "-inf", now - ABORTED_RETENTION_S)
-        pipe.xadd(keys.control, ControlCommand("abort", list(request_ids), list(group_ids)).to_fields(),
+        pipe.xadd(keys.control, command_fields(Abort(request_ids=list(request_ids), group_ids=list(group_ids))),
                   maxlen=CONTROL_MAXLEN, approximate=True)
         await pipe.execute()
 
@@ -126,8 +99,8 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     return cancelled
 
 
-async def send_command(r: Redis, keys: Keys, command: ControlCommand) -> str:
-    entry = await r.xadd(keys.control, command.to_fields(), maxlen=CONTROL_MAXLEN, approximate=True)
+async def send_command(r: Redis, keys: Keys, command: Command) -> str:
+    entry = await r.xadd(keys.control, command_fields(command), maxlen=CONTROL_MAXLEN, approximate=True)
     return entry.decode() if isinstance(entry, bytes) else entry
 
 
@@ -158,9 +131,9 @@ async def update_weights(r: Redis, keys: Keys, model_path: str, weight_version: 
     async with r.pipeline(transaction=True) as pipe:
         pipe.hset(keys.weights, mapping={"model_path": model_path, "weight_version": weight_version,
                                          "updated_at": str(time.time())})
-        pipe.xadd(keys.control, ControlCommand("update_weights", args={
-            "model_path": model_path, "weight_version": weight_version, "abort_inflight": abort_inflight,
-        }).to_fields(), maxlen=CONTROL_MAXLEN, approximate=True)
+        pipe.xadd(keys.control, command_fields(UpdateWeights(
+            model_path=model_path, weight_version=weight_version, abort_inflight=abort_inflight)),
+            maxlen=CONTROL_MAXLEN, approximate=True)
         await pipe.execute()
     if not wait:
         return {}
@@ -192,9 +165,9 @@ async def wait_for_memory_command(r: Redis, keys: Keys, kind: str, sent_id: str,
         for _stream, entries in await r.xread({keys.control: position}, count=100) or []:
             for entry_id, fields in entries:
                 position = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                cmd = ControlCommand.from_fields(fields)
-                if cmd is not None and cmd.kind == "command_failed" and cmd.args.get("command") == kind:
-                    failed[str(cmd.args.get("worker"))] = str(cmd.args.get("error"))
+                cmd = parse_command(fields)
+                if isinstance(cmd, CommandFailed) and cmd.command == kind:
+                    failed[cmd.worker] = cmd.error
         workers = await live_workers(r, keys, stale_after_s)
         done = sorted(n for n, b in workers.items() if b.get("state") == want_state and n not in failed)
         if set(done) | set(failed) >= set(workers) or time.monotonic() > deadline:

@@ -1,11 +1,19 @@
-"""Typed boundary objects: what a producer asks for and what a worker answers."""
+"""The wire contract, declared once: what a producer asks for and what a worker answers.
+
+Each message is a msgspec ``Struct`` whose annotations are its schema: decoding MessagePack into
+it validates types and ``Meta`` constraints in C, with the path of a failure (``$.input_ids[3]``).
+The wire format is plain MessagePack maps (DESIGN.md "Wire format"); what a static schema cannot
+say — limits from settings, cross-field rules, the newer-``v`` hand-back — is checked in
+:mod:`.codec`, small and explicit.
+"""
 
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
+
+import msgspec
+from msgspec import Meta
 
 SCHEMA_VERSION = 1
 
@@ -19,52 +27,74 @@ class RecordStatus(str, enum.Enum):
 
 FINISH_REASONS = ("stop", "length", "abort")
 
-# SGLang sampling keys that are passed through to the engine untouched (after a type check).
-PASSTHROUGH_SAMPLING_KEYS: dict[str, tuple[type, ...]] = {
-    "json_schema": (str,),
-    "regex": (str,),
-    "ebnf": (str,),
-    "structural_tag": (str,),
-    "stop_regex": (str, list),
-    "no_stop_trim": (bool,),
-    "spaces_between_special_tokens": (bool,),
-    "logit_bias": (dict,),
-    "custom_params": (dict,),
-    "stream_interval": (int,),
-}
+# ---------------------------------------------------------------- constrained scalars
+
+REQUEST_ID_PATTERN = r"^[!-z|~]{1,128}\Z"
+"""1–128 printable ASCII characters, no whitespace, no braces (``\\Z``, not ``$``: ``$`` also
+matches before a final newline)."""
+
+RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+UnixSeconds = Annotated[float, Meta(ge=-1e15, le=1e15)]
+"""A finite number of seconds (NaN and the infinities fail the bounds)."""
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+FinishReason = Optional[Literal["stop", "length", "abort"]]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling parameters with SGLang's names and defaults."""
+# ---------------------------------------------------------------- sampling parameters
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Sampling parameters with SGLang's names and defaults (an unknown key is refused).
+
+    Bounds that come from settings (``max_new_tokens``, ``n``) and cross-field rules are checked
+    by :func:`redroll.shared.codec.check_sampling_params`."""
+
+    max_new_tokens: Annotated[int, Meta(ge=0)] = 128
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1
+    """-1 (disabled) or a positive integer."""
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    stop: Union[NonEmptyStr, Annotated[tuple[NonEmptyStr, ...], Meta(max_length=64)]] = ()
+    """Stop strings (a single string decodes as a one-element tuple)."""
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=1024)] = ()
+    n: Annotated[int, Meta(ge=1)] = 1
     ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_new_tokens: int = 0
-    sampling_seed: int | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    sampling_seed: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
     skip_special_tokens: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Other SGLang keys (see PASSTHROUGH_SAMPLING_KEYS), forwarded as they are."""
+    # SGLang keys forwarded as they are (the transformers engine refuses the ones it lacks).
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    stop_regex: Union[str, list[str], None] = None
+    no_stop_trim: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    custom_params: Optional[dict[str, Any]] = None
+    stream_interval: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The passthrough keys that are set."""
+        return {name: getattr(self, name) for name in PASSTHROUGH_SAMPLING_KEYS if getattr(self, name) is not None}
 
     def to_wire(self) -> dict[str, Any]:
         """Only the values that differ from the defaults, as plain msgpack-able types."""
-        out: dict[str, Any] = {}
-        for name, default in _SAMPLING_DEFAULTS:
-            value = getattr(self, name)
-            if value != default:
-                out[name] = list(value) if isinstance(value, tuple) else value
-        out.update(self.extra)
-        return out
+        return msgspec.to_builtins(self)
 
     def engine_kwargs(self, *, include_n: bool = False) -> dict[str, Any]:
         """Keyword arguments for an SGLang-style ``sampling_params`` dict."""
@@ -75,64 +105,87 @@ class SamplingParams:
         return out
 
 
-_SAMPLING_DEFAULTS: tuple[tuple[str, Any], ...] = tuple(
-    (f.name, f.default) for f in fields(SamplingParams) if f.name != "extra")
-"""(name, default) of every sampling parameter but ``extra``, in declaration order."""
+PASSTHROUGH_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "no_stop_trim",
+                             "spaces_between_special_tokens", "logit_bias", "custom_params", "stream_interval")
+"""SGLang sampling keys forwarded untouched (after their type check)."""
 
 
-@dataclass
-class GenerationRequest:
-    """One generation request as it travels on ``{ns}:requests``."""
+# ---------------------------------------------------------------- requests
 
-    request_id: str
-    input_ids: list[int] | None = None
-    prompt: str | None = None
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    """One generation request as it travels on ``{ns}:requests`` (the ``data`` map).
+
+    ``v`` 0 and ``submitted_at`` None stand for "now" until the request is encoded; on the wire
+    both are required."""
+
+    request_id: RequestId
+    input_ids: Optional[Annotated[list[TokenId], Meta(min_length=1)]] = None
+    prompt: Optional[NonEmptyStr] = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_logprob: bool = False
     collect_unfinished: bool = False
-    meta_info: dict[str, Any] = field(default_factory=dict)
-    reply_to: str | None = None
-    callback: str | None = None
-    group_id: str | None = None
-    deadline: float | None = None
-    submitted_at: float = field(default_factory=time.time)
-    lora_path: str | None = None
-    model: str | None = None
-    priority: int = 0
+    meta_info: dict[str, Any] = {}
+    reply_to: Optional[Annotated[str, Meta(max_length=512)]] = None
+    callback: Optional[Annotated[str, Meta(max_length=256)]] = None
+    group_id: Optional[RequestId] = None
+    deadline: Optional[UnixSeconds] = None
+    submitted_at: Optional[UnixSeconds] = None
+    lora_path: Optional[Annotated[str, Meta(max_length=4096)]] = None
+    model: Optional[Annotated[str, Meta(max_length=4096)]] = None
+    priority: Literal[0, 1] = 0
     """0 = normal; 1 = high (queued on ``{ns}:requests:high``, claimed before normal requests)."""
-    min_weight_version: int | None = None
+    min_weight_version: Optional[Annotated[int, Meta(ge=0)]] = None
     """Only workers whose (integer) weight_version is at least this may generate it."""
-    requeued: int = 0
+    requeued: Annotated[int, Meta(ge=0)] = 0
     """How often ``redroll dead requeue`` gave this request another attempt (its record says so,
-    and consumer groups de-duplicate each attempt on its own: see DESIGN.md "requeue")."""
-    v: int = SCHEMA_VERSION
+    and consumer groups de-duplicate each attempt on its own)."""
+    v: Annotated[int, Meta(ge=0)] = 0
 
     @property
     def n(self) -> int:
         return self.sampling_params.n
 
 
-@dataclass
-class CompletionRecord:
-    """One result record as it travels on a reply stream: one per request_id."""
+# ---------------------------------------------------------------- records
 
-    request_id: str
+
+class RecordData(msgspec.Struct, kw_only=True):
+    """The ``data`` map of a result entry (``status`` and ``worker`` are plain stream fields)."""
+
+    request_id: RequestId
+    output_token_ids: list[list[TokenId]] = []
+    finish_reasons: list[FinishReason] = []
+    output_logprobs: Optional[list[list[float]]] = None
+    meta_info: dict[str, Any] = {}
+    error: Optional[str] = None
+    callback: Optional[Annotated[str, Meta(max_length=256)]] = None
+    group_id: Optional[Annotated[str, Meta(max_length=256)]] = None
+    requeued: Annotated[int, Meta(ge=0)] = 0
+    v: Annotated[int, Meta(ge=1)] = SCHEMA_VERSION
+
+
+RECORD_DATA_FIELDS = msgspec.structs.fields(RecordData)
+
+
+class CompletionRecord(RecordData, kw_only=True):
+    """One result record: its data map plus the entry's plain ``status`` and ``worker``."""
+
     status: RecordStatus
-    output_token_ids: list[list[int]] = field(default_factory=list)
-    finish_reasons: list[str | None] = field(default_factory=list)
-    output_logprobs: list[list[float]] | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    worker: str | None = None
-    callback: str | None = None
-    group_id: str | None = None
-    requeued: int = 0
-    """The request's requeue count: a requeued request's record is a new attempt, not a duplicate."""
-    v: int = SCHEMA_VERSION
+    worker: Optional[str] = None
 
     @property
     def ok(self) -> bool:
         return self.status is RecordStatus.FINISHED
+
+    @property
+    def dedup_id(self) -> str:
+        """What consumer groups de-duplicate on: the request_id, per requeue attempt."""
+        return self.request_id if not self.requeued else f"{self.request_id}#requeue{self.requeued}"
+
+    def data(self) -> RecordData:
+        """The wire part (every field but ``status`` and ``worker``)."""
+        return RecordData(**{f.name: getattr(self, f.name) for f in RECORD_DATA_FIELDS})
 
     @classmethod
     def failed(
@@ -162,8 +215,3 @@ class CompletionRecord:
             group_id=request.group_id if request is not None else None,
             requeued=request.requeued if request is not None else 0,
         )
-
-    @property
-    def dedup_id(self) -> str:
-        """What consumer groups de-duplicate on: the request_id, per requeue attempt."""
-        return self.request_id if not self.requeued else f"{self.request_id}#requeue{self.requeued}"

@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import fields as dataclass_fields
 from functools import lru_cache
 from pathlib import Path
 
+import msgspec
+
 from redroll.engine_worker.engines import sglang_contract as contract
-from redroll.shared.types import PASSTHROUGH_SAMPLING_KEYS, SamplingParams
+from redroll.shared.types import SamplingParams
 
 
 def cache_dir() -> Path:
@@ -126,8 +127,7 @@ def _finish_type(cls: ast.ClassDef) -> str | None:
 
 def redroll_sampling_keys() -> set[str]:
     """Every sampling key redroll forwards to SGLang (SamplingParams.engine_kwargs)."""
-    return {f.name for f in dataclass_fields(SamplingParams) if f.name not in ("extra", "n")} | set(
-        PASSTHROUGH_SAMPLING_KEYS)
+    return {f.name for f in msgspec.structs.fields(SamplingParams) if f.name != "n"}
 
 
 def check(srt: Path) -> list[str]:

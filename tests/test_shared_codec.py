@@ -84,7 +84,7 @@ def test_request_round_trip_full():
         sampling_params=SamplingParams(
             max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, stop=("\n\n", "END"),
             stop_token_ids=(2, 7), n=4, ignore_eos=True, repetition_penalty=1.1, sampling_seed=1234,
-            extra={"json_schema": "{}", "logit_bias": {"5": -1.0}},
+            json_schema="{}", logit_bias={"5": -1.0},
         ),
         return_logprob=True,
         collect_unfinished=True,

@@ -11,7 +11,8 @@ import pytest
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
-from redroll.shared.control import ControlCommand, live_workers, send_command
+from redroll.shared.commands import ReleaseMemory, ResumeMemory
+from redroll.shared.control import live_workers, send_command
 from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 
@@ -88,13 +89,13 @@ async def test_update_with_abort_inflight_returns_partial_output(settings, r):
 async def test_release_and_resume_memory_pause_claiming(settings, r):
     pair = await _start(settings)
     await wait_until(lambda: _n_live(r, settings, 1))
-    await send_command(r, settings.keys, ControlCommand("release_memory"))
+    await send_command(r, settings.keys, ReleaseMemory())
     await wait_until(lambda: _state_is(r, settings, pair[0].name, "released"))
     async with Producer(settings) as p:
         fut = await p.submit(prompt="waits", sampling_params={"max_new_tokens": 2})
         await asyncio.sleep(0.5)
         assert not fut.done()  # nothing is claimed while memory is released
-        await send_command(r, settings.keys, ControlCommand("resume_memory"))
+        await send_command(r, settings.keys, ResumeMemory())
         rec = await asyncio.wait_for(fut, 10)
     await _stop(pair)
     assert rec.status is RecordStatus.FINISHED
