@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import msgpack
+import msgspec
 from redis.asyncio import Redis
 
-from redroll.shared.codec import ValidationError, decode_record, decode_request, request_to_map
+from redroll.shared.codec import ValidationError, decode_record, decode_request
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
@@ -85,14 +85,14 @@ def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: 
     data = entry.original.get(b"data")
     if patches:
         try:
-            obj = msgpack.unpackb(data, raw=False) if data is not None else {}
+            obj = msgspec.msgpack.decode(data) if data is not None else {}
         except Exception:
             raise RequeueRefused(f"{entry.id}: payload is not msgpack, cannot patch it") from None
         if not isinstance(obj, dict):
             raise RequeueRefused(f"{entry.id}: payload is not a map, cannot patch it")
         for path, value in patches.items():
             _patch(obj, path, value)
-        data = msgpack.packb(obj, use_bin_type=True)
+        data = msgspec.msgpack.encode(obj)
     fields = dict(entry.original)
     fields[b"data"] = data
     try:
@@ -107,7 +107,7 @@ def patched_request_fields(entry: DeadEntry, patches: dict[str, Any], settings: 
     out = {b"rid": req.request_id.encode()}
     if req.reply_to:
         out[b"reply_to"] = req.reply_to.encode()
-    out[b"data"] = msgpack.packb(request_to_map(req), use_bin_type=True)
+    out[b"data"] = msgspec.msgpack.encode(req)
     return req.request_id, out
 
 

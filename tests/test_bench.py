@@ -112,3 +112,16 @@ def test_cluster_bench_runs_each_partition_count(tmp_path: Path) -> None:
     assert all(r["rps"] > 0 and math.isfinite(r["rps"]) for r in runs)
     assert [r["nodes_holding_partitions"] for r in runs] == [1, 3]
     assert len(runs[1]["node_cpu_us_per_request"]) == 3
+
+
+def test_codec_bench_loads_a_codec_from_git_and_reports_both(tmp_path: Path) -> None:
+    # (HEAD as "before": the machinery works in any clone; the real before is the default)
+    out = tmp_path / "codec.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.codec_bench", "--quick", "--before", "HEAD",
+                           "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for side in ("before", "after"):
+        assert all(data[side][k] > 0 for k in ("request_decode_us", "large_record_encode_ms",
+                                                "large_record_decode_ms", "large_record_bytes"))
+    assert "request_decode_us" in proc.stdout

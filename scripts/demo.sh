@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The README's first command: install redroll (with CPU torch) and run `redroll demo` on the
+# embedded default. Works on a stock Debian/Ubuntu Python (externally managed: it uses .venv),
+# inside a virtualenv, and with any other python3. Arguments go to `redroll demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .ci/python-env
+"$PY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+# CPU torch pinned first, so nothing pulls a multi-GB CUDA build.
+"$PY" -m pip install --quiet "torch==2.13.0" -e ".[cpu]"
+exec "$PY" -m redroll.cli demo "$@"
