@@ -28,10 +28,10 @@ from redroll.shared.codec import (
     encode_request,
 )
 from redroll.shared.connection import connect, read_groups
-from redroll.shared.control import cancel_queued, send_abort
+from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
 from redroll.shared.keys import PRODUCER_GROUP, Keys
-from redroll.shared.refusals import StreamRefusedError, is_transient, retry_refused
+from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
@@ -351,15 +351,9 @@ class Producer:
         it meanwhile); then the rest is aborted in flight by its worker. (In that order: an
         in-flight abort frees slots, and workers would claim the queued ones next.) Returns the
         request_ids cancelled while still queued."""
-        ids = list(dict.fromkeys(request_ids))
-        known = ids + [x for x in self._groups.get(group_id, []) if x not in ids] if group_id is not None else ids
-        cancelled = await retry_refused(lambda: cancel_queued(self.redis, self.keys, known, parts=self.parts),
-                                        f"producer {self.name}: abort")
-        rest = [x for x in ids if x not in set(cancelled)]
-        if rest or group_id is not None:
-            await retry_refused(lambda: send_abort(self.redis, self.keys, rest, [group_id] if group_id else []),
-                                f"producer {self.name}: abort")
-        return cancelled
+        members = self._groups.get(group_id, []) if group_id is not None else []
+        return await abort_requests(self.redis, self.keys, request_ids, group_ids=[group_id] if group_id else [],
+                                    known_members=members, parts=self.parts, what=f"producer {self.name}: abort")
 
     async def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
                            **fields: Any) -> RolloutGroup:

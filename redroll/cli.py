@@ -341,15 +341,17 @@ async def _run_status(args: argparse.Namespace) -> int:
 
 
 async def _run_abort(args: argparse.Namespace) -> int:
-    from redroll.shared.control import send_abort
+    from redroll.shared.control import abort_requests
 
     if not args.request_ids and not args.group:
         print("redroll abort: name request ids or --group G", file=sys.stderr)
         return 2
     settings = _settings(args)
     async with connect(settings) as r:
-        await send_abort(r, settings.keys, args.request_ids, args.group)
-    print(f"abort sent for {len(args.request_ids)} request(s) and {len(args.group)} group(s)")
+        cancelled = await abort_requests(r, settings.keys, args.request_ids, group_ids=args.group,
+                                         parts=settings.partition_keys, what="redroll abort")
+    print(f"abort sent for {len(args.request_ids)} request(s) and {len(args.group)} group(s); "
+          f"{len(cancelled)} cancelled while still queued")
     return 0
 
 

@@ -99,6 +99,26 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     return cancelled
 
 
+async def abort_requests(r: Redis, keys: Keys, request_ids: Sequence[str] = (), *,
+                         group_ids: Sequence[str] = (), known_members: Sequence[str] = (),
+                         parts: Sequence[Keys] | None = None, what: str = "abort") -> list[str]:
+    """Abort by request_id and/or group_id: the queued ones first, each cancelled in the queue at
+    once (atomically: its aborted record published, its entry deleted, unless a worker took it
+    meanwhile); then the rest is aborted in flight by its worker. In that order: an in-flight abort
+    frees slots, and the workers would claim (and abort) the queued ones next. ``known_members``:
+    request_ids of the groups that the caller knows (queued members can only be found by id).
+    Passing refusals (out of memory, ...) are retried. Returns the request_ids cancelled in the queue."""
+    from .refusals import retry_refused
+
+    ids = list(dict.fromkeys(request_ids))
+    candidates = ids + [x for x in known_members if x not in ids]
+    cancelled = await retry_refused(lambda: cancel_queued(r, keys, candidates, parts=parts), what)
+    rest = [x for x in ids if x not in set(cancelled)]
+    if rest or group_ids:
+        await retry_refused(lambda: send_abort(r, keys, rest, list(group_ids)), what)
+    return cancelled
+
+
 async def send_command(r: Redis, keys: Keys, command: Command) -> str:
     entry = await r.xadd(keys.control, command_fields(command), maxlen=CONTROL_MAXLEN, approximate=True)
     return entry.decode() if isinstance(entry, bytes) else entry

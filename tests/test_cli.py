@@ -93,7 +93,12 @@ async def test_status_json_and_abort(settings, r):
     assert status["dead_letters"] == 0 and status["namespace"] == settings.namespace
     proc = run_cli(settings, "abort", "q-0", "--group", "g1")
     assert proc.returncode == 0, proc.stderr
-    assert await r.zscore(settings.keys.aborted, "r:q-0") is not None
+    # q-0 was still queued: cancelled in the queue (its aborted record published, its entry
+    # deleted) rather than marked for a worker to skip; the group is marked for the workers.
+    assert "1 cancelled while still queued" in proc.stdout
+    assert await r.xlen(settings.keys.requests) == 2
+    ((_, record),) = await r.xrange(settings.keys.results)
+    assert record[b"rid"] == b"q-0" and record[b"status"] == b"aborted"
     assert await r.zscore(settings.keys.aborted, "g:g1") is not None
     human = run_cli(settings, "status")
     assert human.returncode == 0 and "queued" in human.stdout
