@@ -13,7 +13,7 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 
-from redroll.shared.commands import ENGINE_COMMANDS, Abort, Command, Drain, parse_command
+from redroll.shared.commands import ENGINE_COMMANDS, SYNC_COMMANDS, Abort, Command, Drain, parse_command
 from redroll.shared.control import ABORTED_RETENTION_S, aborted_member
 from redroll.shared.keys import Keys
 from redroll.shared.streams import text
@@ -63,6 +63,8 @@ class ControlTarget(Protocol):
 
     def run_engine_command(self, cmd: Command) -> None: ...
 
+    def run_sync_command(self, cmd: Command) -> None: ...
+
 
 class ControlListener:
     def __init__(self, r: Redis, keys: Keys, name: str, target: ControlTarget, aborted: AbortedSet,
@@ -103,3 +105,5 @@ class ControlListener:
             self.target.request_stop()
         elif isinstance(cmd, ENGINE_COMMANDS):
             self.target.run_engine_command(cmd)
+        elif isinstance(cmd, SYNC_COMMANDS):
+            self.target.run_sync_command(cmd)

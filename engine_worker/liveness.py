@@ -23,11 +23,12 @@ log = logging.getLogger("redroll.worker")
 
 class Liveness:
     def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str],
-                 blocked: Callable[[], dict[str, str]]):
+                 blocked: Callable[[], dict[str, str]], weights_source: Callable[[], str] = lambda: "initial"):
         self.ctx = ctx
         self.flights = flights
         self._state = state
         self._blocked = blocked
+        self._weights_source = weights_source
         self._beat_error: str | None = None
         self.started_at = time.time()
         self.interval_s = max(0.05, min(ctx.settings.heartbeat_s, ctx.settings.claim_idle_ms / 3000.0))
@@ -90,7 +91,8 @@ class Liveness:
             "max_inflight": self.flights.max_inflight, "started": round(self.started_at, 3),
             "seen": round(time.time(), 3), "published": stats.published, "tokens": stats.tokens,
             "fenced": stats.fenced, "lease_losses": stats.lease_losses, "dead_lettered": stats.dead_lettered,
-            "state": self._state(), **self._rates(),
+            "state": self._state(), "weights_source": self._weights_source(),
+            "weight_ranks": int(getattr(info, "weight_ranks", 1) or 1), **self._rates(),
         }
         blocked = self._blocked()
         if blocked:

@@ -28,10 +28,13 @@ def build_record(
     """
     keep_output = status is RecordStatus.FINISHED or request.collect_unfinished
     n = max(len(output.samples), request.n)
+    versions: list[list[str] | None] | None = None
     if keep_output:
         ids = [list(s.token_ids) for s in output.samples]
         reasons: list[str | None] = [s.finish_reason for s in output.samples]
         logprobs = [list(s.logprobs or []) for s in output.samples] if request.return_logprob else None
+        if any(s.weight_versions for s in output.samples):
+            versions = [list(s.weight_versions) if s.weight_versions else None for s in output.samples]
     else:
         ids = [[] for _ in range(n)]
         reasons = [None] * n
@@ -63,4 +66,5 @@ def build_record(
         callback=request.callback,
         group_id=request.group_id,
         requeued=request.requeued,
+        weight_versions=versions,
     )

@@ -7,12 +7,13 @@ here, parked and leased, until the update it needs lands.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any, Awaitable, Callable
 
 import redis
 
-from redroll.shared.commands import Command, CommandFailed, ReleaseMemory, ResumeMemory, UpdateWeights
+from redroll.shared.commands import Command, CommandFailed, ReleaseMemory, ResumeMemory, UpdateMode, UpdateWeights
 from redroll.shared.control import send_command
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
@@ -21,6 +22,9 @@ from .context import WorkerContext
 from .flights import Flights
 
 log = logging.getLogger("redroll.worker")
+
+AWAITING_PUSH = "awaiting push"
+"""The claiming hold (and weight source) of a late joiner waiting for the trainer's next push."""
 
 
 def version_number(version: Any) -> int | None:
@@ -36,7 +40,11 @@ class WeightsGate:
         self.ctx = ctx
         self.flights = flights
         self._heartbeat = heartbeat
-        self._lock = asyncio.Lock()
+        self.lock = asyncio.Lock()
+        """One weight change at a time (an update from disk, a trainer's push)."""
+        self.source = "initial"
+        """Where the served weights came from: ``initial``, ``disk:<path>``, ``push:<version>``, or
+        ``awaiting push`` (a late joiner holding claims until the trainer's next push)."""
 
     @property
     def engine(self) -> Any:
@@ -57,20 +65,23 @@ class WeightsGate:
         worker, the command and the error (``redroll weights`` prints it)."""
         try:
             if isinstance(cmd, UpdateWeights):
-                await self.update(cmd.model_path, cmd.weight_version, abort_inflight=cmd.abort_inflight)
+                await self.update(cmd.model_path, cmd.weight_version, mode=cmd.effective_mode)
             elif isinstance(cmd, ReleaseMemory):
                 await self.release_memory()
             elif isinstance(cmd, ResumeMemory):
                 await self.resume_memory()
         except Exception as exc:
-            log.error("control command %s failed: %s: %s", cmd.kind, type(exc).__name__, exc)
-            try:
-                await send_command(self.ctx.redis, self.ctx.keys, CommandFailed(
-                    worker=self.ctx.name, command=cmd.kind, error=f"{type(exc).__name__}: {exc}"[:500]))
-            except redis.RedisError as report_exc:
-                log.warning("could not report the failure of %s: %s", cmd.kind, report_exc)
+            await self.report_failure(cmd.kind, exc)
 
-    async def _quiesce(self, hold: str, abort_inflight: bool = False) -> None:
+    async def report_failure(self, kind: str, exc: BaseException) -> None:
+        log.error("control command %s failed: %s: %s", kind, type(exc).__name__, exc)
+        try:
+            await send_command(self.ctx.redis, self.ctx.keys, CommandFailed(
+                worker=self.ctx.name, command=kind, error=f"{type(exc).__name__}: {exc}"[:500]))
+        except redis.RedisError as report_exc:
+            log.warning("could not report the failure of %s: %s", kind, report_exc)
+
+    async def quiesce(self, hold: str, abort_inflight: bool = False) -> None:
         """Stop claiming and wait until nothing is in flight (aborting it first when asked)."""
         self.flights.hold(hold)
         if abort_inflight:
@@ -79,30 +90,48 @@ class WeightsGate:
                     flight.stop(self.engine, RecordStatus.ABORTED, "weight_update")
         await self.flights.wait_idle()
 
-    async def update(self, model_path: str, weight_version: str | None, *, abort_inflight: bool = False) -> None:
-        """Stop claiming, let in-flight requests finish (or abort them: with collect_unfinished their
-        partial output is published), load the new weights, resume. Records generated after this
-        carry the new weight_version; none generated before do."""
-        async with self._lock:
+    def in_place_capable(self) -> bool:
+        """The engine can swap weights under requests in flight (between two decode steps)."""
+        update = getattr(self.engine, "update_weights_from_disk", None)
+        return update is not None and "in_place" in inspect.signature(update).parameters
+
+    async def update(self, model_path: str, weight_version: str | None, *, mode: UpdateMode = "quiesce") -> None:
+        """Load new weights from ``model_path``. ``quiesce``: stop claiming, let in-flight requests
+        finish, load, resume (records switch version at one point); ``abort``: abort them first (with
+        collect_unfinished their partial output is published); ``in_place``: swap between two
+        decode steps while they run (each token's version is in its record)."""
+        async with self.lock:
             if weight_version is not None and weight_version == self.engine.info.weight_version:
                 return
-            log.info("weight update to %s (version %s): pausing claims", model_path, weight_version)
-            await self._quiesce("weights", abort_inflight)
-            try:
-                update = getattr(self.engine, "update_weights_from_disk", None)
-                if update is None:
-                    raise RuntimeError(f"the {self.engine.info.name} engine cannot update weights")
-                await update(model_path, weight_version)
-                log.info("weights now at version %s", self.engine.info.weight_version)
+            update = getattr(self.engine, "update_weights_from_disk", None)
+            if update is None:
+                raise RuntimeError(f"the {self.engine.info.name} engine cannot update weights")
+            if mode == "in_place" and self.in_place_capable():
+                log.info("weight update to %s (version %s), in place", model_path, weight_version)
+                await update(model_path, weight_version, in_place=True)
+                self.weights_changed(f"disk:{model_path}")
                 await self._heartbeat()
-                self.flights.resume_parked()
+                return
+            log.info("weight update to %s (version %s): pausing claims", model_path, weight_version)
+            await self.quiesce("weights", abort_inflight=mode == "abort")
+            try:
+                await update(model_path, weight_version)
+                self.weights_changed(f"disk:{model_path}")
+                await self._heartbeat()
             finally:
                 self.flights.release("weights")
+
+    def weights_changed(self, source: str) -> None:
+        """New weights are served: requests parked for them start, a late joiner claims again."""
+        self.source = source
+        log.info("weights now at version %s (%s)", self.engine.info.weight_version, source)
+        self.flights.release(AWAITING_PUSH)
+        self.flights.resume_parked()
 
     async def release_memory(self) -> None:
         """Free engine memory for a colocated trainer; claiming stays paused until resume (and
         resumes at once when the engine refuses the release)."""
-        await self._quiesce("memory")
+        await self.quiesce("memory")
         release = getattr(self.engine, "release_memory_occupation", None)  # (none: nothing to free)
         try:
             if release is not None:
@@ -121,11 +150,20 @@ class WeightsGate:
         await self._heartbeat()
 
     async def load_desired(self) -> None:
-        """A worker that joins late loads the desired weights before claiming anything."""
+        """A worker that joins late never serves stale weights: it loads the last published
+        checkpoint, or (weights pushed by a trainer, with no checkpoint on disk) claims nothing until
+        the trainer's next push reaches it (``source`` says which)."""
         desired = await self.ctx.redis.hgetall(self.ctx.keys.weights)
         if not desired:
             return
         version = text(desired.get(b"weight_version", b"")) or None
         path = text(desired.get(b"model_path", b"")) or None
-        if version is not None and path is not None and version != self.engine.info.weight_version:
+        if version is None or version == self.engine.info.weight_version:
+            return
+        if path is not None:
             await self.update(path, version)
+            return
+        self.source = AWAITING_PUSH
+        self.flights.hold(AWAITING_PUSH)
+        log.info("the fleet serves pushed weights %s and no checkpoint was published: claiming nothing until "
+                 "the trainer's next push", version)

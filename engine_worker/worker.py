@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.commands import Command
+from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
@@ -36,7 +36,8 @@ from .housekeeping import housekeeping_loop
 from .liveness import Liveness
 from .outcomes import PUBLISH_HOLD, Outcomes
 from .request import RequestRunner
-from .weights import WeightsGate
+from .weight_sync import STALE_WEIGHTS, SyncReceiver
+from .weights import AWAITING_PUSH, WeightsGate
 
 log = logging.getLogger("redroll.worker")
 
@@ -95,6 +96,7 @@ class Worker:
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
         self._outcomes: Outcomes | None = None
+        self._sync: SyncReceiver | None = None
         self._control_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ state
@@ -126,6 +128,8 @@ class Worker:
             return "released"
         if "weights" in holds:
             return "updating"
+        if AWAITING_PUSH in holds or STALE_WEIGHTS in holds:
+            return "awaiting_weights"
         if PUBLISH_HOLD in holds:
             return "blocked"
         return "running"
@@ -152,7 +156,17 @@ class Worker:
 
     def run_engine_command(self, cmd: Command) -> None:
         assert self._weights is not None
-        task = asyncio.create_task(self._weights.run_command(cmd))
+        self._spawn(self._weights.run_command(cmd))
+
+    def run_sync_command(self, cmd: Command) -> None:
+        assert self._sync is not None
+        if isinstance(cmd, SyncWeights):
+            self._spawn(self._sync.run(cmd))
+        else:
+            self._sync.note(cmd)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
         self._control_tasks.add(task)
         task.add_done_callback(self._control_tasks.discard)
 
@@ -160,10 +174,12 @@ class Worker:
         ctx = WorkerContext(settings=self.settings, name=self.name, engine=self.engine, redis=self.redis,
                             parts=self.parts, stats=self.stats, stopping=self._stopping, block_ms=self.block_ms,
                             metrics=self.metrics)
-        liveness = Liveness(ctx, self.flights, state=self.state, blocked=lambda: self.blocked)
+        liveness = Liveness(ctx, self.flights, state=self.state, blocked=lambda: self.blocked,
+                            weights_source=lambda: self._weights.source if self._weights else "initial")
         self._outcomes = outcomes = Outcomes(ctx, self.flights)
         aborted = AbortedSet()
         self._weights = WeightsGate(ctx, self.flights, heartbeat=liveness.heartbeat)
+        self._sync = SyncReceiver(ctx, self.flights, self._weights)
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)
         control = ControlListener(self.redis, self.keys, self.name, self, aborted, self.block_ms)
         claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s)

@@ -400,6 +400,17 @@ class Producer:
             self.set_weight_version(int(weight_version))
         return workers
 
+    def weight_sync(self, **options: Any) -> Any:
+        """Push a trainer's weights to the fleet over torch.distributed (see
+        :class:`redroll.producer.weight_sync.WeightSync` for the options)::
+
+            async with producer.weight_sync(backend="gloo") as sync:
+                await sync.push(model.named_parameters(), version="12")
+        """
+        from .weight_sync import WeightSync  # (torch is needed only for this)
+
+        return WeightSync(self, **options)
+
     async def _read_loop(self, streams: list[str]) -> None:
         # First our own pending entries on each reply stream (a restart resumes them), then new ones.
         last_ids = {stream: "0" for stream in streams}

@@ -141,9 +141,9 @@ def continuation(original: GenerationRequest, so_far: list[int], segment: int) -
 
 
 def stitch(request_id: str, segments: list[CompletionRecord]) -> CompletionRecord:
-    """One record from the segments of a partial rollout: ids and logprobs concatenated, the last
-    segment's status and finish reason, and per-segment weight versions in
-    ``meta_info["segments"]`` (plus ``weight_versions``, one per output token)."""
+    """One record from the segments of a rollout that ran in parts: ids and logprobs concatenated,
+    the last segment's status and finish reason, ``meta_info["segments"]`` (which worker and version
+    made which part) and the record's per-token ``weight_versions``."""
     if not segments:
         raise ValueError("no segments to stitch")
     for seg in segments:
@@ -160,20 +160,21 @@ def stitch(request_id: str, segments: list[CompletionRecord]) -> CompletionRecor
             logprobs += seg.output_logprobs[0]
         else:
             logprobs = None
-        version = seg.meta_info.get("weight_version")
-        per_token_versions += [version] * len(seg_ids)
-        parts.append({"request_id": seg.request_id, "tokens": len(seg_ids), "weight_version": version,
+        per_token_versions += seg.token_versions(0)
+        parts.append({"request_id": seg.request_id, "tokens": len(seg_ids),
+                      "weight_version": seg.meta_info.get("weight_version"),
                       "finish_reason": seg.finish_reasons[0], "worker": seg.worker})
     last = segments[-1]
     meta = dict(last.meta_info)
-    meta.update(segments=parts, weight_versions=per_token_versions, completion_tokens=len(ids),
-                prompt_tokens=segments[0].meta_info.get("prompt_tokens"))
+    meta.update(segments=parts, completion_tokens=len(ids), prompt_tokens=segments[0].meta_info.get("prompt_tokens"))
     meta.pop("continues", None)
     meta.pop("segment", None)
+    spans = len(set(per_token_versions)) > 1
     return CompletionRecord(request_id=request_id, status=last.status, output_token_ids=[ids],
                             finish_reasons=list(last.finish_reasons), output_logprobs=[logprobs] if logprobs is not None else None,
                             meta_info=meta, error=last.error, worker=last.worker, callback=last.callback,
-                            group_id=last.group_id)
+                            group_id=last.group_id,
+                            weight_versions=[[str(v) for v in per_token_versions]] if spans else None)
 
 
 # ---------------------------------------------------------------- staleness
@@ -184,7 +185,8 @@ def staleness_report(records: Iterable[CompletionRecord], current_version: int) 
     for stitched partial rollouts: their oldest segment counts)."""
     lags = []
     for rec in records:
-        versions = rec.meta_info.get("weight_versions") or [rec.meta_info.get("weight_version")]
+        versions = [v for i in range(len(rec.output_token_ids)) for v in rec.token_versions(i)] or [
+            rec.meta_info.get("weight_version")]
         numeric = [int(v) for v in versions if v is not None and str(v).lstrip("-").isdigit()]
         if numeric:
             lags.append(current_version - min(numeric))

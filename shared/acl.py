@@ -99,6 +99,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     replies = f"{pt}:reply:*"
+    wsync = f"{t}:wsync:*"
     conn = connection_commands(server_version)
     rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
     rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
@@ -129,11 +130,12 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("hset", "hget", "hgetall"), rw(weights),
                   "set (and show) the desired weights; the version a cancelled request's record names"),
             Grant(("hgetall",), rd(workers), "wait until every live worker runs the new weights"),
+            Grant(("hgetall",), rd(wsync), "a trainer's weight push: the workers' progress"),
         ]
     if role == "worker":
         return [
-            Grant((*conn, *scripts, "eval", "scan"), rw(requests, requests_high, rid, results, replies, dead),
-                  "connection upkeep; the Lua scripts finish_many, dead_letter and renew, and housekeeping's "
+            Grant((*conn, "multi", "exec", *scripts, "eval", "scan"), rw(requests, requests_high, rid, results, replies, dead),
+                  "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter and renew, and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
@@ -151,6 +153,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("hset", "hget", "hmget", "hdel"), rw(errors), "last engine error / hand-back note per entry"),
             Grant(("zrangebyscore",), rd(aborted),
                   "load the aborted ids at start (later ones come on the control stream)"),
+            Grant(("hset", "expire"), wr(wsync),
+                  "report its progress in a trainer's weight push (joined, received, committed, failed)"),
         ]
     if role == "consumer":
         source = glob_escape(stream) if stream else results

@@ -104,7 +104,7 @@ def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationE
     for short in _COLLAPSE:
         if path.startswith(short):
             path = short.rstrip("[")
-    if re.match(r"^output_logprobs\[\d+\]\[", path):
+    if re.match(r"^(output_logprobs|weight_versions)\[\d+\]\[", path):
         path = path[: path.index("]") + 1]
     return ValidationError(path or "data", rule)
 
@@ -334,6 +334,13 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
         for i, (lp, s) in enumerate(zip(logprobs, ids)):
             if len(lp) != len(s):
                 raise ValidationError(f"output_logprobs[{i}]", "must have the same length as its token ids")
+    versions = data.weight_versions
+    if versions is not None:
+        if len(versions) != len(ids):
+            raise ValidationError("weight_versions", "must be a list with one entry per sample")
+        for i, (vs, s) in enumerate(zip(versions, ids)):
+            if vs is not None and len(vs) != len(s):
+                raise ValidationError(f"weight_versions[{i}]", "must have the same length as its token ids")
     return CompletionRecord(status=status, worker=_field_str(fields, "worker") or None,
                             **{f.name: getattr(data, f.name) for f in _RECORD_FIELDS})
 

@@ -8,7 +8,7 @@ XREAD; a kind they do not know (from a newer producer) is skipped.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 import msgspec
 
@@ -34,10 +34,63 @@ class Drain(Command, tag="drain"):
     pass
 
 
+UpdateMode = Literal["quiesce", "abort", "in_place"]
+"""How a worker takes new weights: ``quiesce`` stops claiming and lets in-flight work finish first;
+``abort`` aborts it (partial output kept with collect_unfinished); ``in_place`` pauses generation
+between two decode steps, swaps, and continues (the tokens after the swap attend to KV computed with
+the old weights; every token's version is in the record)."""
+
+
 class UpdateWeights(Command, tag="update_weights"):
     model_path: str
     weight_version: Optional[str] = None
     abort_inflight: bool = False
+    mode: Optional[UpdateMode] = None
+    """None: ``abort`` when ``abort_inflight``, else ``quiesce``."""
+
+    @property
+    def effective_mode(self) -> UpdateMode:
+        return self.mode or ("abort" if self.abort_inflight else "quiesce")
+
+
+class TensorSpec(msgspec.Struct, array_like=True):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class SyncWeights(Command, tag="sync_weights"):
+    """A trainer's push, attempt ``attempt``: the named workers join the group (trainer rank 0, each
+    worker from its rank offset), receive ``tensors`` in this order into staging, report, and swap
+    only on :class:`SyncCommit` (a failed attempt is :class:`SyncAbort`-ed, its staging dropped)."""
+
+    sync_id: str
+    attempt: int
+    version: str
+    group_name: str
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str
+    ranks: dict[str, int]
+    """worker name → its first rank (a tensor-parallel engine takes tp_size ranks from there)."""
+    tensors: list[TensorSpec]
+    mode: UpdateMode = "in_place"
+    timeout_s: float = 60.0
+    checkpoint_path: Optional[str] = None
+    """Where these weights are also on disk (late joiners load them from there), if anywhere."""
+
+
+class SyncCommit(Command, tag="sync_commit"):
+    sync_id: str
+    attempt: int
+    version: str
+
+
+class SyncAbort(Command, tag="sync_abort"):
+    sync_id: str
+    attempt: int
+    reason: str = ""
 
 
 class ReleaseMemory(Command, tag="release_memory"):
@@ -56,8 +109,10 @@ class CommandFailed(Command, tag="command_failed"):
     error: str
 
 
-ControlCommand = Union[Abort, Drain, UpdateWeights, ReleaseMemory, ResumeMemory, CommandFailed]
+ControlCommand = Union[Abort, Drain, UpdateWeights, ReleaseMemory, ResumeMemory, CommandFailed, SyncWeights,
+                       SyncCommit, SyncAbort]
 ENGINE_COMMANDS = (UpdateWeights, ReleaseMemory, ResumeMemory)
+SYNC_COMMANDS = (SyncWeights, SyncCommit, SyncAbort)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(ControlCommand)

@@ -105,6 +105,11 @@ class Keys:
         """Hash: request entry id → last engine error, so the dead letter can say why."""
         return f"{self.tag}:errors"
 
+    def weight_sync(self, sync_id: str) -> str:
+        """Hash: one trainer push's progress, ``<worker>:<attempt>`` → joined / received / committed /
+        failed: …, written by the workers, read by the trainer; it expires."""
+        return f"{self.tag}:wsync:{sync_id}"
+
     @functools.cached_property
     def reply_prefix(self) -> str:
         return f"{self.tag}:reply:"

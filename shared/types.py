@@ -162,6 +162,10 @@ class RecordData(msgspec.Struct, kw_only=True):
     callback: Optional[Annotated[str, Meta(max_length=256)]] = None
     group_id: Optional[Annotated[str, Meta(max_length=256)]] = None
     requeued: Annotated[int, Meta(ge=0)] = 0
+    weight_versions: Optional[list[Optional[list[str]]]] = None
+    """Per sample, the weight version of each output token (same length as its ids), when a sample
+    spans a weight update (an in-place update, a resumed or partial rollout); nil for a sample one
+    version made (``meta_info.weight_version``)."""
     v: Annotated[int, Meta(ge=1)] = SCHEMA_VERSION
 
 
@@ -177,6 +181,13 @@ class CompletionRecord(RecordData, kw_only=True):
     @property
     def ok(self) -> bool:
         return self.status is RecordStatus.FINISHED
+
+    def token_versions(self, sample: int = 0) -> list[str | None]:
+        """The weight version of each output token of ``sample``."""
+        spans = self.weight_versions[sample] if self.weight_versions else None
+        if spans is not None:
+            return list(spans)
+        return [self.meta_info.get("weight_version")] * len(self.output_token_ids[sample])
 
     @property
     def dedup_id(self) -> str:

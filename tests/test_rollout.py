@@ -154,7 +154,8 @@ async def test_partial_rollout_stitched_across_a_weight_update(settings):
     assert segs[0]["finish_reason"] == "abort" and segs[1]["finish_reason"] == "length"
     assert rec.request_id == "long-1" and rec.status is RecordStatus.FINISHED and rec.finish_reasons == ["length"]
     assert len(rec.output_token_ids[0]) == 60 == len(rec.output_logprobs[0]) == sum(s["tokens"] for s in segs)
-    assert rec.meta_info["weight_versions"] == ["0"] * segs[0]["tokens"] + ["1"] * segs[1]["tokens"]
+    assert rec.weight_versions == [["0"] * segs[0]["tokens"] + ["1"] * segs[1]["tokens"]]
+    assert rec.token_versions(0) == rec.weight_versions[0]
     # The stitched record is exactly the concatenation of its parts.
     engine = SyntheticEngine()
     first = make_request(request_id="x", input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 60, "sampling_seed": 9})

@@ -17,6 +17,8 @@ class SampleOutput:
     logprobs: list[float] | None
     finish_reason: str | None
     """"stop", "length", "abort", or None when it never started."""
+    weight_versions: list[str] | None = None
+    """The weight version of each token, when they were not all made by one (an in-place update)."""
 
 
 @dataclass

@@ -49,6 +49,7 @@ class SyntheticEngine:
         self.info = EngineInfo(name="synthetic", model=model, vocab_size=vocab_size, eos_token_id=None,
                                pad_token_id=None, weight_version=weight_version, max_context=max_context)
         self._abort_events: dict[str, asyncio.Event] = {}
+        self._version_changes: list[tuple[float, str]] = []
 
     async def start(self) -> None:
         return None
@@ -100,9 +101,28 @@ class SyntheticEngine:
         if self.raise_marker and self.raise_marker in text:
             raise RuntimeError(f"synthetic engine failure for {request.request_id}")
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        """No weights to load: only the version changes (records carry it)."""
-        self.info.weight_version = weight_version if weight_version is not None else model_path
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
+                                       in_place: bool = False) -> None:
+        """No weights to load: only the version changes (records carry it). ``in_place``: requests
+        generating now switch at this moment (their tokens after it carry the new version)."""
+        version = weight_version if weight_version is not None else model_path
+        self._version_changes.append((time.monotonic(), version))
+        del self._version_changes[:-64]
+        self.info.weight_version = version
+
+    def _versions_of(self, started: float, token_s: float, count: int, first: str) -> list[str] | None:
+        """The version in effect when each of ``count`` tokens was made, one every ``token_s`` from
+        ``started`` (None when one version made them all)."""
+        changes = [(t, v) for t, v in self._version_changes if t > started]
+        if not changes or token_s <= 0:
+            return None
+        out, current, pending = [], first, list(changes)
+        for i in range(count):
+            made_at = started + (i + 1) * token_s
+            while pending and pending[0][0] <= made_at:
+                current = pending.pop(0)[1]
+            out.append(current)
+        return out if len(set(out)) > 1 else None
 
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
         if self._slots is None and not self.token_ms:
@@ -148,5 +168,6 @@ class SyntheticEngine:
                         break
             if aborted and produced < len(ids):
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
-            samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason))
-        return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=weight_version)
+            samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
+                                        self._versions_of(started, token_ms / 1000.0, len(ids), weight_version)))
+        return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version)

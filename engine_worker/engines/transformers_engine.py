@@ -29,6 +29,7 @@ from redroll.shared.types import GenerationRequest, SamplingParams
 
 from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
 from .tiny_model import TINY_RANDOM
+from .torch_weights import TorchWeights
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -60,6 +61,8 @@ class _Row:
     seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    """The weight version that produced each token (an in-place update swaps between two steps)."""
     finish_reason: str | None = None
 
     @property
@@ -109,7 +112,7 @@ class _Decoder:
 # ---------------------------------------------------------------- the engine
 
 
-class TransformersEngine:
+class TransformersEngine(TorchWeights):
     """Engine protocol on a transformers causal LM (``"tiny-random"`` or a local HF directory)."""
 
     def __init__(
@@ -140,6 +143,8 @@ class TransformersEngine:
         self._jobs: dict[str, _Job] = {}
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task[None] | None = None
+        self._step_lock = asyncio.Lock()
+        """Held by every model step and by an in-place weight swap (so the swap falls between steps)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,12 +192,15 @@ class TransformersEngine:
         )
         return model.to(self.device).eval(), tokenizer
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        """Load new weights (a local HF directory, or ``tiny-random[:SEED]``) while nothing is in flight.
-
-        The worker quiesces before calling this; a request still queued here would be generated
-        with the new weights, which is why the worker waits for its in-flight work first.
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
+                                       in_place: bool = False) -> None:
+        """Load new weights (a local HF directory, or ``tiny-random[:SEED]``): ``in_place``, swapped
+        between two decode steps while requests run (see :mod:`.torch_weights`); otherwise while
+        nothing is in flight (the worker quiesces first), replacing the model.
         """
+        if in_place:
+            await self.load_weights_in_place(model_path, weight_version)
+            return
         if self._jobs:
             raise RuntimeError("cannot update weights while requests are in flight")
         previous = self.model_path
@@ -313,6 +321,7 @@ class TransformersEngine:
                 token_ids=list(row.token_ids),
                 logprobs=list(row.logprobs) if job.request.return_logprob else None,
                 finish_reason=row.finish_reason,
+                weight_versions=list(row.versions) if len(set(row.versions)) > 1 else None,
             )
             for row in job.rows
         ]
@@ -369,20 +378,26 @@ class TransformersEngine:
             job.rows = [row for row in rows if row.job is job]
         sampling = self._sampling_tensors(rows)
         banned = self._banned_tokens(rows)
-        decoder, tokens, logprobs = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
+        # Each step runs under the step lock, with the version it ran on: an in-place weight swap
+        # takes the lock, so it falls between two steps.
+        async with self._step_lock:
+            version = self.info.weight_version
+            decoder, tokens, logprobs = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
         while True:
-            self._advance(rows, tokens, logprobs)
+            self._advance(rows, tokens, logprobs, version)
             active = [row.active for row in rows]
             if not any(active):
                 return
             banned = self._banned_tokens(rows)
-            tokens, logprobs = await asyncio.to_thread(
-                self._decode_step, decoder, tokens, active, banned, sampling
-            )
+            async with self._step_lock:
+                version = self.info.weight_version
+                tokens, logprobs = await asyncio.to_thread(
+                    self._decode_step, decoder, tokens, active, banned, sampling
+                )
 
     # ------------------------------------------------------------ per-step bookkeeping (event loop)
 
-    def _advance(self, rows: list[_Row], tokens: list[int], logprobs: list[float]) -> None:
+    def _advance(self, rows: list[_Row], tokens: list[int], logprobs: list[float], version: str | None) -> None:
         """Append this step's token to every active row, finish rows, resolve finished jobs."""
         touched: list[_Job] = []
         for row, token, logprob in zip(rows, tokens, logprobs):
@@ -390,6 +405,7 @@ class TransformersEngine:
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(str(version))
             row.finish_reason = self._finish_reason(row, token)
             if row.finish_reason is not None and row.job not in touched:
                 touched.append(row.job)
