@@ -49,27 +49,54 @@ class WeightGroup:
     def open(cls, *, address: str, port: int, rank: int, world_size: int, name: str, backend: str = "gloo",
              timeout_s: float = 60.0) -> "WeightGroup":
         """Join (rank 0: serve) the rendezvous and connect to every other rank; blocks until all
-        ``world_size`` ranks are there, or raises after ``timeout_s``."""
+        ``world_size`` ranks are there, or raises after ``timeout_s``.
+
+        The store keys are those of SGLang's side of the group: its scheduler builds it with
+        ``init_custom_process_group`` (sglang/srt/utils/common.py:2859-2927 of 0.5.23, called from
+        model_executor/model_runner_components/weight_updater.py:100-141): a ``tcp://`` rendezvous,
+        the store prefixed with the group name, then c10d's group helper, which prefixes
+        ``<name>/`` and the first device's ``<device>/`` (gloo: cpu; nccl: cuda), builds the backend
+        there and exchanges its sequence number. This builds the same
+        backends on the same keys without registering the group in c10d's process-wide table, so
+        a trainer and a worker may share a process, and one push reaches SGLang and transformers
+        workers alike (``tests/test_weight_group.py`` checks it against c10d's helper)."""
         import torch.distributed as dist
 
+        if backend not in ("gloo", "nccl"):  # (nccl is untested here: it needs a GPU per rank)
+            raise ValueError(f"backend {backend!r} is not gloo or nccl")
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timeout,
                               wait_for_workers=False)
-        prefixed = dist.PrefixStore(name, store)
-        if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":  # (untested here: needs a GPU per rank)
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        group_store = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+        device_map = dist.distributed_c10d.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+        first_device, device_backend = next(iter(device_map.items()))
+        # One backend kind for every device (gloo, nccl): c10d builds it once, on the first
+        # device's prefix, and serves every device with it.
+        device_store = dist.PrefixStore(f"{first_device}/", group_store)
+        if device_backend == "gloo":
+            made = dist.ProcessGroupGloo(device_store, rank, world_size, timeout=timeout)
         else:
-            raise ValueError(f"backend {backend!r} is not gloo or nccl")
-        return cls(name, rank, world_size, backend, timeout_s, store, pg)
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            made = dist.ProcessGroupNCCL(device_store, rank, world_size, options)
+        made._set_sequence_number_for_group()
+        backends = {device: made for device in device_map}
+        return cls(name, rank, world_size, backend, timeout_s, store, backends)
 
     def broadcast(self, tensor: Any, src: int = 0) -> None:
         """Broadcast ``tensor`` from ``src`` in place (every rank calls it with a tensor of the same
-        shape and dtype); raises when a peer is gone or after the timeout."""
-        work = self._pg.broadcast(tensor, src, datetime.timedelta(seconds=self.timeout_s))
+        shape and dtype, on the backend of its device); raises when a peer is gone or after the
+        timeout."""
+        import torch.distributed as dist
+
+        backend = self._pg.get(tensor.device.type)
+        if backend is None:
+            raise ValueError(f"a {self.backend} weight group has no backend for {tensor.device.type} tensors")
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.timeout = datetime.timedelta(seconds=self.timeout_s)
+        work = backend.broadcast([tensor], options)
         try:
             work.wait()
         finally:

@@ -181,6 +181,20 @@ def check(srt: Path) -> list[str]:
     strings = _string_constants(srt / "managers" / "tokenizer_manager.py")
     missing += [f"meta_info[{k!r}]" for k in contract.META_INFO_KEYS if k not in strings]
 
+    common = _classes(srt / "utils" / "common.py")
+    for cls_name, wanted in contract.UTILS_CLASSES.items():
+        cls = common.get(cls_name)
+        if cls is None:
+            missing.append(f"utils.{cls_name}")
+            continue
+        missing += [f"utils.{cls_name}.{m}()" for m in wanted if m not in _methods(cls)]
+    versions = srt / "utils" / "weight_versions.py"
+    have = _string_constants(versions) if versions.exists() else set()
+    missing += [f"weight_versions[{k!r}]" for k in contract.WEIGHT_VERSION_KEYS if k not in have]
+    scheduler = srt / "managers" / "scheduler.py"
+    have = _string_constants(scheduler) if scheduler.exists() else set()
+    missing += [f"pause mode {m!r}" for m in contract.PAUSE_MODES if m not in have]
+
     constants = {}
     if (srt / "constants.py").exists():
         for node in _parse(srt / "constants.py").body:

@@ -44,6 +44,8 @@ class EngineInfo:
     weight_version: str | None = None
     max_context: int | None = None
     logprob_mode: str = "temperature-scaled, before top-k/top-p"
+    weight_ranks: int = 1
+    """Ranks this engine takes in a trainer's weight-update group (SGLang: one per tensor-parallel GPU)."""
 
 
 @runtime_checkable

@@ -38,6 +38,16 @@ TOKENIZER_MANAGER_METHODS = {
     "abort_request": ("rid", "abort_all"),  # :2241-2265
     "auto_create_handle_loop": (),  # :2440-2463
     "update_weights_from_disk": ("obj", "request"),  # :2288-2322
+    "pause_generation": ("obj",),  # :2267-2280 (no Engine wrapper; the server awaits it, http_server.py:1831-1841)
+    "continue_generation": ("obj",),  # :2282-2286
+    # managers/tokenizer_control_mixin.py (weight sync; each asserts dp_size == 1: :451, :464, :509, :569)
+    "init_weights_update_group": ("obj", "request"),  # :445-456
+    "destroy_weights_update_group": ("obj", "request"),  # :458-469
+    "begin_weight_update": ("obj", "request"),  # :485-492
+    "end_weight_update": ("obj", "request"),  # :494-501
+    "update_weights_from_distributed": ("obj", "request"),  # :503-533
+    "update_weights_from_tensor": ("obj", "request"),  # :563-596
+    "flush_cache": ("timeout_s",),  # :325-334
     "release_memory_occupation": ("obj", "request"),  # tokenizer_control_mixin.py:874-880
     "resume_memory_occupation": ("obj", "request"),  # tokenizer_control_mixin.py:882-888
 }
@@ -61,7 +71,18 @@ REQ_STATE_FIELDS = ("dispatched", "abort_sent")
 
 IO_STRUCT_FIELDS = {
     # managers/io_struct.py
-    "UpdateWeightFromDiskReqInput": ("model_path", "load_format", "weight_version"),  # :1970-1992
+    "UpdateWeightFromDiskReqInput": ("model_path", "load_format", "weight_version", "flush_cache"),  # :1970-1992
+    "InitWeightsUpdateGroupReqInput": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                       "backend"),  # :2126-2138
+    "DestroyWeightsUpdateGroupReqInput": ("group_name",),  # :2146-2147
+    "UpdateWeightsFromDistributedReqInput": ("names", "dtypes", "shapes", "group_name", "flush_cache",
+                                             "weight_version"),  # :2002-2019
+    "UpdateWeightsFromTensorReqInput": ("serialized_named_tensors", "flush_cache", "weight_version"),  # :2027-2047
+    "BeginWeightUpdateReqInput": (),  # :2197-2200
+    "EndWeightUpdateReqInput": (),  # :2208-2209
+    "PauseGenerationReqInput": ("mode",),  # :1927-1946
+    "ContinueGenerationReqInput": (),  # :1949-1955
+    "FlushCacheReqOutput": ("success",),  # :1859-1861
     "ReleaseMemoryOccupationReqInput": ("tags",),  # :2177-2180
     "ResumeMemoryOccupationReqInput": ("tags",),  # :2187-2190
 }
@@ -83,6 +104,18 @@ META_INFO_KEYS = (
     "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
     "output_token_logprobs", "e2e_latency", "num_retractions",
 )
+
+UTILS_CLASSES = {
+    # utils/common.py (re-exported by sglang.srt.utils, utils/__init__.py:2)
+    "MultiprocessingSerializer": ("serialize",),  # :3060-3082
+}
+
+WEIGHT_VERSION_KEYS = ("weight_versions", "version", "start", "end")
+"""utils/weight_versions.py:90-107: ``meta_info["weight_versions"]``, a list of ``{"version",
+"start", "end"}`` spans over the output tokens."""
+
+PAUSE_MODES = ("in_place", "retract")
+"""The pause modes the scheduler accepts (scheduler.py:5818)."""
 
 CONSTANTS = {
     # constants.py:2-4 (memory tags)

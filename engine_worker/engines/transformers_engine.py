@@ -316,12 +316,16 @@ class TransformersEngine(TorchWeights):
             job.future.set_result(self._output(job.prompt_ids, samples))
 
     def _resolve(self, job: _Job) -> None:
+        current = str(self.info.weight_version)
+        # Per-token versions for every sample once any token was not made by the record's version
+        # (a sample that ended before an in-place swap is all old, its sibling spans it).
+        mixed = any(set(row.versions) - {current} for row in job.rows)
         samples = [
             SampleOutput(
                 token_ids=list(row.token_ids),
                 logprobs=list(row.logprobs) if job.request.return_logprob else None,
                 finish_reason=row.finish_reason,
-                weight_versions=list(row.versions) if len(set(row.versions)) > 1 else None,
+                weight_versions=list(row.versions) if mixed else None,
             )
             for row in job.rows
         ]

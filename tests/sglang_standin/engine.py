@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
 
+from . import io_struct as io_struct_module
+from . import utils as utils_module
 from .io_struct import (
     GenerateReqInput,
     ReleaseMemoryOccupationReqInput,
@@ -51,6 +53,12 @@ class StandInOptions:
     """What ``get_all_child_pids`` returns (the scheduler and detokenizer processes)."""
     shutdown_s: float = 0.3
     """How long ``shutdown()`` blocks its thread (it waits for the killed processes, up to 60 s)."""
+    param_shapes: Optional[Dict[str, tuple]] = None
+    """The model's parameter shapes (name -> shape) a weight update must fit; None: any."""
+    group_timeout_s: float = 60.0
+    """The weight-update group's timeout (SGLang's is c10d's default, 30 minutes: utils/common.py:2891-2892)."""
+    routed_experts: Optional[tuple] = None
+    """(num_layers, top_k) of an MoE model started with --enable-return-routed-experts."""
     kill_for_real: bool = False
     """``kill_process_tree`` SIGKILLs every descendant of this process, as SGLang does
     (utils/common.py:2507-2564). Off by default in the test process, where it would kill the
@@ -82,6 +90,9 @@ class Engine:
 
     standin_options = StandInOptions()
     instances: List["Engine"] = []
+    io_struct = io_struct_module
+    """(the adapter's seam: where it takes io_struct classes and utils from, instead of sglang.srt)"""
+    utils = utils_module
 
     @classmethod
     def with_options(cls, **options: Any) -> type:

@@ -155,3 +155,79 @@ class ContinueGenerationReqInput(BaseReq):
     """io_struct.py:1949-1955."""
 
     torch_empty_cache: bool = True
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput(BaseReq):
+    """io_struct.py:2126-2138."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput(BaseReq):
+    """io_struct.py:2146-2147."""
+
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput(BaseReq):
+    """io_struct.py:2002-2019."""
+
+    names: List[str]
+    dtypes: List[str]
+    shapes: List[List[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput(BaseReq):
+    """io_struct.py:2027-2047 (one serialized payload per TP rank)."""
+
+    serialized_named_tensors: List[Union[str, bytes]]
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+@dataclass
+class BeginWeightUpdateReqInput(BaseReq):
+    """io_struct.py:2197-2200."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass
+class EndWeightUpdateReqInput(BaseReq):
+    """io_struct.py:2208-2209."""
+
+
+@dataclass
+class UpdateWeightVersionReqInput(BaseReq):
+    """io_struct.py:2155-2159."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass
+class FlushCacheReqOutput:
+    """io_struct.py:1859-1861 (what ``flush_cache`` answers)."""
+
+    success: bool
+    message: str = ""

@@ -23,10 +23,19 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from .io_struct import (
     AbortReq,
+    BeginWeightUpdateReqInput,
+    ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
+from .utils import MultiprocessingSerializer, init_custom_process_group
 from .schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +90,16 @@ class StandInScheduler:
         self.crash: Optional[BaseException] = None
         self._wake = asyncio.Event()
         self._seen_prompts: List[tuple] = []
+        self._step = asyncio.Lock()
+        """Held for one forward pass or one control request: the real scheduler does one at a time."""
+        self.engine_paused = False  # scheduler.py:1348 ``_engine_paused``
+        self.weights: dict = {}
+        """The model's tensors as the last weight update left them (name -> tensor)."""
+        self.groups: dict = {}  # model_runner_components/weight_updater.py:98 ``_model_update_group``
+        self.session: Optional[str] = None  # scheduler_components/weight_updater.py ``_session``
+        self.session_loaded = False
+        self.flushes = 0
+        self.pauses: List[str] = []
 
     @property
     def tm(self) -> Any:
@@ -106,16 +125,22 @@ class StandInScheduler:
 
     async def _loop(self) -> None:
         while True:
-            if not (self.inbox or self.waiting_queue or self.running):
+            if not (self.inbox or self.waiting_queue or self.running) and not self.engine_paused:
                 self._wake.clear()
                 await self._wake.wait()
-            self._process_inbox()
-            self._admit()
-            if self.running:
-                await asyncio.sleep(self.options.token_delay_s)  # the forward pass
-                self._forward()
-            else:
-                await asyncio.sleep(0)
+            if self.engine_paused:  # inputs (aborts) are handled; nothing runs until continue_generation
+                self._wake.clear()
+                async with self._step:
+                    self._process_inbox()
+                await self._wake.wait()
+                continue
+            async with self._step:
+                self._process_inbox()
+                self._admit()
+                if self.running:
+                    await asyncio.sleep(self.options.token_delay_s)  # the forward pass
+                    self._forward()
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ inputs
 
@@ -240,9 +265,44 @@ class StandInScheduler:
         self._seen_prompts.append(tuple(ids))
         return min(best, max(len(ids) - 1, 0))
 
-    def is_fully_idle(self) -> bool:
-        """scheduler.py:5337: nothing running, nothing waiting."""
-        return not self.running and not self.waiting_queue and not self.inbox
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        """scheduler.py:5337: nothing running, nothing waiting (unless ``ignore_waiting``)."""
+        return not self.running and (ignore_waiting or (not self.waiting_queue and not self.inbox))
+
+    async def control(self, fn: Any) -> Any:
+        """A control request, between two forward passes (the scheduler blocks while it runs)."""
+        async with self._step:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """scheduler.py:5518-5547: only when idle (waiting requests ignored while paused)."""
+        if not self.is_fully_idle(ignore_waiting=self.engine_paused):
+            log.warning("Cache not flushed because there are pending requests. #queue-req: %d, #running-req: %d",
+                        len(self.waiting_queue), len(self.running))
+            return False
+        self._seen_prompts.clear()
+        self.flushes += 1
+        return True
+
+    def pause_generation(self, recv_req: PauseGenerationReqInput) -> None:
+        """scheduler.py:5817-5931: in_place keeps the running batch; retract puts it back in the
+        waiting queue (its KV freed, recomputed on continue)."""
+        assert recv_req.mode in ("in_place", "retract")
+        self.engine_paused = True
+        self.pauses.append(recv_req.mode)
+        if recv_req.mode == "retract":
+            for req in reversed([r for r in self.running if not r.finished()]):
+                req.retraction_count += 1
+                self.waiting_queue.insert(0, req)
+            self.running = []
+
+    def continue_generation(self, recv_req: ContinueGenerationReqInput) -> None:
+        """scheduler.py:5934-5957."""
+        self.engine_paused = False
+        self._wake.set()
 
     # ------------------------------------------------------------------ weight updater
 
@@ -252,12 +312,126 @@ class StandInScheduler:
         raise SchedulerCrash(repr(exc)) from exc
 
     def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput) -> SimpleNamespace:
+        """weight_updater.py:138-163 (no session needed)."""
         if obj.model_path in self.options.bad_weight_paths:
             return SimpleNamespace(success=False, num_paused_requests=0,
                                    message=f"Failed to get weights iterator: {obj.model_path} (stand-in failure).")
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version  # record_weight_version_change (scheduler.py:5636-5641)
-        return SimpleNamespace(success=True, message="Succeeded to update model weights.", num_paused_requests=0)
+        success, message = self._flush_after_update(obj, True, "Succeeded to update model weights.")
+        return SimpleNamespace(success=success, message=message, num_paused_requests=0)
+
+    def _flush_after_update(self, obj: Any, success: bool, message: str) -> tuple:
+        """weight_updater.py:120-133: a refused flush fails the call, after the weights were loaded."""
+        if obj.flush_cache and not self.flush_cache():
+            return False, ("Weights were updated, but the cache was not flushed because requests are still "
+                           "running or queued. Retract or finish them, then call /flush_cache.")
+        return success, message
+
+    # a trainer's push (model_executor/model_runner_components/weight_updater.py and
+    # managers/scheduler_components/weight_updater.py)
+
+    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput) -> SimpleNamespace:
+        """model_runner_components/weight_updater.py:100-141 (rank = rank_offset + tp_rank)."""
+        import datetime
+
+        def join() -> Any:
+            return init_custom_process_group(
+                backend=obj.backend, init_method=f"tcp://{obj.master_address}:{obj.master_port}",
+                world_size=obj.world_size, rank=obj.rank_offset + 0, group_name=obj.group_name,
+                timeout=datetime.timedelta(seconds=self.options.group_timeout_s))
+
+        try:
+            self.groups[obj.group_name] = await asyncio.to_thread(join)
+        except Exception as e:
+            return SimpleNamespace(success=False, message=f"Failed to initialize custom process group: {e}.")
+        return SimpleNamespace(success=True, message="Succeeded to initialize custom process group.")
+
+    def destroy_weights_update_group(self, obj: DestroyWeightsUpdateGroupReqInput) -> SimpleNamespace:
+        """model_runner_components/weight_updater.py:143-155."""
+        import torch.distributed as dist
+
+        try:
+            if obj.group_name in self.groups:
+                dist.destroy_process_group(self.groups.pop(obj.group_name))
+                return SimpleNamespace(success=True, message="Succeeded to destroy custom process group.")
+            return SimpleNamespace(success=False, message="The group to be destroyed does not exist.")
+        except Exception as e:
+            return SimpleNamespace(success=False, message=f"Failed to destroy custom process group: {e}.")
+
+    def begin_weight_update(self, obj: BeginWeightUpdateReqInput) -> SimpleNamespace:
+        """weight_updater.py:309-321."""
+        if self.session is not None:
+            return SimpleNamespace(success=False, message="a weight-update session is already open; "
+                                                          "call end_weight_update() first")
+        self.session, self.session_loaded = obj.selector, False
+        return SimpleNamespace(success=True, message="Success")
+
+    def end_weight_update(self, obj: EndWeightUpdateReqInput) -> SimpleNamespace:
+        """weight_updater.py:323-335."""
+        if self.session is None:
+            return SimpleNamespace(success=False, message="no weight-update session is open; "
+                                                          "call begin_weight_update() first")
+        self.session = None
+        return SimpleNamespace(success=True, message="Success")
+
+    async def update_weights_from_distributed(self, obj: UpdateWeightsFromDistributedReqInput) -> SimpleNamespace:
+        """weight_updater.py:186-232: receive every tensor (one broadcast each from rank 0,
+        model_runner_components/weight_updater.py:260-298), then load; the version is recorded and
+        the cache flushed (unless ``flush_cache`` is false) only on success."""
+        import torch
+        import torch.distributed as dist
+
+        if self.session is None:  # :192-197
+            return SimpleNamespace(success=False, message="update_weights_from_distributed must run between "
+                                                          "begin_weight_update() and end_weight_update()")
+        group = self.groups.get(obj.group_name)
+        assert group is not None, f"Group {obj.group_name} not in {list(self.groups)}. " \
+                                  "Please call `init_weights_update_group` first."
+
+        def receive() -> list:
+            weights, handles = [], []
+            for name, dtype, shape in zip(obj.names, obj.dtypes, obj.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype))
+                handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
+                weights.append((name, weight))
+            for handle in handles:
+                handle.wait()
+            return weights
+
+        try:
+            weights = await asyncio.to_thread(receive)
+        except Exception as e:
+            return SimpleNamespace(success=False, message=f"Failed to receive weights: {e}")
+        success, message = self._load(weights)
+        if success:
+            self.session_loaded = True
+            if obj.weight_version is not None:
+                self.weight_version = obj.weight_version
+            success, message = self._flush_after_update(obj, success, message)
+        return SimpleNamespace(success=success, message=message)
+
+    def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput) -> SimpleNamespace:
+        """weight_updater.py:234-263: this rank's payload deserialized, then loaded."""
+        if self.session is None:  # :234-239
+            return SimpleNamespace(success=False, message="update_weights_from_tensor must run between "
+                                                          "begin_weight_update() and end_weight_update()")
+        named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
+        success, message = self._load([(name, tensor.clone()) for name, tensor in named])
+        if success:
+            self.session_loaded = True
+            if obj.weight_version is not None:
+                self.weight_version = obj.weight_version
+            success, message = self._flush_after_update(obj, success, message)
+        return SimpleNamespace(success=success, message=message)
+
+    def _load(self, weights: list) -> tuple:
+        shapes = self.options.param_shapes
+        for name, tensor in weights:
+            if shapes is not None and tuple(shapes.get(name, ())) != tuple(tensor.shape):
+                return False, f"Failed to update weights: {name} {tuple(tensor.shape)} does not fit the model"
+        self.weights.update(weights)
+        return True, "Succeeded to update parameter online."
 
     def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput) -> None:
         """weight_updater.py:337-381."""

@@ -16,10 +16,20 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .io_struct import (
     AbortReq,
+    BeginWeightUpdateReqInput,
+    ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
+    FlushCacheReqOutput,
     GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightVersionReqInput,
 )
 from .scheduler import StandInScheduler, token_logprob  # noqa: F401  (token_logprob re-exported)
 
@@ -466,23 +476,136 @@ class TokenizerManager:
 
     async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput, request: Any = None):
         """:2288-2322 -> ``(success, message, num_paused_requests)``; waits for every request in
-        flight (the writer lock, :2306-2309)."""
+        flight (the writer lock, :2306-2309) unless generation is paused."""
         self.auto_create_handle_loop()
         self.update_calls.append(obj)
         if obj.load_format is None:
             obj.load_format = self.server_args.load_format
         if obj.abort_all_requests:
             self.abort_request(abort_all=True)
-        await self.model_update_lock.acquire_write()
-        try:
-            result = self.scheduler.update_weights_from_disk(obj)
-        finally:
-            await self.model_update_lock.release_write()
+        if self.is_pause:
+            result = await self.scheduler.control(lambda: self.scheduler.update_weights_from_disk(obj))
+        else:
+            await self.model_update_lock.acquire_write()
+            try:
+                result = await self.scheduler.control(lambda: self.scheduler.update_weights_from_disk(obj))
+            finally:
+                await self.model_update_lock.release_write()
         success, message = result.success, result.message
         if success and obj.weight_version is not None:
             self.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
         return success, message, result.num_paused_requests
+
+    # a trainer's push: managers/tokenizer_control_mixin.py:445-596 (every call asserts dp_size 1)
+
+    def _assert_single_dp(self, what: str) -> None:
+        assert self.server_args.dp_size == 1, f"data-parallel replicas are not supported for {what}"
+
+    async def _under_update_lock(self, fn: Any) -> Any:
+        """:471-483 and :517-524: the scheduler call, under the writer lock unless paused (the
+        pause condition held meanwhile, so an unpause cannot race it)."""
+        async with self.is_pause_cond:
+            is_paused = self.is_pause
+            if is_paused:
+                result = await self.scheduler.control(fn)
+        if not is_paused:
+            await self.model_update_lock.acquire_write()
+            try:
+                result = await self.scheduler.control(fn)
+            finally:
+                await self.model_update_lock.release_write()
+        return result
+
+    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput, request: Any = None):
+        """:445-456 -> (success, message)."""
+        self.auto_create_handle_loop()
+        self._assert_single_dp("update weights from distributed")
+        self.update_calls.append(obj)
+        result = await self.scheduler.control(lambda: self.scheduler.init_weights_update_group(obj))
+        return result.success, result.message
+
+    async def destroy_weights_update_group(self, obj: DestroyWeightsUpdateGroupReqInput, request: Any = None):
+        """:458-469."""
+        self.auto_create_handle_loop()
+        self._assert_single_dp("destroy parameter update group")
+        self.update_calls.append(obj)
+        result = await self.scheduler.control(lambda: self.scheduler.destroy_weights_update_group(obj))
+        return result.success, result.message
+
+    async def begin_weight_update(self, obj: BeginWeightUpdateReqInput, request: Any = None):
+        """:485-492."""
+        self.auto_create_handle_loop()
+        self.update_calls.append(obj)
+        result = await self._under_update_lock(lambda: self.scheduler.begin_weight_update(obj))
+        return result.success, result.message
+
+    async def end_weight_update(self, obj: EndWeightUpdateReqInput, request: Any = None):
+        """:494-501."""
+        self.auto_create_handle_loop()
+        self.update_calls.append(obj)
+        result = await self._under_update_lock(lambda: self.scheduler.end_weight_update(obj))
+        return result.success, result.message
+
+    async def update_weights_from_distributed(self, obj: UpdateWeightsFromDistributedReqInput, request: Any = None):
+        """:503-533: the version is recorded only on success (:529-531)."""
+        self.auto_create_handle_loop()
+        self._assert_single_dp("update weights from distributed")
+        self.update_calls.append(obj)
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        result = await self._under_update_lock(lambda: self.scheduler.update_weights_from_distributed(obj))
+        success, message = result.success, result.message
+        if success and obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return success, message
+
+    async def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput, request: Any = None):
+        """:563-596."""
+        self.auto_create_handle_loop()
+        self._assert_single_dp("update weights from tensor")
+        self.update_calls.append(obj)
+        if obj.abort_all_requests:
+            self.abort_request(abort_all=True)
+        result = await self._under_update_lock(lambda: self.scheduler.update_weights_from_tensor(obj))
+        success, message = result.success, result.message
+        if success and obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return success, message
+
+    async def update_weight_version(self, obj: UpdateWeightVersionReqInput) -> None:
+        """mixin :1065-1070 (``abort_all_requests`` ignored)."""
+        self.auto_create_handle_loop()
+        self.update_calls.append(obj)
+        self.scheduler.weight_version = obj.new_version
+        self.weight_version = obj.new_version
+
+    async def flush_cache(self, timeout_s: Optional[float] = None) -> FlushCacheReqOutput:
+        """tokenizer_control_mixin.py:325-334."""
+        self.auto_create_handle_loop()
+        return FlushCacheReqOutput(success=await self.scheduler.control(self.scheduler.flush_cache))
+
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+        """:2267-2280: abort mode aborts everything until no request holds the reader lock."""
+        async with self.is_pause_cond:
+            self.is_pause = True
+            if obj.mode != "abort":
+                await self.scheduler.control(lambda: self.scheduler.pause_generation(obj))
+            else:
+                while True:
+                    self.abort_request(abort_all=True)
+                    if self.model_update_lock._readers == 0 and not self.model_update_lock._writer:
+                        break
+                    await asyncio.sleep(1.0)
+
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+        """:2282-2286."""
+        async with self.is_pause_cond:
+            self.is_pause = False
+            await self.scheduler.control(lambda: self.scheduler.continue_generation(obj))
+            self.is_pause_cond.notify_all()
 
     async def release_memory_occupation(self, obj: ReleaseMemoryOccupationReqInput, request: Any = None):
         """tokenizer_control_mixin.py:874-880 -> None."""
