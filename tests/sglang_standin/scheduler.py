@@ -35,8 +35,8 @@ from .io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from .utils import MultiprocessingSerializer, init_custom_process_group
 from .schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from .utils import MultiprocessingSerializer, init_custom_process_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
