@@ -29,12 +29,18 @@ def build_record(
     keep_output = status is RecordStatus.FINISHED or request.collect_unfinished
     n = max(len(output.samples), request.n)
     versions: list[list[str] | None] | None = None
+    top: list[Any] | None = None
+    routed: list[Any] | None = None
     if keep_output:
         ids = [list(s.token_ids) for s in output.samples]
         reasons: list[str | None] = [s.finish_reason for s in output.samples]
         logprobs = [list(s.logprobs or []) for s in output.samples] if request.return_logprob else None
         if any(s.weight_versions for s in output.samples):
             versions = [list(s.weight_versions) if s.weight_versions else None for s in output.samples]
+        if request.top_logprobs_num and request.return_logprob:
+            top = [[list(map(tuple, position)) for position in (s.top_logprobs or [])] for s in output.samples]
+        if request.return_routed_experts:
+            routed = [s.routed_experts for s in output.samples]
     else:
         ids = [[] for _ in range(n)]
         reasons = [None] * n
@@ -67,4 +73,7 @@ def build_record(
         group_id=request.group_id,
         requeued=request.requeued,
         weight_versions=versions,
+        output_top_logprobs=top,
+        input_logprobs=output.input_logprobs if keep_output and request.logprob_start_len is not None else None,
+        routed_experts=routed,
     )

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-memory-saver", action="store_true",
                    help="needed for release/resume of GPU memory (colocated training)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out only")
+    g.add_argument("--max-routed-experts-bytes", type=int, default=2 * 1024 * 1024,
+                   help="the most MoE routing data (return_routed_experts) one record may carry")
+    g.add_argument("--pause-mode", choices=["in_place", "retract"],
+                   default=os.environ.get("REDROLL_SGLANG_PAUSE_MODE", "in_place"),
+                   help="how an in-place weight update pauses SGLang: in_place keeps the KV cache (computed "
+                        "with the old weights), retract recomputes it with the new ones")
     g.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other sglang.Engine argument (repeatable); VALUE is parsed as JSON when it can be")
     p.add_argument("--claim-idle-ms", type=int, default=None)
@@ -274,7 +280,8 @@ async def _run_worker(args: argparse.Namespace) -> int:
                    "max_running_requests": args.max_running_requests, "context_length": args.context_length,
                    "dtype": args.dtype or "auto", "random_seed": args.random_seed,
                    "enable_memory_saver": args.enable_memory_saver,
-                   "skip_tokenizer_init": args.skip_tokenizer_init,
+                   "skip_tokenizer_init": args.skip_tokenizer_init, "pause_mode": args.pause_mode,
+                   "max_routed_experts_bytes": args.max_routed_experts_bytes,
                    "extra_args": parse_key_values(args.sglang_arg)}
     if args.weight_version is not None:
         options["weight_version"] = args.weight_version

@@ -172,6 +172,12 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if req.input_ids is not None and len(req.input_ids) > limits.max_input_tokens:
             raise ValidationError("input_ids", f"longer than {limits.max_input_tokens} tokens")
         check_sampling_params(req.sampling_params, limits)
+        if (req.top_logprobs_num or req.logprob_start_len is not None) and not req.return_logprob:
+            field = "top_logprobs_num" if req.top_logprobs_num else "logprob_start_len"
+            raise ValidationError(field, "needs return_logprob")
+        if (req.logprob_start_len is not None and req.input_ids is not None
+                and req.logprob_start_len >= len(req.input_ids)):
+            raise ValidationError("logprob_start_len", f"must be below the prompt length ({len(req.input_ids)})")
         if req.meta_info and len(_ENCODER.encode(req.meta_info)) > limits.max_meta_bytes:
             raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     except ValidationError as exc:
@@ -341,11 +347,35 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
         for i, (vs, s) in enumerate(zip(versions, ids)):
             if vs is not None and len(vs) != len(s):
                 raise ValidationError(f"weight_versions[{i}]", "must have the same length as its token ids")
+    _check_extras(data)
     return CompletionRecord(status=status, worker=_field_str(fields, "worker") or None,
                             **{f.name: getattr(data, f.name) for f in _RECORD_FIELDS})
 
 
 _RECORD_FIELDS = msgspec.structs.fields(RecordData)
+
+
+def _check_extras(data: RecordData) -> None:
+    """The shapes of the per-request extras: one entry per sample, one per token."""
+    ids = data.output_token_ids
+    top = data.output_top_logprobs
+    if top is not None:
+        if len(top) != len(ids):
+            raise ValidationError("output_top_logprobs", "must be a list with one entry per sample")
+        for i, (t, s) in enumerate(zip(top, ids)):
+            if len(t) != len(s):
+                raise ValidationError(f"output_top_logprobs[{i}]", "must have one entry per token id")
+    routed = data.routed_experts
+    if routed is not None:
+        if len(routed) != len(ids):
+            raise ValidationError("routed_experts", "must be a list with one entry per sample")
+        for i, experts in enumerate(routed):
+            if experts is None:
+                continue
+            tokens, layers, top_k = experts.shape
+            if len(experts.data) != 4 * tokens * layers * top_k:
+                raise ValidationError(f"routed_experts[{i}].data",
+                                      f"must hold {tokens}x{layers}x{top_k} int32 values")
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -112,6 +112,9 @@ PASSTHROUGH_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "
 
 # ---------------------------------------------------------------- requests
 
+MAX_TOP_LOGPROBS = 20
+"""The most ``top_logprobs_num`` a request may ask for (each is a pair per output token)."""
+
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
     """One generation request as it travels on ``{ns}:requests`` (the ``data`` map).
@@ -140,6 +143,15 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     requeued: Annotated[int, Meta(ge=0)] = 0
     """How often ``redroll dead requeue`` gave this request another attempt (its record says so,
     and consumer groups de-duplicate each attempt on its own)."""
+    top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    """With ``return_logprob``: the k most likely tokens at each output position, with their
+    logprobs (record ``output_top_logprobs``)."""
+    logprob_start_len: Optional[Annotated[int, Meta(ge=0)]] = None
+    """With ``return_logprob``: the prompt tokens' logprobs from this prompt position on (record
+    ``input_logprobs``); nil: none."""
+    return_routed_experts: bool = False
+    """MoE routing replay: the experts each token was routed to (record ``routed_experts``; SGLang
+    started with ``enable_return_routed_experts``; sized by the worker's ``max_routed_experts_bytes``)."""
     v: Annotated[int, Meta(ge=0)] = 0
 
     @property
@@ -148,6 +160,26 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------- records
+
+
+class RoutedExperts(msgspec.Struct, kw_only=True):
+    """The experts every token was routed to: little-endian int32 ``[tokens, layers, top_k]``
+    (SGLang's ``meta_info["routed_experts"]``, decoded from base64)."""
+
+    shape: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=0)]]
+    data: bytes
+
+    def to_list(self) -> list[list[list[int]]]:
+        import array
+
+        flat = array.array("i")
+        flat.frombytes(self.data)
+        tokens, layers, top_k = self.shape
+        return [[list(flat[(t * layers + layer) * top_k:(t * layers + layer + 1) * top_k]) for layer in range(layers)]
+                for t in range(tokens)]
+
+
+TopLogprob = tuple[TokenId, float]
 
 
 class RecordData(msgspec.Struct, kw_only=True):
@@ -166,6 +198,14 @@ class RecordData(msgspec.Struct, kw_only=True):
     """Per sample, the weight version of each output token (same length as its ids), when a sample
     spans a weight update (an in-place update, a resumed or partial rollout); nil for a sample one
     version made (``meta_info.weight_version``)."""
+    output_top_logprobs: Optional[list[list[list[TopLogprob]]]] = None
+    """Per sample, per output token: the request's ``top_logprobs_num`` most likely (token id,
+    logprob) pairs, most likely first."""
+    input_logprobs: Optional[list[Optional[float]]] = None
+    """The prompt tokens' logprobs from the request's ``logprob_start_len`` on (nil for the first
+    prompt token, which has none)."""
+    routed_experts: Optional[list[Optional[RoutedExperts]]] = None
+    """Per sample, the experts each of its tokens was routed to (``return_routed_experts``)."""
     v: Annotated[int, Meta(ge=1)] = SCHEMA_VERSION
 
 

@@ -853,3 +853,70 @@ async def _pending(r, keys, n: int) -> bool:
     except redis.ResponseError:  # no group yet: the worker is still starting
         return False
     return int(summary["pending"]) == n
+
+
+# --------------------------------------------------------------------------- per-request extras
+
+
+async def test_top_logprobs_and_prompt_logprobs_are_passed_and_mapped():
+    engine = await started()
+    request = GenerationRequest(request_id="x", input_ids=[5, 6, 7, 8], return_logprob=True, top_logprobs_num=3,
+                                logprob_start_len=1, sampling_params=SamplingParams(max_new_tokens=4, n=2))
+    out = await engine.generate(request, "h")
+    call = engine.engine.calls[-1]
+    assert call["rid"].startswith("rr-")
+    sample = out.samples[0]
+    assert len(sample.top_logprobs) == 4 and all(len(t) == 3 for t in sample.top_logprobs)
+    for token, logprob, top in zip(sample.token_ids, sample.logprobs, sample.top_logprobs):
+        assert top[0] == (token, logprob)  # (token id, logprob), most likely first
+    assert out.input_logprobs == [sgl.token_logprob(t, i) for i, t in enumerate([6, 7, 8])]
+    await engine.close()
+
+
+async def test_routed_experts_come_back_as_int32_per_token_and_layer():
+    engine = await started({"routed_experts": (3, 2)}, extra_args={"enable_return_routed_experts": True})
+    out = await engine.generate(GenerationRequest(request_id="m", input_ids=[5, 6, 7], return_routed_experts=True,
+                                                  sampling_params=SamplingParams(max_new_tokens=4)), "h")
+    experts = out.samples[0].routed_experts
+    assert experts.shape == (3 + 4 - 1, 3, 2)  # seqlen - 1 tokens (state_capturer/base.py:183-188)
+    assert experts.to_list()[1][2] == [(1 * 7 + 2 * 3 + j) % 64 for j in range(2)]
+    await engine.close()
+
+
+async def test_routed_experts_are_refused_without_the_server_flag_or_over_the_size_rule():
+    plain = await started({"routed_experts": (3, 2)})
+    with pytest.raises(ValidationError, match="enable_return_routed_experts"):
+        plain.validate(GenerationRequest(request_id="m", input_ids=[5], return_routed_experts=True))
+    await plain.close()
+    moe = await started({"routed_experts": (48, 8)}, extra_args={"enable_return_routed_experts": True},
+                        max_routed_experts_bytes=1024 * 1024)
+    small = GenerationRequest(request_id="s", input_ids=[5] * 100, return_routed_experts=True,
+                              sampling_params=SamplingParams(max_new_tokens=500))
+    moe.validate(small)  # 599 x 48 x 8 x 4 = 920 KB
+    big = GenerationRequest(request_id="b", input_ids=[5] * 100, return_routed_experts=True,
+                            sampling_params=SamplingParams(max_new_tokens=600, n=2))
+    with pytest.raises(ValidationError, match=r"2147328 bytes \(699 tokens x 48 layers x 8 experts"):
+        moe.validate(big)
+    await moe.close()
+
+
+async def test_extras_reach_the_record_through_the_queue(settings, r):
+    from redroll.engine_worker.worker import Worker
+    from redroll.producer import Producer
+
+    engine = SGLangEngine("/models/tiny", engine_factory=sgl.Engine.with_options(routed_experts=(2, 2)),
+                          extra_args={"enable_return_routed_experts": True})
+    worker = Worker(settings, engine, max_inflight=4)
+    task = asyncio.create_task(worker.run())
+    try:
+        async with Producer(settings) as p:
+            rec = await asyncio.wait_for(await p.submit(
+                input_ids=[3, 4, 5], return_logprob=True, top_logprobs_num=2, logprob_start_len=0,
+                return_routed_experts=True, sampling_params={"max_new_tokens": 5, "n": 2}), 15)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 15)
+    assert rec.status is RecordStatus.FINISHED
+    assert [len(t) for t in rec.output_top_logprobs] == [5, 5] and len(rec.output_top_logprobs[0][0]) == 2
+    assert rec.input_logprobs[0] is None and len(rec.input_logprobs) == 3
+    assert [e.shape for e in rec.routed_experts] == [(7, 2, 2), (7, 2, 2)]

@@ -664,3 +664,49 @@ def test_property_record_like_maps(m, status):
     if rec.output_logprobs is not None:
         assert [len(x) for x in rec.output_logprobs] == [len(x) for x in rec.output_token_ids]
     assert isinstance(rec.status, RecordStatus)
+
+
+# ---------------------------------------------------------------- per-request extras (trainers)
+
+
+def test_extras_need_return_logprob_and_fit_the_prompt():
+    assert field_error(valid_map(top_logprobs_num=5)).field == "top_logprobs_num"
+    assert field_error(valid_map(logprob_start_len=0)).field == "logprob_start_len"
+    assert field_error(valid_map(return_logprob=True, top_logprobs_num=21)).field == "top_logprobs_num"
+    error = field_error(valid_map(return_logprob=True, logprob_start_len=3))
+    assert error.field == "logprob_start_len" and "prompt length (3)" in error.reason
+    ok = decode_map(valid_map(return_logprob=True, top_logprobs_num=5, logprob_start_len=1,
+                              return_routed_experts=True))
+    assert (ok.top_logprobs_num, ok.logprob_start_len, ok.return_routed_experts) == (5, 1, True)
+
+
+def test_records_carry_extras_in_shapes_the_reference_reader_sees():
+    import array
+
+    from redroll.shared.types import RoutedExperts
+
+    experts = RoutedExperts(shape=(2, 1, 2), data=array.array("i", [1, 2, 3, 4]).tobytes())
+    rec = CompletionRecord(request_id="r", status=RecordStatus.FINISHED, output_token_ids=[[5, 6]],
+                           finish_reasons=["length"], output_logprobs=[[-0.1, -0.2]],
+                           output_top_logprobs=[[[(5, -0.1), (7, -2.0)], [(6, -0.2), (8, -3.0)]]],
+                           input_logprobs=[None, -1.5], routed_experts=[experts])
+    fields = encode_record(rec)
+    back = decode_record(fields)
+    assert back == rec and back.routed_experts[0].to_list() == [[[1, 2]], [[3, 4]]]
+    raw = msgpack.unpackb(fields["data"], raw=False)
+    assert raw["output_top_logprobs"] == [[[[5, -0.1], [7, -2.0]], [[6, -0.2], [8, -3.0]]]]
+    assert raw["input_logprobs"] == [None, -1.5]
+    assert raw["routed_experts"] == [{"shape": [2, 1, 2], "data": experts.data}]
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"output_top_logprobs": [[[[5, -0.1]]]]}, "output_top_logprobs[0]"),
+    ({"output_top_logprobs": []}, "output_top_logprobs"),
+    ({"routed_experts": [{"shape": [2, 1, 2], "data": b"\0" * 12}]}, "routed_experts[0].data"),
+    ({"routed_experts": [None, None]}, "routed_experts"),
+])
+def test_records_with_misshapen_extras_are_refused(change, field):
+    data = {"v": 1, "request_id": "r", "output_token_ids": [[5, 6]], "finish_reasons": ["length"], **change}
+    with pytest.raises(ValidationError) as ei:
+        decode_record({b"rid": b"r", b"status": b"finished", b"data": pack(data)})
+    assert ei.value.field == field

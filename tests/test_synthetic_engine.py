@@ -6,6 +6,8 @@ import asyncio
 import hashlib
 from array import array
 
+import pytest
+
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.producer.client import make_request
 
@@ -69,3 +71,18 @@ async def test_a_stop_token_ends_the_sample():
     sample = (await engine.generate(req, "h-s")).samples[0]
     assert sample.finish_reason == "stop"
     assert sample.token_ids == full[: full.index(stop) + 1]
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"top_logprobs_num": 2, "return_logprob": True}, "top_logprobs_num"),
+    ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
+    ({"return_routed_experts": True}, "return_routed_experts"),
+])
+def test_extras_it_cannot_produce_are_refused_naming_the_field(extra, field):
+    from redroll.engine_worker.engines.synthetic import SyntheticEngine
+    from redroll.shared.codec import ValidationError
+    from redroll.shared.types import GenerationRequest
+
+    with pytest.raises(ValidationError) as ei:
+        SyntheticEngine().validate(GenerationRequest(request_id="x", input_ids=[1], **extra))
+    assert ei.value.field == field and "synthetic" in ei.value.reason

@@ -361,3 +361,47 @@ async def test_local_hugging_face_directory(tmp_path: Path, reference_model: Any
     prompt_ids = list(b"hello")
     expected = teacher_forced_logprobs(reference_model, prompt_ids, out.samples[0].token_ids, 0.8)
     assert out.samples[0].logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+# ---------------------------------------------------------------- per-request extras
+
+
+async def test_top_logprobs_are_the_k_most_likely_of_the_same_distribution(engine, reference_model):
+    req = GenerationRequest(request_id="top", input_ids=[72, 105, 33], return_logprob=True, top_logprobs_num=4,
+                            sampling_params=SamplingParams(max_new_tokens=6, temperature=0.7, sampling_seed=3))
+    plain = request("plain", max_new_tokens=6)
+    top_out, plain_out = await generate_all(engine, req, plain)  # (one batch: only one asked)
+    sample = top_out.samples[0]
+    assert len(sample.top_logprobs) == len(sample.token_ids) == 6 and plain_out.samples[0].top_logprobs is None
+    ids = [72, 105, 33]
+    for position, (token, logprob, top) in enumerate(zip(sample.token_ids, sample.logprobs, sample.top_logprobs)):
+        assert len(top) == 4 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        logits = reference_model(torch.tensor([ids + sample.token_ids[:position]])).logits[0, -1]
+        want = torch.log_softmax(logits.float() / 0.7, -1).topk(4)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert max(abs(a - b) for (_, a), b in zip(top, want.values.tolist())) < LOGPROB_TOLERANCE
+        if token in dict(top):
+            assert abs(dict(top)[token] - logprob) < LOGPROB_TOLERANCE
+
+
+async def test_prompt_logprobs_from_logprob_start_len_match_a_teacher_forced_pass(engine, reference_model):
+    prompt = [72, 105, 33, 50, 60]
+    short = GenerationRequest(request_id="p0", input_ids=prompt[:2], return_logprob=True, logprob_start_len=0,
+                              sampling_params=SamplingParams(max_new_tokens=2))
+    long = GenerationRequest(request_id="p2", input_ids=prompt, return_logprob=True, logprob_start_len=2,
+                             sampling_params=SamplingParams(max_new_tokens=2, temperature=0.5, n=2))
+    short_out, long_out = await generate_all(engine, short, long)  # (left-padded together)
+    want = teacher_forced_logprobs(reference_model, prompt[:1], prompt[1:], 0.5)
+    assert long_out.input_logprobs[0] == pytest.approx(want[1], abs=LOGPROB_TOLERANCE)
+    assert len(long_out.input_logprobs) == 3
+    assert max(abs(a - b) for a, b in zip(long_out.input_logprobs, want[1:])) < LOGPROB_TOLERANCE
+    want_short = teacher_forced_logprobs(reference_model, prompt[:1], prompt[1:2], 1.0)
+    assert short_out.input_logprobs[0] is None
+    assert abs(short_out.input_logprobs[1] - want_short[0]) < LOGPROB_TOLERANCE
+
+
+async def test_routed_experts_are_refused_by_a_dense_model(engine):
+    req = GenerationRequest(request_id="moe", input_ids=[72], return_routed_experts=True)
+    with pytest.raises(ValidationError) as ei:
+        engine.validate(req)
+    assert ei.value.field == "return_routed_experts"

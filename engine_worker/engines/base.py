@@ -19,6 +19,10 @@ class SampleOutput:
     """"stop", "length", "abort", or None when it never started."""
     weight_versions: list[str] | None = None
     """The weight version of each token, when they were not all made by one (an in-place update)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the request's ``top_logprobs_num`` most likely (token id, logprob) pairs."""
+    routed_experts: Any = None
+    """A :class:`redroll.shared.types.RoutedExperts` (``return_routed_experts``)."""
 
 
 @dataclass
@@ -28,6 +32,8 @@ class EngineOutput:
     cached_tokens: int = 0
     weight_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    input_logprobs: list[float | None] | None = None
+    """The prompt's logprobs from ``logprob_start_len`` on (the first prompt token has none)."""
 
     @property
     def aborted(self) -> bool:
@@ -70,6 +76,19 @@ class Engine(Protocol):
     def abort(self, handle: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def refuse_extras(request: GenerationRequest, engine: str, *, top_logprobs: bool = False,
+                  prompt_logprobs: bool = False, routed_experts: bool = False) -> None:
+    """Refuse the per-request extras this engine cannot produce (the flags: what it can)."""
+    if request.top_logprobs_num and not top_logprobs:
+        raise ValidationError("top_logprobs_num", f"the {engine} engine does not return top logprobs")
+    if request.logprob_start_len is not None and not prompt_logprobs:
+        raise ValidationError("logprob_start_len", f"the {engine} engine does not return prompt logprobs")
+    if request.return_routed_experts and not routed_experts:
+        raise ValidationError("return_routed_experts",
+                              f"the {engine} engine has no MoE routing to return (SGLang with "
+                              "enable_return_routed_experts has)")
 
 
 def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:

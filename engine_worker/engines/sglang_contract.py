@@ -16,13 +16,14 @@ SERVER_ARGS_FIELDS = (
     # arg_groups/fields/*.py (0.5.23 composes ServerArgs from these namespaces, server_args.py:522-563)
     "model_path", "tp_size", "dp_size", "mem_fraction_static", "max_running_requests", "context_length",
     "dtype", "random_seed", "enable_memory_saver", "skip_tokenizer_init", "weight_version", "log_level",
-    "enable_lora", "lora_paths", "enable_deterministic_inference", "load_format",
+    "enable_lora", "lora_paths", "enable_deterministic_inference", "load_format", "enable_return_routed_experts",
 )
 """``ServerArgs`` fields the worker passes to ``sglang.Engine(**kwargs)`` or reads back."""
 
 ASYNC_GENERATE_PARAMS = (
     # entrypoints/engine.py:545-601
     "prompt", "input_ids", "sampling_params", "return_logprob", "lora_path", "rid", "stream",
+    "top_logprobs_num", "logprob_start_len", "return_routed_experts",
 )
 """Keyword parameters of ``Engine.async_generate`` the adapter passes."""
 
@@ -103,6 +104,7 @@ META_INFO_KEYS = (
     # managers/tokenizer_manager.py _handle_batch_output :2507-2559, :2753; add_logprob_to_meta_info :2868
     "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
     "output_token_logprobs", "e2e_latency", "num_retractions",
+    "output_top_logprobs", "input_token_logprobs", "routed_experts",  # :2973, :2868, :2602-2609
 )
 
 UTILS_CLASSES = {

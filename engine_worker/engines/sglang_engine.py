@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -110,6 +111,7 @@ class _Job:
 @dataclass
 class _Sample:
     output: SampleOutput
+    input_logprobs: list[float | None] | None = None
     prompt_tokens: int | None = None
     cached_tokens: int = 0
     weight_version: str | None = None
@@ -137,7 +139,10 @@ class SGLangEngine:
         engine_factory: Callable[..., Any] | None = None,
         shutdown_timeout_s: float = 30.0,
         pause_mode: str = "in_place",
+        max_routed_experts_bytes: int = 2 * 1024 * 1024,
     ) -> None:
+        self.max_routed_experts_bytes = max_routed_experts_bytes
+        """The most routed-experts data one record may carry (see :meth:`_check_routed_experts`)."""
         if pause_mode not in ("in_place", "retract"):
             raise ValueError(f"pause_mode {pause_mode!r} is not in_place or retract")
         self.pause_mode = pause_mode
@@ -187,6 +192,8 @@ class SGLangEngine:
         self._rid_prefix = f"rr-{secrets.token_hex(4)}-"
         self._seq = itertools.count(1)
         self.info.weight_ranks = int(tp_size or 1)
+        self._routed_shape: tuple[int, int] | None = None
+        """(layers, top-k) of an MoE model started with enable_return_routed_experts."""
         self._dp_size = int(dp_size or 1)
         self._group_name: str | None = None
         self._live_changed = False
@@ -240,6 +247,13 @@ class SGLangEngine:
         # The resolved value (tokenizer_manager.py:544): with only lora_paths given, the raw
         # server_args.enable_lora stays None (arg_groups/lora_hook.py:38-41 declare, not assign).
         self._lora_enabled = bool(getattr(tm, "enable_lora", False))
+        # MoE routing replay (tokenizer_manager.py:2602-2609): only with enable_return_routed_experts
+        # (fields/...: a plain field); sized from the model's config.
+        hf_config = getattr(model_config, "hf_config", None)
+        layers = getattr(hf_config, "num_hidden_layers", None)
+        top_k = getattr(hf_config, "num_experts_per_tok", None)
+        if getattr(self.server_args, "enable_return_routed_experts", False) and layers and top_k:
+            self._routed_shape = (int(layers), int(top_k))
         if self.server_args is not None:
             self.deterministic = bool(getattr(self.server_args, "enable_deterministic_inference", self.deterministic))
             self.memory_saver = bool(getattr(self.server_args, "enable_memory_saver", self.memory_saver))
@@ -314,6 +328,8 @@ class SGLangEngine:
             # tokenizer_manager.py:3729-3736 (ValueError "LoRA is not enabled")
             raise ValidationError("lora_path", "LoRA is not enabled on this SGLang engine (start it with lora_paths)")
         prompt_len = self._prompt_len(request)
+        if request.return_routed_experts:
+            self._check_routed_experts(request, prompt_len)
         if prompt_len is None:
             return
         context = self.info.max_context
@@ -331,6 +347,28 @@ class SGLangEngine:
         if self._max_req_input_len is not None and prompt_len >= self._max_req_input_len:
             raise ValidationError(field_name, f"input length ({prompt_len} tokens) exceeds the engine's maximum "
                                               f"allowed length ({self._max_req_input_len} tokens)")
+
+    def _check_routed_experts(self, request: GenerationRequest, prompt_len: int | None) -> None:
+        """Routed experts travel in the record as raw int32 ``[tokens, layers, top_k]`` per sample,
+        over prompt and output (``seqlen - 1`` tokens: layers/state_capturer/base.py:183-188), e.g.
+        about 50 MB for 32k tokens x 48 layers x 8. A request whose worst case, ``(prompt +
+        max_new_tokens - 1) x layers x top_k x 4 bytes x n``, exceeds ``max_routed_experts_bytes``
+        is refused here, so no record outgrows what a stream entry should carry."""
+        if self.engine is not None and self._routed_shape is None:
+            raise ValidationError("return_routed_experts", "this SGLang engine does not return routed experts: start "
+                                                           "it with --sglang-arg enable_return_routed_experts=true "
+                                                           "on an MoE model")
+        if self._routed_shape is None or prompt_len is None:
+            return
+        layers, top_k = self._routed_shape
+        tokens = prompt_len + request.sampling_params.max_new_tokens - 1
+        size = tokens * layers * top_k * 4 * request.n
+        if size > self.max_routed_experts_bytes:
+            raise ValidationError("return_routed_experts",
+                                  f"the routed experts could take {size} bytes ({tokens} tokens x {layers} layers x "
+                                  f"{top_k} experts x 4 bytes x n={request.n}), over this worker's "
+                                  f"max_routed_experts_bytes of {self.max_routed_experts_bytes}; ask for fewer "
+                                  "tokens or raise the limit (--max-routed-experts-bytes)")
 
     def effective_max_new_tokens(self, prompt_len: int, requested: int) -> int:
         """What SGLang's scheduler will really allow: ``min(requested, max_req_len - input - 1)``
@@ -453,6 +491,12 @@ class SGLangEngine:
             kwargs["prompt"] = request.prompt
         if request.lora_path is not None:
             kwargs["lora_path"] = request.lora_path
+        if request.top_logprobs_num:
+            kwargs["top_logprobs_num"] = request.top_logprobs_num
+        if request.logprob_start_len is not None:
+            kwargs["logprob_start_len"] = request.logprob_start_len
+        if request.return_routed_experts:
+            kwargs["return_routed_experts"] = True
 
         async def call_sglang() -> Any:
             await self._dispatch_open.wait()  # (closed only while a flush after an in-place swap waits)
@@ -513,14 +557,43 @@ class SGLangEngine:
             logprobs = [float(e[0]) for e in entries]
         prompt_tokens = meta.get("prompt_tokens")  # absent for an abort in the waiting queue (:3603-3628)
         latency = meta.get("e2e_latency")
+        top = None
+        if request.return_logprob and request.top_logprobs_num:
+            # per output position, (logprob, token_id, text|None) tuples or None (:3118-3136)
+            positions = meta.get("output_top_logprobs") or []
+            if len(positions) != len(token_ids):
+                raise EngineRequestError(f"SGLang's output_top_logprobs ({len(positions)}) do not line up with "
+                                         f"output_ids ({len(token_ids)}) for rid {rid}", rid=rid)
+            top = [[(int(e[1]), float(e[0])) for e in (position or ())] for position in positions]
+        input_logprobs = None
+        if request.return_logprob and request.logprob_start_len is not None:
+            # from logprob_start_len on; the first prompt token has no logprob (None)
+            input_logprobs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
         return _Sample(
             output=SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-                                weight_versions=_token_versions(meta.get("weight_versions"), len(token_ids), rid)),
+                                weight_versions=_token_versions(meta.get("weight_versions"), len(token_ids), rid),
+                                top_logprobs=top, routed_experts=self._routed_experts(meta, rid)),
+            input_logprobs=input_logprobs,
             prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
             cached_tokens=int(meta.get("cached_tokens") or 0),
             weight_version=meta.get("weight_version"),
             e2e_latency=float(latency) if latency is not None else None,
         )
+
+    def _routed_experts(self, meta: dict, rid: str) -> Any:
+        """``meta_info["routed_experts"]``: base64 of raw int32 (detokenizer_manager.py:432-448), only
+        on the finished output (tokenizer_manager.py:2602-2609)."""
+        encoded = meta.get("routed_experts")
+        if encoded is None or self._routed_shape is None:
+            return None
+        from redroll.shared.types import RoutedExperts
+
+        data = base64.b64decode(encoded)
+        layers, top_k = self._routed_shape
+        if len(data) % (4 * layers * top_k):
+            raise EngineRequestError(f"SGLang's routed_experts ({len(data)} bytes) do not divide into "
+                                     f"{layers} layers x {top_k} experts for rid {rid}", rid=rid)
+        return RoutedExperts(shape=(len(data) // (4 * layers * top_k), layers, top_k), data=data)
 
     @staticmethod
     def _never_started(request: GenerationRequest) -> _Sample:
@@ -547,6 +620,7 @@ class SGLangEngine:
             cached_tokens=sum(s.cached_tokens for s in samples),
             weight_version=version,
             extra=extra,
+            input_logprobs=next((s.input_logprobs for s in samples if s.input_logprobs is not None), None),
         )
 
     # ------------------------------------------------------------------ weights and memory

@@ -20,7 +20,7 @@ from array import array
 
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 
 
 class _NeverAborted:
@@ -60,6 +60,7 @@ class SyntheticEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         check_token_ids(request, self.info.vocab_size, self.info.max_context)
+        refuse_extras(request, "synthetic")
 
     def abort(self, handle: str) -> None:
         ev = self._abort_events.get(handle)

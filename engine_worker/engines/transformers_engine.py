@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SamplingParams
 
-from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
 
@@ -63,6 +63,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
     """The weight version that produced each token (an in-place update swaps between two steps)."""
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per token, the most likely tokens and their logprobs (``top_logprobs_num``)."""
     finish_reason: str | None = None
 
     @property
@@ -83,6 +85,7 @@ class _Job:
     prompt_ids: list[int]
     future: asyncio.Future[EngineOutput]
     rows: list[_Row] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
 
     @property
     def width(self) -> int:
@@ -98,6 +101,8 @@ class _Sampling:
     top_p: "torch.Tensor"  # [B]
     min_p: "torch.Tensor"  # [B]
     generators: list["torch.Generator"]
+    top_logprobs: int = 0
+    """The largest ``top_logprobs_num`` of the batch (0: none asked)."""
 
 
 @dataclass
@@ -237,6 +242,7 @@ class TransformersEngine(TorchWeights):
         tokenizer = self._require_started()
         check_token_ids(request, self.info.vocab_size, self.info.max_context)
         _check_supported(request)
+        refuse_extras(request, "transformers", top_logprobs=True, prompt_logprobs=True)
         if request.input_ids is not None:
             if not request.input_ids:
                 raise ValidationError("input_ids", "must not be empty")
@@ -326,11 +332,14 @@ class TransformersEngine(TorchWeights):
                 logprobs=list(row.logprobs) if job.request.return_logprob else None,
                 finish_reason=row.finish_reason,
                 weight_versions=list(row.versions) if mixed else None,
+                top_logprobs=[list(t) for t in row.top] if job.request.top_logprobs_num else None,
             )
             for row in job.rows
         ]
         if not job.future.done():
-            job.future.set_result(self._output(job.prompt_ids, samples))
+            output = self._output(job.prompt_ids, samples)
+            output.input_logprobs = job.input_logprobs
+            job.future.set_result(output)
 
     def _output(self, prompt_ids: list[int], samples: list[SampleOutput]) -> EngineOutput:
         return EngineOutput(
@@ -386,29 +395,32 @@ class TransformersEngine(TorchWeights):
         # takes the lock, so it falls between two steps.
         async with self._step_lock:
             version = self.info.weight_version
-            decoder, tokens, logprobs = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
+            decoder, tokens, logprobs, tops = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
         while True:
-            self._advance(rows, tokens, logprobs, version)
+            self._advance(rows, tokens, logprobs, tops, version)
             active = [row.active for row in rows]
             if not any(active):
                 return
             banned = self._banned_tokens(rows)
             async with self._step_lock:
                 version = self.info.weight_version
-                tokens, logprobs = await asyncio.to_thread(
+                tokens, logprobs, tops = await asyncio.to_thread(
                     self._decode_step, decoder, tokens, active, banned, sampling
                 )
 
     # ------------------------------------------------------------ per-step bookkeeping (event loop)
 
-    def _advance(self, rows: list[_Row], tokens: list[int], logprobs: list[float], version: str | None) -> None:
+    def _advance(self, rows: list[_Row], tokens: list[int], logprobs: list[float],
+                 tops: list[list[tuple[int, float]]] | None, version: str | None) -> None:
         """Append this step's token to every active row, finish rows, resolve finished jobs."""
         touched: list[_Job] = []
-        for row, token, logprob in zip(rows, tokens, logprobs):
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
             if not row.active:
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            if tops is not None and row.job.request.top_logprobs_num:
+                row.top.append(tops[i][:row.job.request.top_logprobs_num])
             row.versions.append(str(version))
             row.finish_reason = self._finish_reason(row, token)
             if row.finish_reason is not None and row.job not in touched:
@@ -461,14 +473,16 @@ class TransformersEngine(TorchWeights):
             top_p=column([p.top_p for p in params], torch.float32),
             min_p=column([p.min_p for p in params], torch.float32),
             generators=[torch.Generator(device=device).manual_seed(row.seed) for row in rows],
+            top_logprobs=_top_k(rows),
         )
 
     # ------------------------------------------------------------ torch work (worker thread)
 
     def _prefill_step(
         self, rows: list[_Row], banned: list[tuple[int, int]], sampling: _Sampling
-    ) -> tuple[_Decoder, list[int], list[float]]:
-        """Run the left-padded prompts through the model and sample every row's first token."""
+    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
+        """Run the left-padded prompts through the model and sample every row's first token (and
+        the prompt logprobs of the jobs that asked for them)."""
         import torch
 
         device = self._model.device
@@ -481,11 +495,19 @@ class TransformersEngine(TorchWeights):
             attention_mask[i, width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        want_prompt = [row.index == 0 and row.job.request.logprob_start_len is not None for row in rows]
         with torch.inference_mode():
-            logits, cache = self._forward(input_ids, attention_mask, position_ids, cache=None)
+            logits, cache = self._forward(input_ids, attention_mask, position_ids, cache=None,
+                                          all_positions=any(want_prompt))
+            if any(want_prompt):
+                for i, row in enumerate(rows):
+                    if want_prompt[i]:
+                        row.job.input_logprobs = _prompt_logprobs(logits[i], prompts[i], sampling.temperature[i],
+                                                                  row.job.request.logprob_start_len)
+                logits = logits[:, -1, :]
             decoder = _Decoder(cache, attention_mask, position_ids[:, -1] + 1)
-            tokens, logprobs = _sample(logits, sampling, [True] * len(rows), banned)
-        return decoder, tokens, logprobs
+            tokens, logprobs, tops = _sample(logits, sampling, [True] * len(rows), banned, _top_k(rows))
+        return decoder, tokens, logprobs, tops
 
     def _decode_step(
         self,
@@ -494,7 +516,7 @@ class TransformersEngine(TorchWeights):
         active: list[bool],
         banned: list[tuple[int, int]],
         sampling: _Sampling,
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
         """Feed the last sampled tokens (pad for finished rows) and sample the next ones."""
         import torch
 
@@ -507,13 +529,16 @@ class TransformersEngine(TorchWeights):
             position_ids = decoder.next_position.unsqueeze(-1)
             logits, decoder.cache = self._forward(input_ids, decoder.attention_mask, position_ids, decoder.cache)
             decoder.next_position = decoder.next_position + 1
-            return _sample(logits, sampling, active, banned)
+            return _sample(logits, sampling, active, banned, sampling.top_logprobs)
 
     def _forward(
-        self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", position_ids: "torch.Tensor", cache: Any
+        self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", position_ids: "torch.Tensor", cache: Any,
+        all_positions: bool = False,
     ) -> tuple["torch.Tensor", Any]:
-        """Last-position logits (float32) and the updated KV cache."""
+        """Last-position logits (float32; every position's with ``all_positions``) and the updated KV cache."""
         kwargs = dict(self._extra_forward_kwargs)
+        if all_positions and "logits_to_keep" in kwargs:
+            kwargs["logits_to_keep"] = 0  # (0: every position)
         if cache is not None:
             kwargs[self._cache_kwarg] = cache
         out = self._model(
@@ -522,16 +547,38 @@ class TransformersEngine(TorchWeights):
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[:, -1, :].float(), new_cache
+        return (out.logits if all_positions else out.logits[:, -1, :]).float(), new_cache
 
 
 # ---------------------------------------------------------------- sampling
 
 
+def _top_k(rows: list[_Row]) -> int:
+    return max((row.job.request.top_logprobs_num for row in rows), default=0)
+
+
+def _prompt_logprobs(logits: "torch.Tensor", prompt: list[int], temperature: "torch.Tensor",
+                     start: int) -> list[float | None]:
+    """The logprob of each prompt token from ``start`` on under ``softmax(logits / T)`` of the
+    position before it (the prompt is right-aligned in ``logits`` [width, vocab]); the first
+    token has none."""
+    import torch
+
+    t = float(temperature) if float(temperature) > 0 else 1.0
+    width = logits.shape[0]
+    first = width - len(prompt)
+    scaled = torch.log_softmax(logits[first:width - 1] / t, dim=-1)
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
+    values = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+    return ([None] + values)[start:]
+
+
 def _sample(
-    logits: "torch.Tensor", sampling: _Sampling, active: list[bool], banned: list[tuple[int, int]]
-) -> tuple[list[int], list[float]]:
-    """One token per row, and its logprob under ``softmax(logits / T)`` before any filtering.
+    logits: "torch.Tensor", sampling: _Sampling, active: list[bool], banned: list[tuple[int, int]],
+    top_logprobs: int = 0,
+) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+    """One token per row, and its logprob under ``softmax(logits / T)`` before any filtering (and
+    the ``top_logprobs`` most likely tokens of that distribution).
 
     Rows are independent: a row's draw depends only on its logits and its own generator, which
     is advanced once per step the row is active and sampling. Greedy rows (T == 0) take the argmax.
@@ -555,7 +602,11 @@ def _sample(
             uniforms[i] = torch.rand((), generator=gen, device=logits.device)
     tokens = torch.where(greedy, masked.argmax(dim=-1), _filtered_draw(masked, sampling, uniforms))
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens.tolist(), chosen.tolist()
+    tops = None
+    if top_logprobs:
+        values, ids = logprobs.topk(top_logprobs, dim=-1)
+        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return tokens.tolist(), chosen.tolist(), tops
 
 
 def _filtered_draw(masked: "torch.Tensor", sampling: _Sampling, uniforms: "torch.Tensor") -> "torch.Tensor":

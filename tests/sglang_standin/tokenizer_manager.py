@@ -161,8 +161,11 @@ class TokenizerManager:
         self.server_args = engine.server_args
         options = engine.standin_options
         context = self.server_args.context_length or options.model_context_len
+        layers, top_k = options.routed_experts or (None, None)
         self.model_config = SimpleNamespace(vocab_size=options.vocab_size, context_len=context,
-                                            hf_eos_token_id={StandInTokenizer.eos_token_id}, is_generation=True)
+                                            hf_eos_token_id={StandInTokenizer.eos_token_id}, is_generation=True,
+                                            hf_config=SimpleNamespace(num_hidden_layers=layers,
+                                                                      num_experts_per_tok=top_k))
         self.context_len = context  # :600
         self.max_req_input_len = options.max_req_input_len or context - 6  # tp_worker.py:568-572 via engine.py:1355
         self.num_reserved_tokens = options.num_reserved_tokens  # :605
@@ -374,6 +377,17 @@ class TokenizerManager:
             # (logprob, token_id, None) unless return_text_in_logprobs (:3104-3105)
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(logprobs, ids)]
+            start = getattr(state.obj, "logprob_start_len", -1)
+            if start is not None and start >= 0:  # (the first prompt token has no logprob: None)
+                prompt = req.origin_input_ids
+                meta["input_token_logprobs"] = [(None if i == 0 else token_logprob(prompt[i], i - 1), prompt[i], None)
+                                                for i in range(start, len(prompt))]
+            k = getattr(state.obj, "top_logprobs_num", 0) or 0
+            if k > 0:  # :2973 / :3118-3136: per position, k (logprob, token_id, None), most likely first
+                meta["output_top_logprobs"] = [
+                    sorted([(lp, tid, None)] + [(lp - 1.0 - j, (tid + j + 1) % self.model_config.vocab_size, None)
+                                                for j in range(k - 1)], reverse=True)
+                    for lp, tid in zip(logprobs, ids)]
         meta.update({"completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens})  # :2553-2559
         return meta
 
@@ -413,6 +427,16 @@ class TokenizerManager:
             return
         meta = self._meta(state, req)
         meta["finish_reason"] = req.finished_reason.to_json()
+        if getattr(state.obj, "return_routed_experts", False) and self.server_args.enable_return_routed_experts:
+            # :2602-2609, base64 of int32 [seqlen - 1, layers, top_k] (detokenizer_manager.py:432-448)
+            import array
+            import base64
+
+            layers, top_k = self.options.routed_experts
+            tokens = len(req.origin_input_ids) + len(req.output_ids) - 1
+            values = array.array("i", [(t * 7 + layer * 3 + j) % 64 for t in range(tokens) for layer in range(layers)
+                                       for j in range(top_k)])
+            meta["routed_experts"] = base64.b64encode(values.tobytes()).decode()
         # utils/weight_versions.py:90-107: the spans, and weight_version overwritten by the last one
         meta["weight_versions"] = spans
         meta["weight_version"] = spans[-1]["version"]
