@@ -5,13 +5,17 @@ group of their own (gloo on CPU, NCCL on GPUs), so a trainer that trains with to
 keeps its default group, and one push's failure ends only its own group. Every call blocks: callers
 run them off the event loop (``asyncio.to_thread``). Every collective has a timeout.
 
-The rendezvous (TCPStore) is not authenticated: bind it to an address only the fleet reaches.
+The rendezvous (TCPStore) is not authenticated: the trainer serves it on one address (its own
+listening socket, since a TCPStore alone listens on every interface), which only the fleet should
+reach.
 torch is imported lazily: importing this module needs no torch.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,21 @@ def torch_dtype(name: str) -> Any:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     return getattr(torch, name)
+
+
+def _listen(address: str, port: int) -> int:
+    """A listening socket bound to ``address`` only; its descriptor is handed to the TCPStore,
+    which owns (and closes) it from then on."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def dtype_name(dtype: Any) -> str:
@@ -65,8 +84,16 @@ class WeightGroup:
         if backend not in ("gloo", "nccl"):  # (nccl is untested here: it needs a GPU per rank)
             raise ValueError(f"backend {backend!r} is not gloo or nccl")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(address, port, world_size, is_master=(rank == 0), timeout=timeout,
-                              wait_for_workers=False)
+        if rank == 0:  # serve the rendezvous on this one address (TCPStore alone listens on every interface)
+            listen_fd = _listen(address, port)
+            try:
+                store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False, master_listen_fd=listen_fd)
+            except BaseException:
+                os.close(listen_fd)
+                raise
+        else:
+            store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
         group_store = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
         device_map = dist.distributed_c10d.BackendConfig(dist.Backend(backend)).get_device_backend_map()
         first_device, device_backend = next(iter(device_map.items()))

@@ -387,15 +387,19 @@ class Producer:
         return stitch(original.request_id, segments)
 
     async def update_weights(self, model_path: str, weight_version: str, *, abort_inflight: bool = False,
-                             wait: bool = True, timeout: float = 600.0) -> dict[str, dict[str, Any]]:
+                             mode: str | None = None, wait: bool = True,
+                             timeout: float = 600.0) -> dict[str, dict[str, Any]]:
         """Broadcast new weights to the fleet; with ``wait``, return once every live worker runs them.
 
         Workers stop claiming, let in-flight requests finish (``abort_inflight``: abort them, so
-        ``collect_unfinished`` requests return their partial output), load, and resume. Workers
-        that join later load the desired weights from ``{ns}:weights`` before claiming.
+        ``collect_unfinished`` requests return their partial output), load, and resume; with
+        ``mode="in_place"`` they load while requests run and swap between two decode steps (each
+        token's version is in its record). Workers that join later load the desired weights from
+        ``{ns}:weights`` before claiming.
         """
         workers = await _update_weights(self.redis, self.keys, model_path, weight_version,
-                                        abort_inflight=abort_inflight, wait=wait, timeout=timeout)
+                                        abort_inflight=abort_inflight, mode=mode, wait=wait,  # type: ignore[arg-type]
+                                        timeout=timeout)
         if str(weight_version).isdigit():
             self.set_weight_version(int(weight_version))
         return workers

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default=None, help="update: the new weight_version")
     p.add_argument("--abort-inflight", action="store_true",
                    help="update: abort in-flight requests instead of letting them finish")
+    p.add_argument("--in-place", action="store_true",
+                   help="update: swap the weights under the requests in flight (between two decode steps; "
+                        "their records carry per-token versions) instead of waiting for them")
     p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
     p.add_argument("--timeout", type=float, default=600.0)
 
@@ -377,8 +380,13 @@ async def _run_weights(args: argparse.Namespace) -> int:
                 if not args.model_path or not args.version:
                     print("redroll weights update: --model-path and --version are required", file=sys.stderr)
                     return 2
+                if args.in_place and args.abort_inflight:
+                    print("redroll weights update: --in-place and --abort-inflight exclude each other",
+                          file=sys.stderr)
+                    return 2
                 workers = await update_weights(r, settings.keys, args.model_path, args.version,
-                                               abort_inflight=args.abort_inflight, wait=not args.no_wait,
+                                               abort_inflight=args.abort_inflight,
+                                               mode="in_place" if args.in_place else None, wait=not args.no_wait,
                                                timeout=args.timeout)
                 print(f"weights {args.version} ({args.model_path}) " +
                       ("broadcast" if args.no_wait else f"running on {len(workers)} live worker(s)"))

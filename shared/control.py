@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from redis.asyncio import Redis
 
 from .codec import ValidationError, check_request_id, decode_request
-from .commands import Abort, Command, CommandFailed, UpdateWeights, command_fields, parse_command
+from .commands import Abort, Command, CommandFailed, UpdateMode, UpdateWeights, command_fields, parse_command
 from .keys import WORKERS_GROUP, Keys
 from .types import CompletionRecord, RecordStatus
 
@@ -141,10 +141,12 @@ async def live_workers(r: Redis, keys: Keys, stale_after_s: float = 10.0) -> dic
 
 
 async def update_weights(r: Redis, keys: Keys, model_path: str, weight_version: str, *,
-                         abort_inflight: bool = False, wait: bool = True, timeout: float = 600.0,
-                         stale_after_s: float = 10.0) -> dict[str, dict[str, Any]]:
+                         abort_inflight: bool = False, mode: UpdateMode | None = None, wait: bool = True,
+                         timeout: float = 600.0, stale_after_s: float = 10.0) -> dict[str, dict[str, Any]]:
     """Set the desired weights (``{ns}:weights``, read by workers that join later), broadcast the
-    update, and (``wait``) return once every live worker reports ``weight_version``.
+    update, and (``wait``) return once every live worker reports ``weight_version``. ``mode``:
+    ``quiesce`` (the default: in-flight requests finish first), ``abort`` (the same as
+    ``abort_inflight``) or ``in_place`` (swapped while they run; engines that cannot quiesce).
 
     Raises TimeoutError naming the workers still behind.
     """
@@ -152,7 +154,7 @@ async def update_weights(r: Redis, keys: Keys, model_path: str, weight_version: 
         pipe.hset(keys.weights, mapping={"model_path": model_path, "weight_version": weight_version,
                                          "updated_at": str(time.time())})
         pipe.xadd(keys.control, command_fields(UpdateWeights(
-            model_path=model_path, weight_version=weight_version, abort_inflight=abort_inflight)),
+            model_path=model_path, weight_version=weight_version, abort_inflight=abort_inflight, mode=mode)),
             maxlen=CONTROL_MAXLEN, approximate=True)
         await pipe.execute()
     if not wait:

@@ -29,3 +29,23 @@ def test_grpo_example_runs_end_to_end(tmp_path):
     assert len(kept) == 64 * 6
     assert all(len(r["output_token_ids"]) == len(r["output_logprobs"]) for r in kept)
     assert {r["weight_version"] for r in kept} == {"0", "1"}
+
+
+@pytest.mark.slow
+def test_grpo_learn_learns_through_the_queue_with_logprob_parity(tmp_path):
+    # The short run of examples/grpo_learn.py: a trainer, 2 worker processes, a weight push over
+    # gloo after every optimizer step; rewards and parity from the records.
+    pytest.importorskip("torch")
+    out = tmp_path / "grpo.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
+    proc = subprocess.run([sys.executable, "examples/grpo_learn.py", "--seeds", "0", "--steps", "8",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["seeds"]["0"]
+    assert result["gain"] >= 0.3 and result["parity_max_abs"] < 1e-4
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["version"] for r in rows] == list(range(1, 9))  # one push per step, records on it
+    assert all(r["parity_max_abs"] < 1e-4 and r["on_version"] == r["samples"] == 64 for r in rows)
+    assert all(r["staleness"]["max"] == 0 and r["push_workers"] == 2 for r in rows)
+    assert len({w for r in rows for w in r["workers"]}) == 2  # both served (a worker may claim a whole step)

@@ -177,3 +177,35 @@ async def test_a_late_joiner_waits_for_the_next_push_and_says_so(settings, r):
                                                             sampling_params={"max_new_tokens": 8}), 20)
                 assert rec.meta_info["weight_version"] == "2"
                 assert_same_weights(rec, model)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:
+                    out.append(address)
+    return out
+
+
+def test_the_trainer_serves_the_rendezvous_on_its_own_address_only():
+    from redroll.engine_worker.weight_group import WeightGroup
+    from redroll.producer.weight_sync import free_port
+
+    port = free_port("127.0.0.1")
+    group = WeightGroup.open(address="127.0.0.1", port=port, rank=0, world_size=1, name="alone", timeout_s=5)
+    try:
+        assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1, not every interface
+        group.broadcast(torch.arange(3.0), 0)  # (a group of one: nothing to wait for)
+    finally:
+        group.close()
+    # An unpatched TCPStore, for comparison, listens on every interface.
+    store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    try:
+        assert "0100007F" not in listening_addresses(port) and listening_addresses(port)
+    finally:
+        del store

@@ -153,3 +153,23 @@ async def test_sglang_adapter_weight_update_during_traffic(settings, r):
         switch = versions.index("1") if "1" in versions else len(versions)
         assert set(versions[:switch]) <= {"0"} and set(versions[switch:]) <= {"1"}, versions
     assert {rec.meta_info["weight_version"] for rec in arrived} == {"0", "1"}
+
+
+async def test_an_in_place_update_from_disk_leaves_requests_running_and_tags_their_tokens(settings, r):
+    # The synthetic engine swaps between two tokens: nothing waits, nothing is aborted, and each
+    # record that spans the update says which version made which token.
+    pairs = [await _start(settings, token_ms=5)]
+    await wait_until(lambda: _n_live(r, settings, 1))
+    async with Producer(settings) as p:
+        futs = await p.submit_many([dict(request_id=f"ip-{i}", prompt=str(i), sampling_params={
+            "max_new_tokens": 80, "ignore_eos": True}) for i in range(4)])
+        await wait_until(lambda: pairs[0][0].generating_count == 4)
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(p.update_weights("/ckpt/ip", "5", mode="in_place", timeout=30), 5)
+        records = await asyncio.wait_for(asyncio.gather(*futs), 30)
+    await _stop(*pairs)
+    assert all(rec.status is RecordStatus.FINISHED and len(rec.output_token_ids[0]) == 80 for rec in records)
+    for rec in records:
+        versions = rec.token_versions(0)
+        switch = versions.index("5")
+        assert 0 < switch < 80 and set(versions[switch:]) == {"5"} and "5" not in versions[:switch]
