@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every stream of the pipeline (requests, results, dead, "
                                                       "control, reply streams)")
     p.add_argument("--dry-run", action="store_true", help="only report which streams are broken")
+    p.add_argument("--max-rebuild", type=int, default=None, metavar="N",
+                   help="on servers that need the stream rebuilt (Valkey 8), copy at most N entries in the one "
+                        "script (default 200000; the server is blocked meanwhile)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("drain", help="ask workers to drain and exit (through the control stream)")
@@ -463,7 +466,7 @@ async def _run_gc(args: argparse.Namespace) -> int:
 
 
 async def _run_repair(args: argparse.Namespace) -> int:
-    from redroll.repair import pipeline_streams, repair_stream
+    from redroll.repair import MAX_REBUILD_ENTRIES, pipeline_streams, repair_stream
 
     if not args.streams and not args.all:
         print("redroll repair: name stream keys or --all", file=sys.stderr)
@@ -471,7 +474,8 @@ async def _run_repair(args: argparse.Namespace) -> int:
     settings = _settings(args)
     async with connect(settings) as r:
         keys = args.streams or await pipeline_streams(r, settings.keys, settings.partition_keys)
-        reports = [await repair_stream(r, key, dry_run=args.dry_run) for key in keys]
+        limit = args.max_rebuild if args.max_rebuild is not None else MAX_REBUILD_ENTRIES
+        reports = [await repair_stream(r, key, dry_run=args.dry_run, max_rebuild=limit) for key in keys]
     if args.json:
         print(json.dumps([x.to_json() for x in reports], indent=2))
     for rep in reports:
@@ -480,12 +484,18 @@ async def _run_repair(args: argparse.Namespace) -> int:
         if rep.state == "repaired":
             print(f"{rep.key}: repaired: last id {rep.last_id} -> {rep.new_last_id}; removed {len(rep.removed)} "
                   f"entr{'y' if len(rep.removed) == 1 else 'ies'} from the future"
-                  + (f"; groups moved back: {', '.join(rep.groups_reset)}" if rep.groups_reset else ""))
+                  + (f"; groups moved back: {', '.join(rep.groups_reset)}" if rep.groups_reset else "")
+                  + ("; the stream was rebuilt (same entries, groups and pending entries)"
+                     if rep.method == "rebuilt" else ""))
+        elif rep.state == "toolarge":
+            print(f"{rep.key}: ids exhausted and this server needs the stream rebuilt, {rep.length} entries: "
+                  f"more than --max-rebuild {limit}; nothing changed (raise it, accepting that the server "
+                  "blocks about a second per 100k entries)")
         elif rep.state == "broken":
             print(f"{rep.key}: ids exhausted (last id {rep.last_id}): run without --dry-run to repair")
         else:
             print(f"{rep.key}: a {rep.kind}, not a stream: remove or rename it by hand (redroll recreates the stream)")
-    broken = [x for x in reports if x.state in ("broken", "wrongtype")]
+    broken = [x for x in reports if x.state in ("broken", "wrongtype", "toolarge")]
     if not args.json:
         print(f"checked {len(reports)} stream(s): {sum(x.state == 'repaired' for x in reports)} repaired, "
               f"{len(broken)} still broken")
