@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,6 +102,8 @@ class ChaosConfig:
     stop_calm_max_s: float = 30.0
     """A SIGSTOP also waits (up to this long) until earlier kills have recovered."""
     claim_idle_ms: int = 1000
+    affinity_lanes: int = 0
+    """L > 0: requests carry an affinity key (one of 97 sessions) and queue on L lanes per partition."""
     heartbeat_s: float = 0.3
     max_deliveries: int = 20
     drain_timeout_s: float = 5.0
@@ -360,8 +363,9 @@ def request_ids(n: int, run_id: str) -> list[str]:
     return [f"chaos-{run_id}-{i:06d}" for i in range(n)]
 
 
-def build_requests(ids: Sequence[str], max_new_tokens: int) -> list[Any]:
+def build_requests(ids: Sequence[str], max_new_tokens: int, keyed: bool = False) -> list[Any]:
     return [make_request(request_id=rid, prompt=f"chaos {rid}", callback="apply",
+                         affinity_key=f"session-{zlib.crc32(rid.encode()) % 97}" if keyed else None,
                          sampling_params={"max_new_tokens": max_new_tokens}) for rid in ids]
 
 
@@ -388,7 +392,7 @@ async def send_batch(r: Any, settings: Any, ids: list[str], cfg: ChaosConfig, au
     failures = 0
     while ids:
         try:
-            await send(settings, r, build_requests(ids, cfg.max_new_tokens))
+            await send(settings, r, build_requests(ids, cfg.max_new_tokens, keyed=cfg.affinity_lanes > 0))
             return failures
         except (redis.ConnectionError, redis.TimeoutError, OSError, redis.BusyLoadingError,
                 DuplicateRequestError) as exc:
@@ -636,6 +640,7 @@ def process_env(cfg: ChaosConfig, url: str, namespace: str, applied: Path) -> di
     env.update(REDROLL_REDIS_URL=url, REDROLL_NAMESPACE=namespace, REDROLL_CLAIM_IDLE_MS=str(cfg.claim_idle_ms),
                REDROLL_HEARTBEAT_S=str(cfg.heartbeat_s), REDROLL_MAX_DELIVERIES=str(cfg.max_deliveries),
                REDROLL_DRAIN_TIMEOUT_S=str(cfg.drain_timeout_s), REDROLL_LOG_LEVEL="info",
+               REDROLL_AFFINITY_LANES=str(cfg.affinity_lanes),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                PYTHONUNBUFFERED="1")
     env[APPLIED_ENV] = str(applied)
@@ -727,7 +732,8 @@ async def run_chaos(cfg: ChaosConfig) -> ChaosSummary:
     server.start()
     namespace = "chaos" + uuid.uuid4().hex[:8]
     settings = Settings(redis_url=server.url, namespace=namespace, claim_idle_ms=cfg.claim_idle_ms,
-                        heartbeat_s=cfg.heartbeat_s, max_deliveries=cfg.max_deliveries)
+                        heartbeat_s=cfg.heartbeat_s, max_deliveries=cfg.max_deliveries,
+                        affinity_lanes=cfg.affinity_lanes)
     r = connect(settings)
     fleet = Fleet(cfg, process_env(cfg, server.url, namespace, applied_path), workdir / "logs")
     audit, applied = Audit(r, settings.keys.results), AppliedLog(applied_path)
@@ -805,6 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-calm-s", type=float, default=None,
                    help="no worker kill for this long before a SIGSTOP (default 3 x claim_idle)")
     p.add_argument("--claim-idle-ms", type=int, default=d.claim_idle_ms)
+    p.add_argument("--affinity-lanes", type=int, default=d.affinity_lanes,
+                   help="run with affinity lanes: requests carry a session key (default 0 = off)")
     p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
     p.add_argument("--max-deliveries", type=int, default=d.max_deliveries)
     p.add_argument("--appendfsync", choices=["always", "everysec"], default=d.appendfsync)

@@ -32,6 +32,12 @@ class WorkerStats:
     by_status: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)
     """Writes Redis refused, by kind (out_of_memory, ids_exhausted, wrong_type, read_only, ...)."""
+    queued: int | None = None
+    """With affinity lanes and metrics on: entries queued (not yet claimed) in every request stream
+    of this worker's partitions, summed (KEDA scales on it; its own triggers take a maximum)."""
+    claims_by_kind: dict[str, int] = field(default_factory=dict)
+    """With affinity lanes: entries claimed from the high-priority stream, an own lane, the shared
+    stream, stolen from another lane, or woken by a blocking read."""
 
 
 @dataclass(eq=False)
@@ -56,8 +62,9 @@ class WorkerContext:
         self.scripts = Scripts(self.redis)
         self.batcher = CommandBatcher(self.redis)
         self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
-        # Claiming order: every partition's high-priority stream, then every normal one.
-        self.request_streams = [k.requests_high for k in self.parts] + [k.requests for k in self.parts]
+        # Claiming order: every partition's high-priority stream, its lanes, then every normal one.
+        self.request_streams = ([k.requests_high for k in self.parts] + [s for k in self.parts for s in k.lane_streams]
+                                + [k.requests for k in self.parts])
         self.part_of = {stream: k for k in self.parts for stream in k.request_streams}
         """Request stream → the keys of its partition."""
 

@@ -9,7 +9,7 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import redis
 
@@ -23,8 +23,11 @@ log = logging.getLogger("redroll.worker")
 
 class Liveness:
     def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str],
-                 blocked: Callable[[], dict[str, str]], weights_source: Callable[[], str] = lambda: "initial"):
+                 blocked: Callable[[], dict[str, str]], weights_source: Callable[[], str] = lambda: "initial",
+                 lanes: Any = None):
         self.ctx = ctx
+        self.lanes = lanes
+        """A :class:`.lanes.LaneTable` with affinity lanes (refreshed after every heartbeat)."""
         self.flights = flights
         self._state = state
         self._blocked = blocked
@@ -94,9 +97,18 @@ class Liveness:
             "state": self._state(), "weights_source": self._weights_source(),
             "weight_ranks": int(getattr(info, "weight_ranks", 1) or 1), **self._rates(),
         }
+        computed = getattr(ctx.engine, "prefill_tokens_computed", None)
+        if computed is not None:  # engines that count their prefill (the transformers engine)
+            beat["prefill_tokens"] = {"computed": computed, "cached": getattr(ctx.engine, "prefill_tokens_cached", 0)}
         blocked = self._blocked()
         if blocked:
             beat["blocked"] = blocked
+        if self.lanes is not None:
+            try:  # before the beat is written, so that it says what this worker owns now
+                await self.lanes.refresh(beat["state"])
+            except redis.RedisError as exc:
+                log.warning("affinity lanes not refreshed: %s", exc)
+            beat["lanes"] = self.lanes.owned
         try:
             await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))
         except redis.ResponseError as exc:  # out of memory, a read-only replica: said once, not per beat

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
 
@@ -33,6 +34,7 @@ from .control import AbortedSet, ControlListener
 from .engines.base import Engine
 from .flights import Flights, InFlight
 from .housekeeping import housekeeping_loop
+from .lanes import LaneClaimer, LaneTable
 from .liveness import Liveness
 from .outcomes import PUBLISH_HOLD, Outcomes
 from .request import RequestRunner
@@ -97,6 +99,9 @@ class Worker:
         self._weights: WeightsGate | None = None
         self._outcomes: Outcomes | None = None
         self._sync: SyncReceiver | None = None
+        self.lanes: LaneTable | None = None
+        """This worker's view of the affinity lanes (None when they are off)."""
+        self._lane_claimer: LaneClaimer | None = None
         self._control_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ state
@@ -174,8 +179,10 @@ class Worker:
         ctx = WorkerContext(settings=self.settings, name=self.name, engine=self.engine, redis=self.redis,
                             parts=self.parts, stats=self.stats, stopping=self._stopping, block_ms=self.block_ms,
                             metrics=self.metrics)
+        self.lanes = LaneTable(ctx) if self.settings.affinity_lanes else None
         liveness = Liveness(ctx, self.flights, state=self.state, blocked=lambda: self.blocked,
-                            weights_source=lambda: self._weights.source if self._weights else "initial")
+                            weights_source=lambda: self._weights.source if self._weights else "initial",
+                            lanes=self.lanes)
         self._outcomes = outcomes = Outcomes(ctx, self.flights)
         aborted = AbortedSet()
         self._weights = WeightsGate(ctx, self.flights, heartbeat=liveness.heartbeat)
@@ -183,6 +190,8 @@ class Worker:
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)
         control = ControlListener(self.redis, self.keys, self.name, self, aborted, self.block_ms)
         claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s)
+        if self.lanes is not None:
+            self._lane_claimer = LaneClaimer(ctx, self.flights, self.lanes, claimer._give_back)
         return ctx, claimer, control, liveness, outcomes
 
     # ------------------------------------------------------------ lifecycle
@@ -193,6 +202,7 @@ class Worker:
             self._redis = connect(self.settings)
         ctx, claimer, control, liveness, outcomes = self._wire()
         await ctx.scripts.load_all()
+        await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
         await self._ensure_groups(ctx)
         await control.start()
@@ -204,7 +214,8 @@ class Worker:
         self.started.set()
         groups = read_groups(self.redis, self.parts)  # one claim loop per group
         loops = [
-            *(asyncio.create_task(self._guard(ctx, claimer.loop_for(g, len(groups))), name=f"claim-{i}")
+            *(asyncio.create_task(self._guard(ctx, (self._lane_claimer or claimer).loop_for(g, len(groups))),
+                                  name=f"claim-{i}")
               for i, g in enumerate(groups)),
             asyncio.create_task(self._guard(ctx, claimer.reclaim_loop), name="reclaim"),
         ]

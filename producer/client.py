@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
 
 import msgspec
 import redis
@@ -30,7 +30,8 @@ from redroll.shared.codec import (
 from redroll.shared.connection import connect, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
-from redroll.shared.keys import PRODUCER_GROUP, Keys
+from redroll.shared.keys import PRODUCER_GROUP, Keys, lane_index
+from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
@@ -39,6 +40,9 @@ from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStat
 
 from . import dead_notices
 from .rollout import RolloutGroup, continuation, group_members, stitch
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger("redroll.producer")
 
@@ -66,8 +70,13 @@ def make_request(
 
 
 def request_stream(keys: Keys, request: GenerationRequest) -> str:
-    """The stream a request is queued on: high priority has its own, claimed first."""
-    return keys.requests_high if request.priority else keys.requests
+    """The stream a request is queued on: high priority has its own, claimed first; with affinity
+    lanes, a request with an affinity key (or a group) queues on its lane; the rest on the shared one."""
+    if request.priority:
+        return keys.requests_high
+    if keys.lanes and request.lane_key:
+        return keys.lane(lane_index(request.lane_key, keys.lanes))
+    return keys.requests
 
 
 @dataclass
@@ -148,6 +157,7 @@ class Producer:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self._redis)
+        await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
         for stream in self.reply_streams:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)
             await self._redis.expire(stream, self.settings.reply_ttl_s)
@@ -366,6 +376,13 @@ class Producer:
         self._groups[group_id] = ids
         return RolloutGroup(self, group_id, dict(zip(ids, futures)))
 
+    def session(self, key: str | None = None) -> "Session":
+        """A multi-turn conversation whose turns share ``key`` as their affinity key (see
+        :class:`redroll.producer.session.Session`)."""
+        from .session import Session
+
+        return Session(self, key) if key else Session(self)
+
     async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
                                  **fields: Any) -> CompletionRecord:
         """Generate one sample that survives weight updates with ``abort_inflight``: each time it is
@@ -565,6 +582,8 @@ async def send(
                                               f"partition ({part.tag})")
         req.reply_to = target
         prepared.append((req, encode_request(req, settings.limits)))
+    if settings.affinity_lanes:  # a producer with another L would queue on lanes nobody reads
+        await agree_on_lanes(redis_client, settings.keys, settings.affinity_lanes)
     token_base = secrets.token_hex(8)
     items = [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)]
     replies = await submit_until_accepted(lambda chunk: submit_batch(redis_client, scripts, settings, chunk), items,
@@ -615,7 +634,7 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
             for stream, part, idx in calls:
                 scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
                     (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
-                     items[i][1]) for i in idx])
+                     items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
             try:
                 replies = await pipe.execute()
                 break

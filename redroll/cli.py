@@ -14,6 +14,7 @@ import redis
 
 from redroll.runtime import run as run_async_main
 from redroll.shared.connection import RedisConfigError, connect, describe_error
+from redroll.shared.lanes import LanesMismatchError
 from redroll.shared.settings import Settings
 
 
@@ -24,6 +25,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
     g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
                    help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
+    g.add_argument("--affinity-lanes", type=int, default=argparse.SUPPRESS, metavar="L",
+                   help="affinity lanes per partition (env REDROLL_AFFINITY_LANES; default 0 = off); every "
+                        "process of a pipeline must use the pipeline's L (see `redroll lanes`)")
+    g.add_argument("--steal-after-ms", type=int, default=argparse.SUPPRESS, metavar="MS",
+                   help="with affinity lanes: any worker takes an entry that waited this long in a lane "
+                        "(env REDROLL_STEAL_AFTER_MS; default 1000)")
     g.add_argument("--cluster", dest="redis_cluster", action="store_const", const=True, default=argparse.SUPPRESS,
                    help="the URL names a node of a Redis Cluster (env REDROLL_REDIS_CLUSTER=1)")
     g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
@@ -68,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="transformers engine: torch device")
     p.add_argument("--dtype", default=None, help="model dtype (transformers default float32, sglang default auto)")
     p.add_argument("--max-batch-size", type=int, default=32, help="transformers engine: rows per batch")
+    p.add_argument("--prefix-cache-tokens", type=int,
+                   default=int(os.environ.get("REDROLL_PREFIX_CACHE_TOKENS", "0")),
+                   help="transformers engine: keep the KV of recent prompts and conversations, up to this many "
+                        "tokens (env REDROLL_PREFIX_CACHE_TOKENS; default 0 = off); records report "
+                        "meta_info.cached_tokens")
     p.add_argument("--weight-version", default=None)
     g = p.add_argument_group("sglang engine")
     g.add_argument("--tp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_TP_SIZE", "1")))
@@ -132,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "their records carry per-token versions) instead of waiting for them")
     p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
     p.add_argument("--timeout", type=float, default=600.0)
+
+    p = sub.add_parser("lanes", help="show or change the pipeline's affinity lanes (backlog and owner per lane)")
+    _common(p)
+    p.add_argument("action", choices=["show", "set"])
+    p.add_argument("lanes", nargs="?", type=int, help="set: the new number of lanes (0 = off)")
+    p.add_argument("--force", action="store_true",
+                   help="set: change it even though lanes still hold entries (they stay there, unread, "
+                        "until L is set back: see the README)")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("repair", help="give streams whose ids were exhausted (XADD with the largest id) their ids back")
     _common(p)
@@ -201,7 +222,7 @@ def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("redis_url", "namespace", "partitions", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
+    keys = ("redis_url", "namespace", "partitions", "affinity_lanes", "steal_after_ms", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
             "tls_key_file")
     overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
@@ -279,7 +300,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
                    "raise_marker": args.raise_marker, "exit_marker": args.exit_marker}
     elif args.engine == "transformers":
         options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype or "float32",
-                   "max_batch_size": args.max_batch_size}
+                   "max_batch_size": args.max_batch_size, "prefix_cache_tokens": args.prefix_cache_tokens}
     elif args.engine == "sglang":
         options = {"model_path": args.model_path, "tp_size": args.tp_size, "dp_size": args.dp_size,
                    "mem_fraction_static": args.mem_fraction_static,
@@ -465,6 +486,38 @@ async def _run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_lanes(args: argparse.Namespace) -> int:
+    from redroll.shared.lanes import lane_report, set_lanes
+
+    settings = _settings(args)
+    async with connect(settings) as r:
+        if args.action == "set":
+            if args.lanes is None:
+                print("redroll lanes set: give the number of lanes, e.g. `redroll lanes set 8`", file=sys.stderr)
+                return 2
+            try:
+                before = await set_lanes(r, settings.keys, settings.with_(affinity_lanes=0).partition_keys,
+                                         args.lanes, force=args.force)
+            except ValueError as exc:
+                print(f"redroll lanes set: {exc}", file=sys.stderr)
+                return 1
+            print(f"affinity_lanes: {before} -> {args.lanes}; restart producers and workers with "
+                  f"REDROLL_AFFINITY_LANES={args.lanes} (processes with another value refuse to start)")
+            return 0
+        report = await lane_report(r, settings.keys, settings.with_(affinity_lanes=0).partition_keys)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    if not report["lanes"]:
+        print(f"affinity lanes are off for {settings.namespace} (set with `redroll lanes set N`)")
+        return 0
+    print(f"affinity_lanes={report['lanes']}; queued in lanes: {report['backlog']}")
+    for lane in report["per_lane"]:
+        print(f"  {lane['stream']}: backlog {lane['backlog']}, in flight {lane['pending']}, "
+              f"owner {lane['owner'] or '-'}")
+    return 0
+
+
 async def _run_repair(args: argparse.Namespace) -> int:
     from redroll.repair import MAX_REBUILD_ENTRIES, pipeline_streams, repair_stream
 
@@ -568,7 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
-                  "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "dead": _run_dead, "gc": _run_gc}
+                  "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "lanes": _run_lanes,
+                  "dead": _run_dead, "gc": _run_gc}
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130
@@ -579,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"redroll {args.command}: {exc}", file=sys.stderr)
         return 1
     except (ValueError, ImportError) as exc:
+        print(f"redroll {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except LanesMismatchError as exc:
         print(f"redroll {args.command}: {exc}", file=sys.stderr)
         return 2
 

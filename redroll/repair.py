@@ -183,9 +183,14 @@ async def repair_stream(r: Redis, key: str, *, dry_run: bool = False, margin_s: 
 
 
 async def pipeline_streams(r: Redis, keys: Keys, parts: list[Keys]) -> list[str]:
-    """Every stream of a pipeline: control, and per partition requests, results, dead, reply streams."""
+    """Every stream of a pipeline: control, and per partition requests (with its affinity lanes),
+    results, dead, reply streams."""
+    from redroll.shared.lanes import pipeline_lanes
+
+    lanes = await pipeline_lanes(r, keys) or 0
     streams = [keys.control]
     for part in parts:
-        streams += [part.requests, part.requests_high, part.results, part.dead]
+        part = Keys(part.namespace, part.partition, lanes)
+        streams += [part.requests, part.requests_high, *part.lane_streams, part.results, part.dead]
         streams += sorted([text(k) async for k in r.scan_iter(match=part.reply_prefix + "*", count=500)])
     return list(dict.fromkeys(streams))

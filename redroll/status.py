@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from redroll.shared.connection import is_cluster
 from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.lanes import lane_report, pipeline_lanes
 from redroll.shared.streams import id_tuple, text
 
 STALE_AFTER_S = 10.0
@@ -190,7 +191,23 @@ async def collect_status(r: Redis, keys: Keys) -> dict[str, Any]:
 
 async def collect_pipeline_status(r: Redis, keys: Keys, parts: list[Keys]) -> dict[str, Any]:
     """:func:`collect_status` summed over the partitions of a partitioned pipeline (one partition:
-    exactly :func:`collect_status`). Workers and aborts are pipeline-wide; queues are per partition."""
+    exactly :func:`collect_status`), plus the affinity lanes when the pipeline has them (their
+    backlog and owners; ``queued_total`` sums every request stream). Workers and aborts are
+    pipeline-wide; queues are per partition."""
+    lanes = await pipeline_lanes(r, keys) or 0
+    parts = [Keys(p.namespace, p.partition, lanes) for p in parts]
+    status = await _collect_partitions(r, keys, parts)
+    if lanes:
+        report = await lane_report(r, keys, parts, stale_after_s=STALE_AFTER_S)
+        status["lanes"] = report
+        status["alerts"] += [a for part in parts for stream in part.lane_streams
+                             if (a := await stream_problem(r, stream))]
+    status["queued_total"] = (status["requests"]["backlog"] + status["requests_high"]["backlog"]
+                              + (status["lanes"]["backlog"] if lanes else 0))
+    return status
+
+
+async def _collect_partitions(r: Redis, keys: Keys, parts: list[Keys]) -> dict[str, Any]:
     if len(parts) == 1:
         return await collect_status(r, parts[0])
     overall = await collect_status(r, keys)  # workers, aborts, rates
@@ -245,6 +262,9 @@ def render_status(status: dict[str, Any]) -> Any:
     req = status["requests"]
     summary = Table(title=f"redroll pipeline '{status['namespace']}'", show_header=False)
     summary.add_row("queued (backlog)", str(req["backlog"]))
+    lanes = status.get("lanes")
+    if lanes:
+        summary.add_row(f"queued in {lanes['lanes']} affinity lanes", str(lanes["backlog"]))
     if status["requests_high"]["length"]:
         summary.add_row("queued high priority", str(status["requests_high"]["backlog"]))
     summary.add_row("in flight (pending)", str(req["pending"]))
@@ -278,6 +298,13 @@ def render_status(status: dict[str, Any]) -> Any:
         for p in status["partitions"]:
             table.add_row(p["tag"], p.get("node") or "-", str(p["queued"]), str(p["in_flight"]), str(p["results"]),
                           str(p["dead_letters"]))
+        parts.append(table)
+    if lanes:
+        table = Table(title="affinity lanes")
+        for col in ("stream", "queued", "in flight", "owner"):
+            table.add_column(col)
+        for lane in lanes["per_lane"]:
+            table.add_row(lane["stream"], str(lane["backlog"]), str(lane["pending"]), lane["owner"] or "-")
         parts.append(table)
     parts += [f"[bold red]alert:[/] {a}" for a in status.get("alerts", [])]
     parts += [f"[yellow]warning:[/] {w}" for w in status["warnings"]]

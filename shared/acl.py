@@ -93,13 +93,14 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     t = glob_escape(keys.tag)
     # Per-request keys: the plain tag {ns}, or with partitions every partition tag {ns:<digits>}.
     pt = t if partitions == 1 else glob_escape("{" + keys.namespace + ":") + "[0-9]*}"
-    requests, requests_high = f"{pt}:requests", f"{pt}:requests:high"
+    requests, requests_high, lanes = f"{pt}:requests", f"{pt}:requests:high", f"{pt}:requests:lane:*"
     results, dead = f"{pt}:results", f"{pt}:dead"
     control = f"{t}:control"
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     replies = f"{pt}:reply:*"
     wsync = f"{t}:wsync:*"
+    config = f"{t}:config"
     conn = connection_commands(server_version)
     rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
     rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
@@ -109,10 +110,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, rid, own, results, dead),
+            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, results, dead),
                   "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
                   "cancel_queued and dead_letter with the keys they are given (checked read+write)"),
-            Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high),
+            Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
             Grant(("get", "set", "mget", "del"), rw(rid),
@@ -131,16 +132,20 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "set (and show) the desired weights; the version a cancelled request's record names"),
             Grant(("hgetall",), rd(workers), "wait until every live worker runs the new weights"),
             Grant(("hgetall",), rd(wsync), "a trainer's weight push: the workers' progress"),
+            Grant(("hget", "hsetnx"), rw(config), "agree on the number of affinity lanes (publish it first)"),
         ]
     if role == "worker":
         return [
-            Grant((*conn, "multi", "exec", *scripts, "eval", "scan"), rw(requests, requests_high, rid, results, replies, dead),
-                  "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter and renew, and housekeeping's "
+            Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
+                  rw(requests, requests_high, lanes, rid, results, replies, dead),
+                  "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
+                  "renew and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
-                   "xgroup|delconsumer"), rw(requests, requests_high),
-                  "claim (XREADGROUP), reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
+                   "xinfo|groups", "xrange", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
+                  "claim (XREADGROUP; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane entries), "
+                  "reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
             Grant(("get", "del"), rw(rid), "release the submit de-duplication key in the finish"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
@@ -155,6 +160,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "load the aborted ids at start (later ones come on the control stream)"),
             Grant(("hset", "expire"), wr(wsync),
                   "report its progress in a trainer's weight push (joined, received, committed, failed)"),
+            Grant(("hget", "hsetnx"), rw(config), "agree on the number of affinity lanes (publish it first)"),
         ]
     if role == "consumer":
         source = glob_escape(stream) if stream else results

@@ -14,6 +14,7 @@ import redis
 from redis.asyncio import Redis
 
 from .keys import WORKERS_GROUP, Keys
+from .lanes import pipeline_lanes
 from .streams import id_tuple, text
 
 
@@ -55,7 +56,8 @@ async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_wor
     (reply streams, request streams), default ``[keys]``."""
     report = GcReport()
     now = time.time()
-    parts = partitions or [keys]
+    lanes = await pipeline_lanes(r, keys) or 0
+    parts = [Keys(p.namespace, p.partition, lanes) for p in (partitions or [keys])]
     for part in parts:
         await _collect_reply_streams(r, part, reply_ttl_s, now, dry_run, report)
     await _collect_heartbeats(r, keys, stale_worker_s, now, dry_run, report)

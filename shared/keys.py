@@ -7,6 +7,7 @@ inside one Redis Cluster slot.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 import zlib
 from dataclasses import dataclass
@@ -18,26 +19,39 @@ PRODUCER_GROUP = "producer"
 """Consumer group a producer uses on its private reply stream."""
 
 
-def partition_keys(namespace: str, partitions: int) -> list["Keys"]:
+def partition_keys(namespace: str, partitions: int, lanes: int = 0) -> list["Keys"]:
     """The per-request key sets of a pipeline: the plain ``{ns}`` layout for one partition,
     else P complete copies tagged ``{ns:0}`` … ``{ns:P-1}`` (each can live on its own cluster node)."""
-    return list(partition_key_sets(namespace, partitions))
+    return list(partition_key_sets(namespace, partitions, lanes))
 
 
 @functools.lru_cache(maxsize=256)
-def partition_key_sets(namespace: str, partitions: int) -> tuple["Keys", ...]:
-    """:func:`partition_keys` as a tuple, built once per (namespace, partitions): producers look
-    a request's partition up for every submit."""
+def partition_key_sets(namespace: str, partitions: int, lanes: int = 0) -> tuple["Keys", ...]:
+    """:func:`partition_keys` as a tuple, built once per (namespace, partitions, lanes): producers
+    look a request's partition up for every submit."""
     if partitions < 1:
         raise ValueError("partitions must be at least 1")
+    if lanes < 0:
+        raise ValueError("affinity_lanes must be 0 (off) or more")
     if partitions == 1:
-        return (Keys(namespace),)
-    return tuple(Keys(namespace, i) for i in range(partitions))
+        return (Keys(namespace, lanes=lanes),)
+    return tuple(Keys(namespace, i, lanes=lanes) for i in range(partitions))
 
 
 def partition_index(placement_key: str, partitions: int) -> int:
     """Stable placement (CRC-32) of a group_id or request_id among ``partitions``."""
     return zlib.crc32(placement_key.encode()) % partitions if partitions > 1 else 0
+
+
+_LANE_SALT = b"redroll-lane:"
+
+
+def lane_index(affinity_key: str, lanes: int) -> int:
+    """The affinity lane of ``affinity_key`` among ``lanes``: a salted BLAKE2b hash, independent of
+    the partition's CRC-32 (the same hash mod L would leave lanes empty whenever P and L share a
+    factor), so every producer picks the same lane with no shared state."""
+    digest = hashlib.blake2b(_LANE_SALT + affinity_key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % lanes
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,8 @@ class Keys:
 
     namespace: str = "redroll"
     partition: int | None = None
+    lanes: int = 0
+    """Affinity lanes per partition (0: off, the plain layout)."""
 
     def __post_init__(self) -> None:
         if not self.namespace or any(c in self.namespace for c in "{}: \t\r\n"):
@@ -71,10 +87,23 @@ class Keys:
         """High-priority requests: workers claim from here before ``requests``."""
         return f"{self.tag}:requests:high"
 
+    def lane(self, j: int) -> str:
+        """Affinity lane ``j``: requests whose affinity key hashes to it (group ``workers``)."""
+        return f"{self.tag}:requests:lane:{j}"
+
+    @functools.cached_property
+    def lane_streams(self) -> list[str]:
+        return [self.lane(j) for j in range(self.lanes)]
+
     @property
     def request_streams(self) -> list[str]:
-        """Request streams in claiming order (high priority first)."""
-        return [self.requests_high, self.requests]
+        """Request streams in claiming order (high priority first, then the lanes, then the shared one)."""
+        return [self.requests_high, *self.lane_streams, self.requests]
+
+    @functools.cached_property
+    def config(self) -> str:
+        """Hash: settings every process of the pipeline must agree on (``affinity_lanes``)."""
+        return f"{self.tag}:config"
 
     @functools.cached_property
     def results(self) -> str:

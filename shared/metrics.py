@@ -87,6 +87,23 @@ class WorkerMetrics:
         claims.add_metric(["new"], st.claimed)
         claims.add_metric(["reclaimed"], st.reclaimed)
         yield claims
+        if st.claims_by_kind:
+            lanes = CounterMetricFamily("redroll_worker_lane_claims", "Entries claimed with affinity lanes, by where "
+                                        "from (high, own, shared, stolen, woken).", labels=["kind"])
+            for kind, count in sorted(st.claims_by_kind.items()):
+                lanes.add_metric([kind], count)
+            yield lanes
+        if st.queued is not None:
+            yield GaugeMetricFamily("redroll_pipeline_queued", "Entries waiting in the request streams this worker "
+                                    "reads (high, lanes, shared), summed: scale on max() over the workers.",
+                                    value=st.queued)
+        computed = getattr(self._worker.engine, "prefill_tokens_computed", None)
+        if computed is not None:
+            prefill = CounterMetricFamily("redroll_worker_prefill_tokens", "Prompt tokens: computed by prefill, or "
+                                          "served from the prefix cache.", labels=["kind"])
+            prefill.add_metric(["computed"], computed)
+            prefill.add_metric(["cached"], getattr(self._worker.engine, "prefill_tokens_cached", 0))
+            yield prefill
         yield CounterMetricFamily("redroll_worker_lease_losses", "Leases lost to another worker.", value=st.lease_losses)
         yield CounterMetricFamily("redroll_worker_dead_letters", "Requests dead-lettered.", value=st.dead_lettered)
         yield CounterMetricFamily("redroll_worker_engine_errors", "Engine exceptions.", value=st.engine_errors)

@@ -28,6 +28,7 @@ RENEW_LUA = _load("renew.lua")
 CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
 FINISH_MANY_LUA = _load("finish_many.lua")
 SUBMIT_MANY_LUA = _load("submit_many.lua")
+CLAIM_LANES_LUA = _load("claim_lanes.lua")
 
 
 class DuplicateRequestError(RuntimeError):
@@ -139,6 +140,7 @@ class Scripts:
         self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
         self._finish_many = redis.register_script(FINISH_MANY_LUA)
         self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
+        self._claim_lanes = redis.register_script(CLAIM_LANES_LUA)
 
     # -- submit
     @staticmethod
@@ -162,17 +164,17 @@ class Scripts:
         return self.submit_outcome(request_id, reply)
 
     def submit_many_in(self, client: Any, *, requests_key: str, rid_ttl_s: int,
-                       items: Sequence[tuple[str, str, str, str | None, bytes]], checked: bool = False) -> Any:
+                       items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
         """De-duplicated submit of many requests to one stream in one script call.
 
-        ``items``: (rid_key, token, request_id, reply_to, data). Result: one [code, value] per item
-        (see :meth:`submit_outcome`).
+        ``items``: (rid_key, token, request_id, reply_to, data[, affinity_key]). Result: one
+        [code, value] per item (see :meth:`submit_outcome`).
         """
         keys: list[Any] = [requests_key]
         args: list[Any] = [rid_ttl_s]
-        for rid_key, token, request_id, reply_to, data in items:
+        for rid_key, token, request_id, reply_to, data, *rest in items:
             keys.append(rid_key)
-            args += [token, request_id, reply_to or "", data]
+            args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", data]
         return _run(self._submit_many, keys, args, client, checked=checked)
 
     # -- finish
@@ -207,7 +209,7 @@ class Scripts:
         """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
 
         On a cluster, SCRIPT LOAD goes to every primary."""
-        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many)
+        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim_lanes)
         if is_cluster(self.redis):
             for script in scripts:
                 await self.redis.script_load(script.script)
@@ -216,6 +218,17 @@ class Scripts:
             for script in scripts:
                 pipe.script_load(script.script)
             await pipe.execute()
+
+    # -- claim (affinity lanes)
+    async def claim_lanes(self, *, high: str, own: Sequence[str], shared: str, others: Sequence[str], group: str,
+                          consumer: str, budget: int, steal_after_ms: int,
+                          steal_depth: int = 0) -> list[tuple[str, str, list]]:
+        """Up to ``budget`` new entries: high priority, own lanes, the shared stream, then entries
+        overdue in the other lanes, or beyond their first ``steal_depth`` undelivered entries (see
+        claim_lanes.lua). Returns (stream, kind, entries) triples."""
+        reply = await _run(self._claim_lanes, [high, *own, shared, *others],
+                           [group, consumer, budget, len(own), steal_after_ms, steal_depth], self.redis)
+        return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
 
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:

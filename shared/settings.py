@@ -52,21 +52,31 @@ class Settings:
     """Workers run housekeeping (see ``redroll gc``) this often."""
     rid_ttl_s: int = 7 * 86_400
     """Submit de-duplication keys expire after this long even if no finish deleted them."""
+    affinity_lanes: int = 0
+    """L > 0: requests with an affinity key (a session id; a group's ``group_id``) queue on one
+    of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
+    steal_after_ms: int = 1000
+    """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
 
     @property
     def keys(self) -> Keys:
-        return partition_key_sets(self.namespace, 1)[0]
+        return partition_key_sets(self.namespace, 1, self.affinity_lanes)[0]
 
     @property
     def partition_keys(self) -> list[Keys]:
         """The per-request key sets: ``[Keys(ns)]`` for one partition, else one per ``{ns:i}``."""
-        return partition_keys(self.namespace, self.partitions)
+        return partition_keys(self.namespace, self.partitions, self.affinity_lanes)
 
     def keys_for(self, request: GenerationRequest) -> Keys:
         """The partition a request lives in: by group_id (all samples of a prompt together, for
-        prefix-cache reuse), else by request_id."""
-        parts = partition_key_sets(self.namespace, self.partitions)
-        return parts[partition_index(request.group_id or request.request_id, len(parts))]
+        prefix-cache reuse), else by request_id; with affinity lanes, by the affinity key first
+        (a session's turns stay in one partition, so on one lane)."""
+        parts = partition_key_sets(self.namespace, self.partitions, self.affinity_lanes)
+        if self.affinity_lanes:
+            key = request.affinity_key or request.group_id or request.request_id
+        else:
+            key = request.group_id or request.request_id
+        return parts[partition_index(key, len(parts))]
 
     @property
     def limits(self) -> Limits:

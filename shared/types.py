@@ -132,6 +132,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     reply_to: Optional[Annotated[str, Meta(max_length=512)]] = None
     callback: Optional[Annotated[str, Meta(max_length=256)]] = None
     group_id: Optional[RequestId] = None
+    affinity_key: Optional[RequestId] = None
+    """Requests with one key run on one worker when affinity lanes are on (a session id for the
+    turns of a conversation; group members default to their ``group_id``)."""
     deadline: Optional[UnixSeconds] = None
     submitted_at: Optional[UnixSeconds] = None
     lora_path: Optional[Annotated[str, Meta(max_length=4096)]] = None
@@ -157,6 +160,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     @property
     def n(self) -> int:
         return self.sampling_params.n
+
+    @property
+    def lane_key(self) -> Optional[str]:
+        """What places this request on an affinity lane: its ``affinity_key``, else its ``group_id``."""
+        return self.affinity_key or self.group_id
 
 
 # ---------------------------------------------------------------- records

@@ -160,6 +160,16 @@ async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -
 
 
 @contextlib.asynccontextmanager
+async def started(engine: Any) -> AsyncIterator[Any]:
+    """An engine started for the block and closed after it."""
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+@contextlib.asynccontextmanager
 async def running(*roles: Any) -> AsyncIterator[None]:
     """Run worker and consumer objects (``run`` / ``request_stop``) in this event loop for the
     block; on leaving it, ask each to stop and wait until each has drained and stopped."""

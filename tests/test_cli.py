@@ -138,3 +138,29 @@ def test_compose_is_valid_and_names_real_commands():
     module, fn = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", handler).split("=", 1)[1].split(":")
     mod = __import__(module, fromlist=[fn])
     assert callable(getattr(mod, fn))
+
+
+async def test_submit_and_lanes_with_affinity_lanes(settings, r):
+    from redroll.shared.keys import lane_index
+
+    env = {"REDROLL_AFFINITY_LANES": "4"}
+    proc = run_cli(settings, "submit", "-", input="\n".join(
+        json.dumps({"request_id": f"t-{i}", "prompt": "x", "affinity_key": "sess-1"}) for i in range(2)), **env)
+    assert proc.returncode == 0, proc.stderr
+    lane = settings.with_(affinity_lanes=4).keys.lane(lane_index("sess-1", 4))
+    assert await r.xlen(lane) == 2
+    shown = json.loads(run_cli(settings, "lanes", "show", "--json").stdout)  # L read from the pipeline
+    assert shown["lanes"] == 4 and shown["backlog"] == 2
+    assert [x["backlog"] for x in shown["per_lane"] if x["stream"] == lane] == [2]
+    status = json.loads(run_cli(settings, "status", "--json").stdout)
+    assert status["lanes"]["backlog"] == 2 and status["queued_total"] == 2
+    # A process with another L refuses to start, naming the pipeline's.
+    proc = run_cli(settings, "submit", "-", input=json.dumps({"request_id": "u", "prompt": "x"}),
+                   REDROLL_AFFINITY_LANES="2")
+    assert proc.returncode == 2 and "affinity_lanes=4" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(settings, "lanes", "set", "8")
+    assert proc.returncode == 1 and "still hold entries" in proc.stderr
+    await r.delete(lane)
+    proc = run_cli(settings, "lanes", "set", "8")
+    assert proc.returncode == 0 and "4 -> 8" in proc.stdout
+    assert await r.hget(settings.keys.config, "affinity_lanes") == b"8"

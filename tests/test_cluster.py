@@ -127,6 +127,37 @@ async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
     assert status["requests"]["backlog"] == 0 and status["requests"]["pending"] == 0
 
 
+async def test_affinity_lanes_on_the_cluster(cluster_settings, rc):
+    """Lanes live in their partition's slot; sessions and groups stay on one worker each."""
+    from redroll.shared.keys import lane_index, partition_index
+
+    s = cluster_settings.with_(affinity_lanes=4)
+    for part in s.partition_keys:
+        assert len({rc.keyslot(k) for k in (part.requests, *part.lane_streams)}) == 1
+    applied: list[str] = []
+    workers, consumer = workers_and_consumer(s, applied)
+    async with running(*workers, consumer), Producer(s) as p:
+        await wait_until(lambda: all(w.lanes is not None and w.lanes.owned for w in workers), 15)
+        await asyncio.sleep(3 * s.heartbeat_s)
+        groups = [await p.submit_group(4, group_id=f"cg-{i}", input_ids=[i + 1], sampling_params={"max_new_tokens": 3})
+                  for i in range(12)]
+        sessions = [p.session(f"cs-{i}") for i in range(6)]
+        turns = [[await x.turn([i + 1, 2], sampling_params={"max_new_tokens": 2}) for _ in range(2)]
+                 for i, x in enumerate(sessions)]
+        members = [await g.wait(timeout=30) for g in groups]
+        status = await collect_pipeline_status(rc, s.keys, s.partition_keys)
+    for group in members:
+        assert all(m.status is RecordStatus.FINISHED for m in group)
+        assert len({m.meta_info["worker"] for m in group}) == 1
+    assert all(len({t.meta_info["worker"] for t in ts}) == 1 for ts in turns)
+    # A group's entries were in its partition's lane (by the same key) and nothing is left queued.
+    key = "cg-0"
+    part = s.partition_keys[partition_index(key, 6)]
+    assert part.lane(lane_index(key, 4)).startswith(part.tag)
+    assert status["lanes"]["lanes"] == 4 and len(status["lanes"]["per_lane"]) == 6 * 4
+    assert status["queued_total"] == 0
+
+
 @pytest.mark.timeout(300)
 async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster_settings, rc, tmp_path):
     """The acceptance run: P = 6 over 3 nodes, 3 worker processes (one SIGKILLed mid-run and

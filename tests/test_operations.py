@@ -235,7 +235,7 @@ async def test_gc_removes_orphans_and_keeps_live_state(settings, r):
 
 
 def test_keda_and_deployment_yaml_name_the_real_keys():
-    scaled = yaml.safe_load((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
+    scaled, with_lanes = yaml.safe_load_all((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
     deploy = yaml.safe_load((ROOT / "deploy" / "worker-deployment.yaml").read_text())
     assert scaled["kind"] == "ScaledObject" and scaled["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
     from redroll.shared.keys import Keys
@@ -247,6 +247,10 @@ def test_keda_and_deployment_yaml_name_the_real_keys():
         assert meta["stream"] == Keys("redroll").requests and meta["consumerGroup"] == WORKERS_GROUP
         kinds |= {k for k in ("pendingEntriesCount", "streamLength") if k in meta}
     assert kinds == {"pendingEntriesCount", "streamLength"}
+    # With affinity lanes: the summed gauge the workers export, through Prometheus.
+    assert with_lanes["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+    (trig,) = with_lanes["spec"]["triggers"]
+    assert trig["type"] == "prometheus" and "max(redroll_pipeline_queued" in trig["metadata"]["query"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     from redroll.cli import build_parser

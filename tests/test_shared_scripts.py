@@ -339,3 +339,100 @@ async def test_dead_letter_refused_for_non_owner(r, settings):
     assert await r.xlen(keys.requests) == 1
     assert (await pending(r, keys, entry))["consumer"] == b"c1"
     assert await r.exists(keys.rid("req-1")) == 1
+
+
+# ---------------------------------------------------------------- claim_lanes
+
+
+async def lane_streams(r, namespace: str, lanes: int = 3):
+    from redroll.shared.keys import Keys
+
+    keys = Keys(namespace, lanes=lanes)
+    for stream in keys.request_streams:
+        await ensure_group(r, stream, WORKERS_GROUP)
+    return keys
+
+
+async def fill(r, stream: str, keys_and_counts: list[tuple[str, int]], age_ms: int | None = None) -> None:
+    """Entries ``<ak>-<i>``; with ``age_ms``, ids (so ages by the server's clock) that many ms in the past."""
+    seconds, micros = await r.time()
+    past = seconds * 1000 + micros // 1000 - (age_ms or 0)
+    for ak, count in keys_and_counts:
+        for i in range(count):
+            entry_id = f"{past}-*" if age_ms is not None else "*"
+            await r.xadd(stream, {"rid": f"{ak}-{i}", "ak": ak, "data": b"x"}, id=entry_id)
+
+
+def claimed(reply) -> list[tuple[str, str, list[str]]]:
+    def rid(flat: list) -> str:
+        return dict(zip(flat[0::2], flat[1::2]))[b"rid"].decode()
+    return [(stream.rsplit(":", 1)[-1], kind, [rid(f) for _, f in entries]) for stream, kind, entries in reply]
+
+
+async def test_claim_lanes_order_and_budget(r, namespace):
+    keys = await lane_streams(r, namespace)
+    scripts = Scripts(r)
+    await fill(r, keys.requests_high, [("h", 1)])
+    await fill(r, keys.lane(0), [("a", 2)])
+    await fill(r, keys.requests, [("s", 2)])
+    await fill(r, keys.lane(1), [("b", 3)])
+    args = dict(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests, others=[keys.lane(1), keys.lane(2)],
+                group=WORKERS_GROUP, consumer="w", steal_after_ms=60_000)
+    # Budget 4: high, then own, then one of the shared stream; nothing over-read anywhere.
+    assert claimed(await scripts.claim_lanes(budget=4, **args)) == [
+        ("high", "high", ["h-0"]), ("0", "own", ["a-0", "a-1"]), ("requests", "shared", ["s-0"])]
+    # The other lane's entries are young and few: not stolen.
+    assert claimed(await scripts.claim_lanes(budget=4, **args)) == [("requests", "shared", ["s-1"])]
+    assert claimed(await scripts.claim_lanes(budget=4, **args)) == []
+    # Once they are older than the steal wait they are taken.
+    await asyncio.sleep(0.05)
+    assert claimed(await scripts.claim_lanes(budget=2, **{**args, "steal_after_ms": 10})) == [
+        ("1", "stolen", ["b-0", "b-1"])]
+
+
+async def test_claim_lanes_steals_beyond_the_depth_at_key_boundaries(r, namespace):
+    keys = await lane_streams(r, namespace)
+    scripts = Scripts(r)
+    await fill(r, keys.lane(1), [("g1", 4), ("g2", 4), ("g3", 4)])
+    args = dict(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests, others=[keys.lane(1)],
+                group=WORKERS_GROUP, consumer="thief", steal_after_ms=60_000)
+    # 12 undelivered, depth 4: 8 may go; a budget of 6 is cut back to the end of g1.
+    assert claimed(await scripts.claim_lanes(budget=6, steal_depth=4, **args)) == [
+        ("1", "stolen", ["g1-0", "g1-1", "g1-2", "g1-3"])]
+    # 8 undelivered, depth 4: 4 may go, exactly g2.
+    assert claimed(await scripts.claim_lanes(budget=6, steal_depth=4, **args)) == [
+        ("1", "stolen", ["g2-0", "g2-1", "g2-2", "g2-3"])]
+    assert claimed(await scripts.claim_lanes(budget=6, steal_depth=4, **args)) == []
+    # A run longer than the budget is not split (g3: 4 entries, budget 3) ...
+    await fill(r, keys.lane(1), [("hot", 20)])
+    assert claimed(await scripts.claim_lanes(budget=3, steal_depth=4, **args)) == []
+    assert claimed(await scripts.claim_lanes(budget=4, steal_depth=4, **args)) == [
+        ("1", "stolen", ["g3-0", "g3-1", "g3-2", "g3-3"])]
+    # ... unless it is longer than the window too: a hot key.
+    assert claimed(await scripts.claim_lanes(budget=3, steal_depth=4, **args)) == [
+        ("1", "stolen", ["hot-0", "hot-1", "hot-2"])]
+
+
+async def test_claim_lanes_steals_from_lanes_at_a_key_boundary_first(r, namespace):
+    keys = await lane_streams(r, namespace)
+    scripts = Scripts(r)
+    await fill(r, keys.lane(1), [("g1", 4), ("g2", 2)], age_ms=1500)  # older than T = 1 s, not 2T
+    await fill(r, keys.lane(2), [("g3", 2)], age_ms=1500)
+    await r.xreadgroup(WORKERS_GROUP, "owner", {keys.lane(1): ">"}, count=2)  # g1 is part way through
+    args = dict(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests,
+                others=[keys.lane(1), keys.lane(2)], group=WORKERS_GROUP, consumer="thief", steal_after_ms=1000)
+    # lane 2 (at a boundary) first; then what is left of g1 (the budget cuts g2 off at a boundary).
+    assert claimed(await scripts.claim_lanes(budget=5, **args)) == [
+        ("2", "stolen", ["g3-0", "g3-1"]), ("1", "stolen", ["g1-2", "g1-3"])]
+
+
+async def test_claim_lanes_splits_a_run_once_it_waited_twice_the_steal_wait(r, namespace):
+    scripts = Scripts(r)
+    for age_ms, expected in ((1500, []), (2500, [("1", "stolen", ["g1-1", "g1-2"])])):
+        keys = await lane_streams(r, f"{namespace}{age_ms}")
+        await fill(r, keys.lane(1), [("g1", 6)], age_ms=age_ms)
+        await r.xreadgroup(WORKERS_GROUP, "owner", {keys.lane(1): ">"}, count=1)
+        args = dict(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests, others=[keys.lane(1)],
+                    group=WORKERS_GROUP, consumer="thief", budget=2, steal_after_ms=1000, steal_depth=16)
+        # The rest of g1 (5) does not fit in 2 slots: left to its owner until it waited 2T.
+        assert claimed(await scripts.claim_lanes(**args)) == expected, age_ms

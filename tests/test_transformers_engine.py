@@ -24,6 +24,7 @@ from redroll.engine_worker.engines.tiny_model import (  # noqa: E402
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine  # noqa: E402
 from redroll.shared.codec import ValidationError  # noqa: E402
 from redroll.shared.types import GenerationRequest, SamplingParams  # noqa: E402
+from tests.conftest import started  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOGPROB_TOLERANCE = 1e-4
@@ -37,12 +38,8 @@ def reference_model() -> Any:
 
 @pytest.fixture
 async def engine() -> AsyncIterator[TransformersEngine]:
-    eng = TransformersEngine()
-    await eng.start()
-    try:
+    async with started(TransformersEngine()) as eng:
         yield eng
-    finally:
-        await eng.close()
 
 
 def request(

@@ -117,7 +117,14 @@ class TorchWeights:
         for name, tensor in staged.items():  # all or nothing: check every tensor before the first copy
             self._check_fits(params, name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."))
         async with self._step_lock:
-            with torch.no_grad():
-                for name, tensor in staged.items():
-                    params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
-            self.info.weight_version = version
+            try:
+                with torch.no_grad():
+                    for name, tensor in staged.items():
+                        params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+                self.info.weight_version = version
+            finally:
+                self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """Called under the step lock once the model's weights were (or may have been) written:
+        an engine drops what it computed with the old ones (the transformers engine's prefix cache)."""

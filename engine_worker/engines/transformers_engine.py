@@ -10,6 +10,15 @@ temperature / top-k / top-p / min-p / stops / seeds. The logprob of a sampled to
 ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy), taken before min-new-tokens masking and
 before top-k/top-p/min-p filtering, so a teacher-forced forward pass reproduces it.
 
+With ``prefix_cache_tokens`` > 0 the engine keeps an LRU of prompt (and prompt + output) KV
+(:mod:`.prefix_cache`, SGLang's radix cache in spirit): prefill then runs one distinct prompt at a
+time, only its uncached suffix through the model (at least its last token), and stacks the rows
+into the left-padded batch cache. Rows of one prompt share one prefill. A finished batch stores
+each row's prompt + output (all but the last token), so a conversation's next turn hits its whole
+history. Any weight change empties it. ``prefill_tokens_computed`` / ``prefill_tokens_cached``
+count the prompt tokens fed to the model / served without it; each output's ``cached_tokens``
+is its request's share of the latter.
+
 torch and transformers are imported lazily: importing this module needs neither.
 """
 
@@ -28,6 +37,7 @@ from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SamplingParams
 
 from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .prefix_cache import KV, PrefixCache
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
 
@@ -86,6 +96,9 @@ class _Job:
     future: asyncio.Future[EngineOutput]
     rows: list[_Row] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose KV this request did not compute: a prefix cache hit, or the whole prompt
+    when an earlier request of its batch had the same prompt (that one's prefill served both)."""
 
     @property
     def width(self) -> int:
@@ -112,6 +125,25 @@ class _Decoder:
     cache: Any
     attention_mask: "torch.Tensor"  # [B, seen]
     next_position: "torch.Tensor"  # [B]
+    width: int = 0
+    """Prefill width: row i's prompt sits at cache positions ``width - len(prompt) .. width - 1``, its
+    j-th generated token (from 0) at ``width + j``."""
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """One distinct prompt of a batch with the prefix cache on: prefilled once for all its rows."""
+
+    prompt: tuple[int, ...]
+    rows: list[int]
+    """The batch rows with this prompt."""
+    cached: int = 0
+    """Leading prompt tokens whose KV comes from the prefix cache (``past``)."""
+    past: KV | None = None
+    all_logits: bool = False
+    """A row wants prompt logprobs: no cache lookup, every position's logits."""
+    kv: KV | None = None
+    """Set by the prefill: the whole prompt's KV (``[1, heads, len, head_dim]`` per layer)."""
 
 
 # ---------------------------------------------------------------- the engine
@@ -129,9 +161,12 @@ class TransformersEngine(TorchWeights):
         max_batch_size: int = 32,
         weight_version: str | None = None,
         seed: int = 0,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must not be negative")
         self.model_path = model_path
         self.device = device
         self.dtype = dtype
@@ -150,6 +185,14 @@ class TransformersEngine(TorchWeights):
         self._batcher: asyncio.Task[None] | None = None
         self._step_lock = asyncio.Lock()
         """Held by every model step and by an in-place weight swap (so the swap falls between steps)."""
+        self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        """KV of recent prompts and conversations (``prefix_cache_tokens`` tokens at most); None: off."""
+        self.prefill_tokens_computed = 0
+        """Prompt tokens fed to the model by prefill forwards (padding not counted)."""
+        self.prefill_tokens_cached = 0
+        """Prompt tokens whose KV prefill took from the prefix cache or from a same-prompt request."""
+        self._weights_generation = 0
+        """Bumped by every weight change: KV computed under an older generation is never stored."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -159,6 +202,8 @@ class TransformersEngine(TorchWeights):
             return
         _import_model_classes()
         model, tokenizer = await asyncio.to_thread(self._load)
+        if self.prefix_cache is not None:
+            await asyncio.to_thread(_check_prefix_cache_support, model)
         self._model, self._tokenizer = model, tokenizer
         self._fill_info(model, tokenizer)
         self._cache_kwarg, self._extra_forward_kwargs = _forward_conventions(model)
@@ -174,6 +219,8 @@ class TransformersEngine(TorchWeights):
         for job in list(self._jobs.values()):
             self._resolve_aborted(job)
         self._waiting.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _load(self) -> tuple[Any, _Tokenizer]:
         import torch
@@ -213,12 +260,21 @@ class TransformersEngine(TorchWeights):
         _import_model_classes()
         try:
             model, tokenizer = await asyncio.to_thread(self._load)
+            if self.prefix_cache is not None:
+                await asyncio.to_thread(_check_prefix_cache_support, model)
         except Exception:
             self.model_path = previous
             raise
         self._model, self._tokenizer = model, tokenizer
         self._fill_info(model, tokenizer)
         self.info.weight_version = weight_version if weight_version is not None else model_path
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """New weights (any source, in place or not): KV computed with the old ones is dropped."""
+        self._weights_generation += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _fill_info(self, model: Any, tokenizer: Any) -> None:
         config = model.config
@@ -337,15 +393,15 @@ class TransformersEngine(TorchWeights):
             for row in job.rows
         ]
         if not job.future.done():
-            output = self._output(job.prompt_ids, samples)
+            output = self._output(job.prompt_ids, samples, job.cached_tokens)
             output.input_logprobs = job.input_logprobs
             job.future.set_result(output)
 
-    def _output(self, prompt_ids: list[int], samples: list[SampleOutput]) -> EngineOutput:
+    def _output(self, prompt_ids: list[int], samples: list[SampleOutput], cached_tokens: int = 0) -> EngineOutput:
         return EngineOutput(
             samples=samples,
             prompt_tokens=len(prompt_ids),
-            cached_tokens=0,
+            cached_tokens=cached_tokens,
             weight_version=self.info.weight_version,
         )
 
@@ -395,18 +451,76 @@ class TransformersEngine(TorchWeights):
         # takes the lock, so it falls between two steps.
         async with self._step_lock:
             version = self.info.weight_version
-            decoder, tokens, logprobs, tops = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
+            generation = self._weights_generation
+            if self.prefix_cache is None:
+                decoder, tokens, logprobs, tops = await asyncio.to_thread(self._prefill_step, rows, banned, sampling)
+            else:
+                decoder, tokens, logprobs, tops = await self._prefill_cached(rows, banned, sampling)
         while True:
             self._advance(rows, tokens, logprobs, tops, version)
             active = [row.active for row in rows]
             if not any(active):
-                return
+                break
             banned = self._banned_tokens(rows)
             async with self._step_lock:
                 version = self.info.weight_version
                 tokens, logprobs, tops = await asyncio.to_thread(
                     self._decode_step, decoder, tokens, active, banned, sampling
                 )
+        if self.prefix_cache is not None:
+            await self._store_conversations(rows, decoder, str(version), generation)
+
+    # ------------------------------------------------------------ the prefix cache (event loop)
+
+    async def _prefill_cached(
+        self, rows: list[_Row], banned: list[tuple[int, int]], sampling: _Sampling
+    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
+        """Prefill with the prefix cache (under the step lock): look up each distinct prompt, run
+        the suffixes, store the prompts' KV."""
+        cache = self.prefix_cache
+        assert cache is not None
+        version, generation = str(self.info.weight_version), self._weights_generation
+        prefills: dict[tuple[int, ...], _Prefill] = {}
+        owners: dict[tuple[int, ...], _Job] = {}
+        for i, row in enumerate(rows):
+            prompt = tuple(row.job.prompt_ids)
+            prefill = prefills.setdefault(prompt, _Prefill(prompt, []))
+            prefill.rows.append(i)
+            prefill.all_logits |= row.index == 0 and row.job.request.logprob_start_len is not None
+            owners.setdefault(prompt, row.job)
+        for prefill in prefills.values():
+            if not prefill.all_logits:  # (prompt logprobs need every position's logits)
+                prefill.cached, prefill.past = cache.lookup(prefill.prompt, version, limit=len(prefill.prompt) - 1)
+        jobs = list(dict.fromkeys(row.job for row in rows))
+        for job in jobs:
+            prompt = tuple(job.prompt_ids)
+            job.cached_tokens = prefills[prompt].cached if owners[prompt] is job else len(prompt)
+            self.prefill_tokens_cached += job.cached_tokens
+        result = await asyncio.to_thread(self._prefill_step_cached, rows, list(prefills.values()), banned, sampling)
+        if generation == self._weights_generation:
+            for prefill in prefills.values():
+                if prefill.kv is not None:
+                    cache.insert(prefill.prompt, prefill.kv, version)
+        return result
+
+    async def _store_conversations(self, rows: list[_Row], decoder: _Decoder, version: str, generation: int) -> None:
+        """Store each row's prompt + output but the last token (whose KV was never computed), unless
+        the weights changed since the prefill (the KV would mix two versions)."""
+        cache = self.prefix_cache
+        assert cache is not None
+        wanted: dict[tuple[int, ...], int] = {}
+        for i, row in enumerate(rows):
+            sequence = (*row.job.prompt_ids, *row.token_ids[:-1])
+            if len(row.token_ids) > 1 and len(sequence) <= cache.capacity_tokens:
+                wanted.setdefault(sequence, i)
+        if not wanted or generation != self._weights_generation:
+            return
+        slices = [(i, len(rows[i].job.prompt_ids), len(sequence)) for sequence, i in wanted.items()]
+        kvs = await asyncio.to_thread(_slice_rows, decoder, slices)
+        if generation != self._weights_generation:
+            return
+        for sequence, kv in zip(wanted, kvs):
+            cache.insert(sequence, kv, version)
 
     # ------------------------------------------------------------ per-step bookkeeping (event loop)
 
@@ -495,6 +609,7 @@ class TransformersEngine(TorchWeights):
             attention_mask[i, width - len(prompt) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        self.prefill_tokens_computed += sum(len(p) for p in prompts)
         want_prompt = [row.index == 0 and row.job.request.logprob_start_len is not None for row in rows]
         with torch.inference_mode():
             logits, cache = self._forward(input_ids, attention_mask, position_ids, cache=None,
@@ -505,8 +620,57 @@ class TransformersEngine(TorchWeights):
                         row.job.input_logprobs = _prompt_logprobs(logits[i], prompts[i], sampling.temperature[i],
                                                                   row.job.request.logprob_start_len)
                 logits = logits[:, -1, :]
-            decoder = _Decoder(cache, attention_mask, position_ids[:, -1] + 1)
+            decoder = _Decoder(cache, attention_mask, position_ids[:, -1] + 1, width)
             tokens, logprobs, tops = _sample(logits, sampling, [True] * len(rows), banned, _top_k(rows))
+        return decoder, tokens, logprobs, tops
+
+    def _prefill_step_cached(
+        self, rows: list[_Row], prefills: list[_Prefill], banned: list[tuple[int, int]], sampling: _Sampling
+    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
+        """Prefill each distinct prompt alone, on top of its cached prefix, then lay the rows out as
+        :meth:`_prefill_step` does (left padded, positions 0..len-1) and sample the first tokens."""
+        import torch
+
+        device = self._model.device
+        last_logits: list[Any] = [None] * len(rows)
+        with torch.inference_mode():
+            for prefill in prefills:
+                prompt, start = prefill.prompt, prefill.cached
+                suffix = torch.tensor([prompt[start:]], dtype=torch.long, device=device)
+                positions = torch.arange(start, len(prompt), dtype=torch.long, device=device).unsqueeze(0)
+                attention_mask = torch.ones((1, len(prompt)), dtype=torch.long, device=device)
+                past = _dynamic_cache(prefill.past) if prefill.past is not None else None
+                logits, cache = self._forward(suffix, attention_mask, positions, past, all_positions=prefill.all_logits)
+                self.prefill_tokens_computed += suffix.shape[-1]
+                prefill.kv = _kv_layers(cache)
+                if prefill.all_logits:
+                    for i in prefill.rows:
+                        row = rows[i]
+                        if row.index == 0 and row.job.request.logprob_start_len is not None:
+                            row.job.input_logprobs = _prompt_logprobs(logits[0], list(prompt), sampling.temperature[i],
+                                                                      row.job.request.logprob_start_len)
+                    logits = logits[:, -1, :]
+                for i in prefill.rows:
+                    last_logits[i] = logits[0]
+            lengths = [len(row.job.prompt_ids) for row in rows]
+            width = max(lengths)
+            attention_mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+            for i, length in enumerate(lengths):
+                attention_mask[i, width - length:] = 1
+            layers: KV = []
+            for layer, (keys0, values0) in enumerate(prefills[0].kv or []):
+                keys = keys0.new_zeros((len(rows), keys0.shape[1], width, keys0.shape[3]))
+                values = values0.new_zeros((len(rows), values0.shape[1], width, values0.shape[3]))
+                for prefill in prefills:
+                    k, v = (prefill.kv or [])[layer]
+                    for i in prefill.rows:
+                        keys[i, :, width - lengths[i]:] = k[0]
+                        values[i, :, width - lengths[i]:] = v[0]
+                layers.append((keys, values))
+            next_position = torch.tensor(lengths, dtype=torch.long, device=device)
+            decoder = _Decoder(_dynamic_cache(layers), attention_mask, next_position, width)
+            tokens, logprobs, tops = _sample(torch.stack(last_logits), sampling, [True] * len(rows), banned,
+                                             _top_k(rows))
         return decoder, tokens, logprobs, tops
 
     def _decode_step(
@@ -548,6 +712,60 @@ class TransformersEngine(TorchWeights):
         if new_cache is None:
             new_cache = out.past_key_values
         return (out.logits if all_positions else out.logits[:, -1, :]).float(), new_cache
+
+
+# ---------------------------------------------------------------- KV tensors
+
+
+def _kv_layers(cache: Any) -> KV:
+    """Per layer (keys, values) ``[batch, heads, positions, head_dim]`` of a transformers cache that
+    keeps every position (a DynamicCache of full-attention layers); ValueError for any other."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        kinds = {type(layer).__name__ for layer in layers}
+        if kinds != {"DynamicLayer"}:
+            raise ValueError(f"cache layers {sorted(kinds)} do not keep every position")
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(cache, "key_cache"):  # transformers 4.x before cache layers
+        return list(zip(cache.key_cache, cache.value_cache))
+    raise ValueError(f"{type(cache).__name__} is not a dynamic KV cache")
+
+
+def _dynamic_cache(layers: KV) -> Any:
+    """A DynamicCache holding copies of ``layers`` (the tensors given are never written to)."""
+    from transformers import DynamicCache
+
+    return DynamicCache([(k, v) for k, v in layers])
+
+
+def _slice_rows(decoder: _Decoder, slices: list[tuple[int, int, int]]) -> list[KV]:
+    """For each (row, prompt length, sequence length), the KV of that row's first ``sequence
+    length`` real tokens, copied out of the batch cache (``[1, heads, length, head_dim]``)."""
+    import torch
+
+    layers = _kv_layers(decoder.cache)
+    out: list[KV] = []
+    with torch.inference_mode():
+        for row, prompt_length, length in slices:
+            start = decoder.width - prompt_length
+            out.append([(k[row:row + 1, :, start:start + length].clone(), v[row:row + 1, :, start:start + length].clone())
+                        for k, v in layers])
+    return out
+
+
+def _check_prefix_cache_support(model: Any) -> None:
+    """Refuse a model whose KV cache does not keep every position of every layer (sliding
+    window, linear attention): its KV cannot be sliced by prefix."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+        out = model(input_ids=ids, use_cache=True)
+    cache = getattr(out, "cache", None)
+    try:
+        _kv_layers(cache if cache is not None else out.past_key_values)
+    except ValueError as exc:
+        raise ValueError(f"prefix_cache_tokens needs a model with a full-attention KV cache: {exc}") from None
 
 
 # ---------------------------------------------------------------- sampling

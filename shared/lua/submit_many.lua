@@ -1,6 +1,7 @@
 -- De-duplicated submit of many requests to one stream in one call, atomically with each XADD.
 -- KEYS[1] request stream, then KEYS[1 + i] the rid key of item i
--- ARGV[1] rid key TTL in seconds, then per item 4 values: token, request_id, reply_to ('' = none), data
+-- ARGV[1] rid key TTL in seconds, then per item 5 values: token, request_id, reply_to ('' = none),
+-- affinity key ('' = none: the plain field ak), data
 -- Returns per item {code, value}: {1, entry_id} added, {2, entry_id} a retry of this token (it was
 -- added before), {0, holder_token} refused (another submit holds the request_id), {3, error} the
 -- request stream or the rid key refused it (out of memory, a read-only replica, a key of another
@@ -10,8 +11,8 @@
 local out = {}
 local ttl = tonumber(ARGV[1])
 for i = 1, #KEYS - 1 do
-  local a = 1 + (i - 1) * 4
-  local token, rid, reply, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  local a = 1 + (i - 1) * 5
+  local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local ridkey = KEYS[1 + i]
   local held = redis.pcall('GET', ridkey)
   if type(held) == 'table' and held.err then
@@ -24,12 +25,18 @@ for i = 1, #KEYS - 1 do
       out[i] = {0, sep and string.sub(held, 1, sep - 1) or held}
     end
   else
-    local id
+    local entry = {'XADD', KEYS[1], '*', 'rid', rid}
     if reply ~= '' then
-      id = redis.pcall('XADD', KEYS[1], '*', 'rid', rid, 'reply_to', reply, 'data', data)
-    else
-      id = redis.pcall('XADD', KEYS[1], '*', 'rid', rid, 'data', data)
+      entry[#entry + 1] = 'reply_to'
+      entry[#entry + 1] = reply
     end
+    if ak ~= '' then
+      entry[#entry + 1] = 'ak'
+      entry[#entry + 1] = ak
+    end
+    entry[#entry + 1] = 'data'
+    entry[#entry + 1] = data
+    local id = redis.pcall(unpack(entry))
     if type(id) == 'table' and id.err then
       out[i] = {3, KEYS[1] .. ': ' .. id.err}
     else

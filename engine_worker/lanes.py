@@ -1,0 +1,172 @@
+"""Affinity lanes: which lanes this worker owns, and claiming from them.
+
+With ``affinity_lanes`` L > 0 a request with an affinity key queues on lane
+``lane_index(key, L)`` of its partition (see :func:`redroll.shared.keys.lane_index`). Every worker
+works out the same owner for every lane from the heartbeat hash, with no coordinator: capped
+rendezvous hashing over the workers that are claiming (state ``running``; a dead, paused, draining,
+blocked or weight-waiting worker drops out within a few heartbeats, and an in-place weight update
+does not count as paused). A disagreement for a beat (two workers that saw different heartbeats)
+only costs affinity: the consumer group still hands each entry to one worker, and the fenced
+finish still publishes it once.
+
+A worker claims, in one atomic script (``claim_lanes.lua``), the high-priority stream, its own
+lanes, the shared stream, and then entries of other lanes that have waited longer than
+``steal_after_ms`` or lie deep in a lane, in whole runs of one key where it can (see the script),
+so an owner that is busy, slow or just dead costs a queued entry about twice that wait at most.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any, Iterable
+
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.lanes import stream_backlog
+from redroll.shared.streams import text
+
+from .context import WorkerContext
+from .flights import Flights
+
+log = logging.getLogger("redroll.worker")
+
+CLAIMING_STATES = ("running",)
+
+STEAL_DEPTH_FACTOR = 2
+"""A worker with free slots also takes from another worker's lane what lies beyond the first
+``STEAL_DEPTH_FACTOR x max_inflight`` undelivered entries (that owner cannot start them soon: a hot
+key), without waiting ``steal_after_ms``; a steal ends at the end of one key's run where it can."""
+"""Heartbeat states of a worker that owns lanes."""
+
+
+def _score(worker: str, lane: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{worker}|{lane}".encode(), digest_size=8).digest(), "big")
+
+
+def lane_owners(workers: Iterable[str], lanes: int) -> list[str | None]:
+    """The owner of each lane: capped rendezvous hashing (each lane goes to its highest-scoring
+    worker that holds fewer than ceil(L / W) lanes), the same on every worker given the same set."""
+    names = sorted(set(workers))
+    if not names:
+        return [None] * lanes
+    cap = -(-lanes // len(names))
+    load = dict.fromkeys(names, 0)
+    owners: list[str | None] = []
+    for lane in range(lanes):
+        owner = next(w for w in sorted(names, key=lambda w: _score(w, lane), reverse=True) if load[w] < cap)
+        load[owner] += 1
+        owners.append(owner)
+    return owners
+
+
+def claiming_workers(beats: dict[str, dict[str, Any]], now: float, stale_after_s: float) -> list[str]:
+    """Workers whose heartbeat is fresh and says they are claiming."""
+    return [name for name, beat in beats.items()
+            if beat.get("state") in CLAIMING_STATES and now - float(beat.get("seen", 0)) <= stale_after_s]
+
+
+class LaneTable:
+    """This worker's view of lane ownership, refreshed with every heartbeat."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.lanes = ctx.settings.affinity_lanes
+        self.owners: list[str | None] = [None] * self.lanes
+        self.stale_after_s = max(3 * ctx.settings.heartbeat_s, 1.0)
+
+    @property
+    def owned(self) -> list[int]:
+        return [j for j, owner in enumerate(self.owners) if owner == self.ctx.name]
+
+    async def refresh(self, my_state: str) -> None:
+        raw = await self.ctx.redis.hgetall(self.ctx.keys.workers)
+        beats = {}
+        for name, value in raw.items():
+            try:
+                beats[text(name)] = json.loads(value)
+            except ValueError:
+                continue
+        claiming = set(claiming_workers(beats, time.time(), self.stale_after_s))
+        # Its own state counts as it is now (its last heartbeat may say otherwise).
+        (claiming.add if my_state in CLAIMING_STATES else claiming.discard)(self.ctx.name)
+        if self.ctx.metrics is not None:
+            self.ctx.stats.queued = await self.queued()
+        owners = lane_owners(claiming, self.lanes)
+        if owners != self.owners:
+            mine = [j for j, o in enumerate(owners) if o == self.ctx.name]
+            log.info("affinity lanes: %d worker(s) claiming; this one owns %s", len(claiming), mine or "none")
+        self.owners = owners
+
+
+    async def queued(self) -> int:
+        """Entries not yet delivered to group ``workers`` in this worker's request streams."""
+        total = 0
+        for stream in self.ctx.request_streams:
+            total += sum(b["backlog"] for b in await stream_backlog(self.ctx.redis, stream))
+        return total
+
+
+class LaneClaimer:
+    """The claim loop with affinity lanes (the plain layout keeps :class:`.claim.Claimer`'s)."""
+
+    def __init__(self, ctx: WorkerContext, flights: Flights, table: LaneTable, give_back: Any):
+        self.ctx = ctx
+        self.flights = flights
+        self.table = table
+        self._give_back = give_back
+        """``Claimer._give_back``: entries read after a stop began go straight back."""
+
+    def loop_for(self, parts: list[Keys], loops: int) -> Any:
+        async def claim_loop() -> None:
+            await self._claim_loop(parts, loops)
+        return claim_loop
+
+    async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
+        ctx, flights = self.ctx, self.flights
+        # Wake for a new entry in a stream this worker reads first; overdue entries elsewhere are
+        # looked for at least every half steal interval.
+        block_ms = max(1, min(ctx.block_ms, ctx.settings.steal_after_ms // 2))
+        while not ctx.stopping.is_set():
+            await flights.wait_for_slot()
+            if ctx.stopping.is_set():
+                return
+            free = -(-(flights.max_inflight - flights.occupied) // loops)
+            got: list[tuple[str, str, dict, str]] = []
+            for part in parts:
+                if free - len(got) > 0:
+                    got += await self._claim_from(part, free - len(got))
+            if not got:
+                # Nothing now: block on the streams this worker reads first (one entry each at most).
+                owned = self.table.owned
+                streams = {s: ">" for part in parts
+                           for s in (part.requests_high, *(part.lane(j) for j in owned), part.requests)}
+                # (A read issued just before an ownership change may still take one entry from a
+                # lane that moved: at most one per block_ms after a change, costing only affinity.)
+                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, streams, count=1, block=block_ms)
+                got = [(text(s), text(i), f or {}, "woken") for s, es in (resp or []) for i, f in es]
+            if ctx.stopping.is_set():
+                ctx.stats.claimed += len(got)
+                await self._give_back([(s, i) for s, i, _, _ in got])
+                return
+            for stream, entry_id, fields, kind in got:
+                self._start(stream, entry_id, fields, kind)
+
+    async def _claim_from(self, part: Keys, budget: int) -> list[tuple[str, str, dict, str]]:
+        ctx = self.ctx
+        owned = set(self.table.owned)
+        got = await ctx.scripts.claim_lanes(
+            high=part.requests_high, own=[part.lane(j) for j in sorted(owned)], shared=part.requests,
+            others=[part.lane(j) for j in range(part.lanes) if j not in owned], group=WORKERS_GROUP,
+            consumer=ctx.name, budget=budget, steal_after_ms=ctx.settings.steal_after_ms,
+            steal_depth=STEAL_DEPTH_FACTOR * self.flights.max_inflight)
+        return [(stream, text(entry_id), dict(zip(flat[0::2], flat[1::2])), kind)
+                for stream, kind, entries in got for entry_id, flat in entries]
+
+    def _start(self, stream: str, entry_id: str, fields: dict, kind: str) -> None:
+        ctx, flights = self.ctx, self.flights
+        ctx.stats.claimed += 1
+        ctx.stats.claims_by_kind[kind] = ctx.stats.claims_by_kind.get(kind, 0) + 1
+        defer = flights.claiming_paused or flights.generating >= flights.max_inflight
+        flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), 1, fields, defer=defer)
