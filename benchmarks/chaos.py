@@ -104,6 +104,8 @@ class ChaosConfig:
     claim_idle_ms: int = 1000
     affinity_lanes: int = 0
     """L > 0: requests carry an affinity key (one of 97 sessions) and queue on L lanes per partition."""
+    resumable: bool = False
+    """Requests are resumable (token-id prompts) and checkpointed every 2 tokens / 50 ms."""
     heartbeat_s: float = 0.3
     max_deliveries: int = 20
     drain_timeout_s: float = 5.0
@@ -363,8 +365,13 @@ def request_ids(n: int, run_id: str) -> list[str]:
     return [f"chaos-{run_id}-{i:06d}" for i in range(n)]
 
 
-def build_requests(ids: Sequence[str], max_new_tokens: int, keyed: bool = False) -> list[Any]:
-    return [make_request(request_id=rid, prompt=f"chaos {rid}", callback="apply",
+def build_requests(ids: Sequence[str], max_new_tokens: int, keyed: bool = False,
+                   resumable: bool = False) -> list[Any]:
+    def prompt(rid: str) -> dict[str, Any]:
+        if resumable:
+            return {"input_ids": [1 + zlib.crc32(rid.encode()) % 1000, 2]}
+        return {"prompt": f"chaos {rid}"}
+    return [make_request(request_id=rid, callback="apply", resumable=resumable, **prompt(rid),
                          affinity_key=f"session-{zlib.crc32(rid.encode()) % 97}" if keyed else None,
                          sampling_params={"max_new_tokens": max_new_tokens}) for rid in ids]
 
@@ -392,7 +399,8 @@ async def send_batch(r: Any, settings: Any, ids: list[str], cfg: ChaosConfig, au
     failures = 0
     while ids:
         try:
-            await send(settings, r, build_requests(ids, cfg.max_new_tokens, keyed=cfg.affinity_lanes > 0))
+            await send(settings, r, build_requests(ids, cfg.max_new_tokens, keyed=cfg.affinity_lanes > 0,
+                                                   resumable=cfg.resumable))
             return failures
         except (redis.ConnectionError, redis.TimeoutError, OSError, redis.BusyLoadingError,
                 DuplicateRequestError) as exc:
@@ -641,6 +649,8 @@ def process_env(cfg: ChaosConfig, url: str, namespace: str, applied: Path) -> di
                REDROLL_HEARTBEAT_S=str(cfg.heartbeat_s), REDROLL_MAX_DELIVERIES=str(cfg.max_deliveries),
                REDROLL_DRAIN_TIMEOUT_S=str(cfg.drain_timeout_s), REDROLL_LOG_LEVEL="info",
                REDROLL_AFFINITY_LANES=str(cfg.affinity_lanes),
+               REDROLL_CHECKPOINT_TOKENS="2", REDROLL_CHECKPOINT_INTERVAL_S="0.05",
+               REDROLL_CHECKPOINT_MIN_NEW_TOKENS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                PYTHONUNBUFFERED="1")
     env[APPLIED_ENV] = str(applied)
@@ -811,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-calm-s", type=float, default=None,
                    help="no worker kill for this long before a SIGSTOP (default 3 x claim_idle)")
     p.add_argument("--claim-idle-ms", type=int, default=d.claim_idle_ms)
+    p.add_argument("--resumable", action="store_true",
+                   help="resumable requests, checkpointed every 2 tokens / 50 ms (token-id prompts)")
     p.add_argument("--affinity-lanes", type=int, default=d.affinity_lanes,
                    help="run with affinity lanes: requests carry a session key (default 0 = off)")
     p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)

@@ -22,6 +22,10 @@ from .publisher import Publisher
 class WorkerStats:
     claimed: int = 0
     reclaimed: int = 0
+    checkpoints: int = 0
+    """Checkpoint parts saved for resumable requests."""
+    resumed: int = 0
+    """Requests continued from a checkpoint."""
     published: int = 0
     fenced: int = 0
     lease_losses: int = 0

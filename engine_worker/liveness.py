@@ -97,6 +97,9 @@ class Liveness:
             "state": self._state(), "weights_source": self._weights_source(),
             "weight_ranks": int(getattr(info, "weight_ranks", 1) or 1), **self._rates(),
         }
+        decoded = getattr(ctx.engine, "tokens_decoded", None)
+        if decoded is not None:  # engines that count their decode work (synthetic, transformers)
+            beat["tokens_decoded"] = decoded
         computed = getattr(ctx.engine, "prefill_tokens_computed", None)
         if computed is not None:  # engines that count their prefill (the transformers engine)
             beat["prefill_tokens"] = {"computed": computed, "cached": getattr(ctx.engine, "prefill_tokens_cached", 0)}

@@ -64,9 +64,11 @@ class Outcomes:
         flight.publishing = True
         rid_key = part.rid(request.request_id)
 
+        partial_key = part.partial(request.request_id) if request.resumable else None
+
         def publish() -> Awaitable[bool]:
             return ctx.publisher.finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
-                                        rid_key=rid_key, record=record, cap=cap)
+                                        rid_key=rid_key, record=record, cap=cap, partial_key=partial_key)
 
         try:
             published = await self._write(flight, publish)
@@ -116,7 +118,8 @@ class Outcomes:
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
                             reply_to=reply_to if record else None, error_record=record,
-                            rid_key=part.rid(request_id) if request_id else None, reply_refused=reply_refused)
+                            rid_key=part.rid(request_id) if request_id else None,
+                            partial_key=part.partial(request_id) if request_id else None, reply_refused=reply_refused)
 
         async def attempt() -> DeadLetterOutcome:
             reply = await ctx.batcher.call(lambda pipe: ctx.scripts.dead_letter_in(

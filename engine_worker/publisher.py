@@ -23,6 +23,7 @@ class _Finish:
     rid_key: str
     record: CompletionRecord
     cap: int
+    partial_key: str | None = None
 
 
 class Publisher(Coalescer[_Finish]):
@@ -35,12 +36,12 @@ class Publisher(Coalescer[_Finish]):
         self.flushes = 0
 
     async def finish(self, *, stream: str, entry_id: str, reply_key: str, rid_key: str,
-                     record: CompletionRecord, cap: int) -> bool:
+                     record: CompletionRecord, cap: int, partial_key: str | None = None) -> bool:
         """Publish ``record`` if this worker still owns the entry (True), else drop it (False).
 
         Raises :class:`redroll.shared.refusals.StreamRefusedError` when the reply stream refused
         the record: nothing of it was written, and the entry is still this worker's."""
-        return bool(await self._enqueue(_Finish(stream, entry_id, reply_key, rid_key, record, cap)))
+        return bool(await self._enqueue(_Finish(stream, entry_id, reply_key, rid_key, record, cap, partial_key)))
 
     async def _flush(self, batch: list[tuple[_Finish, asyncio.Future]]) -> None:
         by_stream: dict[str, list[tuple[_Finish, asyncio.Future]]] = {}
@@ -70,8 +71,8 @@ class Publisher(Coalescer[_Finish]):
                 for stream, items in by_stream.items():
                     self.scripts.finish_many_in(pipe, requests_key=stream, group=WORKERS_GROUP,
                                                 consumer=self.consumer, worker=self.worker,
-                                                items=[(i.entry_id, i.reply_key, i.rid_key, i.record, i.cap)
-                                                       for i, _ in items])
+                                                items=[(i.entry_id, i.reply_key, i.rid_key, i.record, i.cap,
+                                                        i.partial_key) for i, _ in items])
                 try:
                     return await pipe.execute()
                 except redis.exceptions.NoScriptError:

@@ -10,9 +10,10 @@ from redroll.shared.codec import NewerSchemaError, ValidationError, decode_reque
 from redroll.shared.keys import Keys
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
+from .checkpoints import Checkpoint, Checkpoints, Saver, continuation, is_checkpointed, stitch
 from .context import WorkerContext
 from .control import AbortedSet
-from .engines.base import EngineOutput
+from .engines.base import EngineOutput, SampleOutput
 from .flights import Flights, InFlight
 from .outcomes import Outcomes
 from .records import build_record
@@ -33,6 +34,7 @@ class RequestRunner:
         self.outcomes = outcomes
         self.weights = weights
         self.aborted = aborted
+        self.checkpoints = Checkpoints(ctx)
         self._reply_keys_ok: set[tuple[str, str]] = set()
         """(partition tag, reply_to) pairs already checked to be this pipeline's streams."""
 
@@ -74,6 +76,7 @@ class RequestRunner:
         except NewerSchemaError as exc:
             log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc,
                         extra=flight.context())
+            await self.checkpoints.discard(ctx.part_of[flight.stream], fields, flight.entry_id)
             await self.outcomes.hand_back(flight)
             return
         except ValidationError as exc:
@@ -100,11 +103,25 @@ class RequestRunner:
             flight.deadline_timer = asyncio.get_running_loop().call_later(
                 delay, flight.stop, ctx.engine, RecordStatus.EXPIRED, "deadline")
         started = time.monotonic()
-        output: EngineOutput = await ctx.engine.generate(request, flight.handle)
+        resume = saver = None
+        if request.resumable:
+            resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
+            if resume is not None:
+                ctx.stats.resumed += 1
+                log.info("request %s: resuming after %d saved token(s)", request.request_id, resume.tokens,
+                         extra=flight.context())
+            if is_checkpointed(request, ctx.settings.checkpoint_min_new_tokens):
+                saver = self.checkpoints.saver(flight, request, resume)
+        output = await self._generate(flight, request, resume, saver)
         engine_ms = (time.monotonic() - started) * 1000.0
         self.flights.release_slot(flight)
         if flight.handed_back:
-            return  # drained: the entry goes back to the fleet, this partial output is dropped
+            # drained: the entry goes back to the fleet; a resumable one keeps what was made
+            if saver is not None and output.samples:
+                await saver.flush(output.samples[0])
+            return
+        if resume is not None:
+            output = stitch(resume, output, request, ctx.name)
         # Labelled by what happened: a generation that ended on its own (stop, length) just as its
         # abort or deadline arrived is finished, not aborted.
         status = (flight.stop_status or RecordStatus.ABORTED) if output.aborted else RecordStatus.FINISHED
@@ -114,6 +131,27 @@ class RequestRunner:
             record.meta_info["abort_reason"] = flight.stop_reason or "engine"
         ctx.stats.tokens += record.meta_info.get("completion_tokens", 0)
         await self.outcomes.finish(flight, request, record)
+
+    async def _generate(self, flight: InFlight, request: GenerationRequest, resume: Checkpoint | None,
+                        saver: Saver | None) -> EngineOutput:
+        """The engine's output for ``request``, continued after ``resume`` when there is one, with
+        ``saver`` checkpointing meanwhile."""
+        ctx = self.ctx
+        if resume is not None and (resume.finish_reason is not None
+                                   or resume.tokens >= request.sampling_params.max_new_tokens):
+            # It had finished when its worker died: nothing left to generate.
+            return EngineOutput(samples=[SampleOutput([], [], resume.finish_reason or "length")],
+                                prompt_tokens=len(request.input_ids or []),
+                                weight_version=ctx.engine.info.weight_version)
+        generating = continuation(request, resume) if resume is not None else request
+        task = asyncio.create_task(saver.run()) if saver is not None else None
+        try:
+            return await ctx.engine.generate(generating, flight.handle)
+        finally:
+            if task is not None:
+                saver.stop()  # type: ignore[union-attr]
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
         """The record of a request stopped before it reached the engine (aborted, expired)."""

@@ -18,7 +18,7 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 ACCEPTED_FIELDS = {
     "request_id", "prompt", "input_ids", "sampling_params", "return_logprob", "collect_unfinished",
     "meta_info", "callback", "group_id", "affinity_key", "deadline", "lora_path", "model", "priority",
-    "min_weight_version", "top_logprobs_num", "logprob_start_len", "return_routed_experts",
+    "min_weight_version", "top_logprobs_num", "logprob_start_len", "return_routed_experts", "resumable",
 }
 
 

@@ -98,6 +98,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     control = f"{t}:control"
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
+    partial = f"{pt}:partial:*"
     replies = f"{pt}:reply:*"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
@@ -137,7 +138,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "worker":
         return [
             Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, results, replies, dead),
+                  rw(requests, requests_high, lanes, rid, partial, results, replies, dead),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
                   "renew and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
@@ -147,7 +148,11 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "claim (XREADGROUP; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane entries), "
                   "reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
-            Grant(("get", "del"), rw(rid), "release the submit de-duplication key in the finish"),
+            Grant(("get", "del", "exists"), rw(rid), "release the submit de-duplication key in the finish "
+                  "(housekeeping: is a checkpoint's request still there?)"),
+            Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
+                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
+                  "delete it with the finish or a dead letter, or when GC finds it orphaned"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "

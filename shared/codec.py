@@ -178,6 +178,9 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if (req.logprob_start_len is not None and req.input_ids is not None
                 and req.logprob_start_len >= len(req.input_ids)):
             raise ValidationError("logprob_start_len", f"must be below the prompt length ({len(req.input_ids)})")
+        if req.resumable and (req.sampling_params.n != 1 or req.input_ids is None):
+            raise ValidationError("resumable", "needs a single-sample request (n = 1) with input_ids (a resumed "
+                                               "request continues from prompt + saved token ids)")
         if req.meta_info and len(_ENCODER.encode(req.meta_info)) > limits.max_meta_bytes:
             raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     except ValidationError as exc:

@@ -23,13 +23,15 @@ class GcReport:
     reply_streams: list[str] = field(default_factory=list)
     heartbeats: list[str] = field(default_factory=list)
     consumers: list[str] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers}
+        return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers,
+                "checkpoints": self.checkpoints}
 
     @property
     def total(self) -> int:
-        return len(self.reply_streams) + len(self.heartbeats) + len(self.consumers)
+        return len(self.reply_streams) + len(self.heartbeats) + len(self.consumers) + len(self.checkpoints)
 
 
 async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
@@ -60,11 +62,25 @@ async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_wor
     parts = [Keys(p.namespace, p.partition, lanes) for p in (partitions or [keys])]
     for part in parts:
         await _collect_reply_streams(r, part, reply_ttl_s, now, dry_run, report)
+        await _collect_checkpoints(r, part, dry_run, report)
     await _collect_heartbeats(r, keys, stale_worker_s, now, dry_run, report)
     for part in parts:
         for stream in part.request_streams:
             await _collect_consumers(r, stream, idle_consumer_s, dry_run, report)
     return report
+
+
+async def _collect_checkpoints(r: Redis, keys: Keys, dry_run: bool, report: GcReport) -> None:
+    """Checkpoints of resumable requests that are gone: no submit de-duplication key any more (the
+    finish deletes both; a key left behind is a request that ended some other way, or expired)."""
+    prefix = keys.partial("")
+    async for raw in r.scan_iter(match=prefix + "*", count=500, _type="string"):
+        key = text(raw)
+        if await r.exists(keys.rid(key[len(prefix):])):
+            continue
+        report.checkpoints.append(key)
+        if not dry_run:
+            await r.delete(key)
 
 
 async def _collect_reply_streams(r: Redis, keys: Keys, reply_ttl_s: float, now: float, dry_run: bool,

@@ -149,6 +149,10 @@ class Keys:
     def rid(self, request_id: str) -> str:
         return f"{self.tag}:rid:{request_id}"
 
+    def partial(self, request_id: str) -> str:
+        """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""
+        return f"{self.tag}:partial:{request_id}"
+
     def applied(self, group: str, bucket: int) -> str:
         return f"{self.tag}:applied:{group}:{bucket}"
 

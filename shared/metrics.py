@@ -104,6 +104,9 @@ class WorkerMetrics:
             prefill.add_metric(["computed"], computed)
             prefill.add_metric(["cached"], getattr(self._worker.engine, "prefill_tokens_cached", 0))
             yield prefill
+        yield CounterMetricFamily("redroll_worker_checkpoints", "Checkpoint parts saved for resumable requests.",
+                                  value=st.checkpoints)
+        yield CounterMetricFamily("redroll_worker_resumed", "Requests continued from a checkpoint.", value=st.resumed)
         yield CounterMetricFamily("redroll_worker_lease_losses", "Leases lost to another worker.", value=st.lease_losses)
         yield CounterMetricFamily("redroll_worker_dead_letters", "Requests dead-lettered.", value=st.dead_lettered)
         yield CounterMetricFamily("redroll_worker_engine_errors", "Engine exceptions.", value=st.engine_errors)

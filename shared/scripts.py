@@ -29,6 +29,7 @@ CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
 FINISH_MANY_LUA = _load("finish_many.lua")
 SUBMIT_MANY_LUA = _load("submit_many.lua")
 CLAIM_LANES_LUA = _load("claim_lanes.lua")
+CHECKPOINT_LUA = _load("checkpoint.lua")
 
 
 class DuplicateRequestError(RuntimeError):
@@ -63,6 +64,8 @@ class DeadLetter:
     reply_to: str | None = None
     error_record: CompletionRecord | None = None
     rid_key: str | None = None
+    partial_key: str | None = None
+    """The request's checkpoint key (with ``rid_key``): deleted when it names this entry."""
     reply_refused: str | None = None
     """Why the waiter's reply stream cannot take the error record (it refused the finished record):
     then none is sent, and the dead letter carries this as its ``reply_error`` field."""
@@ -141,6 +144,7 @@ class Scripts:
         self._finish_many = redis.register_script(FINISH_MANY_LUA)
         self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
         self._claim_lanes = redis.register_script(CLAIM_LANES_LUA)
+        self._checkpoint = redis.register_script(CHECKPOINT_LUA)
 
     # -- submit
     @staticmethod
@@ -179,37 +183,42 @@ class Scripts:
 
     # -- finish
     async def finish(self, *, requests_key: str, reply_key: str, rid_key: str, group: str, consumer: str,
-                     entry_id: str, record: CompletionRecord, reply_cap: int = 0) -> int:
+                     entry_id: str, record: CompletionRecord, reply_cap: int = 0,
+                     partial_key: str | None = None) -> int:
         """The fenced finish of one entry now: 1 published, 0 fenced; raises
         :class:`StreamRefusedError` when the reply stream refused the record (nothing written)."""
         (reply,) = await self.finish_many_in(self.redis, requests_key=requests_key, group=group, consumer=consumer,
                                              worker=record.worker or "", checked=True,
-                                             items=[(entry_id, reply_key, rid_key, record, reply_cap)])
+                                             items=[(entry_id, reply_key, rid_key, record, reply_cap,
+                                                     partial_key)])
         error = refusal(reply, reply_key)
         if error is not None:
             raise error
         return int(reply)
 
     def finish_many_in(self, client: Any, *, requests_key: str, group: str, consumer: str, worker: str,
-                       items: Sequence[tuple[str, str, str, CompletionRecord, int]], checked: bool = False) -> Any:
+                       items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
         """Fenced finish of many entries of one stream in one script call.
 
-        ``items``: (entry_id, reply_key, rid_key, record, reply_cap). Result: per item 1 (published),
-        0 (fenced) or the error its reply stream answered (see :func:`refusal`).
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None). Result:
+        per item 1 (published), 0 (fenced) or the error its reply stream answered (see :func:`refusal`).
+        A resumable request's checkpoint (when it names this entry) is deleted with the finish.
         """
         keys: list[Any] = [requests_key]
         args: list[Any] = [group, consumer, worker]
-        for entry_id, reply_key, rid_key, record, cap in items:
+        for entry_id, reply_key, rid_key, record, cap, *rest in items:
+            partial_key = rest[0] if rest else None
             f = encode_record(record)
-            keys += [reply_key, rid_key]
-            args += [entry_id, f["rid"], f["status"], f["data"], cap]
+            keys += [reply_key, rid_key, partial_key or rid_key]
+            args += [entry_id, f["rid"], f["status"], f["data"], cap, "1" if partial_key else "0"]
         return _run(self._finish_many, keys, args, client, checked=checked)
 
     async def load_all(self) -> None:
         """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
 
         On a cluster, SCRIPT LOAD goes to every primary."""
-        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim_lanes)
+        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim_lanes,
+                   self._checkpoint)
         if is_cluster(self.redis):
             for script in scripts:
                 await self.redis.script_load(script.script)
@@ -230,6 +239,16 @@ class Scripts:
                            [group, consumer, budget, len(own), steal_after_ms, steal_depth], self.redis)
         return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
 
+    # -- checkpoints (resumable requests)
+    async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,
+                         saved: int, adding: int, part: bytes, ttl_s: int) -> tuple[int, int | str]:
+        """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
+        consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
+        or (2, the error that refused the write: nothing written)."""
+        code, detail = await _run(self._checkpoint, [requests_key, partial_key],
+                                  [group, consumer, entry_id, saved, adding, part, ttl_s], self.redis)
+        return int(code), (detail if isinstance(detail, int) else _s(detail))
+
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:
         """Queue or run the dead-letter script; its reply reads with :meth:`DeadLetterOutcome.from_reply`."""
@@ -244,6 +263,8 @@ class Scripts:
         if letter.rid_key:
             keys.append(letter.rid_key)
             rid_idx = len(keys)
+            if letter.partial_key:
+                keys.append(letter.partial_key)
         pairs: list[Any] = []
         for k, v in letter.fields.items():
             pairs += [k, v]

@@ -52,6 +52,12 @@ class Settings:
     """Workers run housekeeping (see ``redroll gc``) this often."""
     rid_ttl_s: int = 7 * 86_400
     """Submit de-duplication keys expire after this long even if no finish deleted them."""
+    checkpoint_tokens: int = 256
+    """Resumable requests: save partial output every this many new tokens ..."""
+    checkpoint_interval_s: float = 10.0
+    """... or every this many seconds, whichever comes later (one append each time)."""
+    checkpoint_min_new_tokens: int = 1024
+    """Resumable requests with a smaller max_new_tokens are never checkpointed (they are cheap to redo)."""
     affinity_lanes: int = 0
     """L > 0: requests with an affinity key (a session id; a group's ``group_id``) queue on one
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""

@@ -155,6 +155,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     return_routed_experts: bool = False
     """MoE routing replay: the experts each token was routed to (record ``routed_experts``; SGLang
     started with ``enable_return_routed_experts``; sized by the worker's ``max_routed_experts_bytes``)."""
+    resumable: bool = False
+    """Save partial output while generating (``{ns}:partial:<request_id>``) so that a worker that
+    takes the entry after a death or a drain continues from there instead of starting over.
+    Single-sample, ``input_ids`` prompts; saved only from ``checkpoint_min_new_tokens`` on."""
     v: Annotated[int, Meta(ge=0)] = 0
 
     @property

@@ -49,6 +49,10 @@ class SyntheticEngine:
         self.info = EngineInfo(name="synthetic", model=model, vocab_size=vocab_size, eos_token_id=None,
                                pad_token_id=None, weight_version=weight_version, max_context=max_context)
         self._abort_events: dict[str, asyncio.Event] = {}
+        self.tokens_decoded = 0
+        """Output tokens this engine made (what it returned; an aborted generation counts its part)."""
+        self._running: dict[str, tuple[GenerationRequest, float, float]] = {}
+        """handle → (request, start, ms per token) of generations under way (for :meth:`partial`)."""
         self._version_changes: list[tuple[float, str]] = []
 
     async def start(self) -> None:
@@ -134,19 +138,34 @@ class SyntheticEngine:
         self._abort_events[handle] = abort_ev
         try:
             if self._slots is None:
-                return await self._generate(request, abort_ev)
+                return await self._generate(request, abort_ev, handle)
             async with self._slots:  # waits for a free slot, like a request in an engine's queue
-                return await self._generate(request, abort_ev)
+                return await self._generate(request, abort_ev, handle)
         finally:
             self._abort_events.pop(handle, None)
+            self._running.pop(handle, None)
 
-    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event | _NeverAborted) -> EngineOutput:
+    def partial(self, handle: str) -> SampleOutput | None:
+        """The tokens the first sample of ``handle`` has made so far (one every ``token_ms``)."""
+        running = self._running.get(handle)
+        if running is None:
+            return None
+        request, started, token_ms = running
+        produced = int((time.monotonic() - started) * 1000.0 / token_ms) if token_ms > 0 else 0
+        ids, lps = self.tokens_for(request, 0, with_logprobs=request.return_logprob)
+        produced = min(produced, len(ids))
+        return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None, None)
+
+    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event | _NeverAborted,
+                        handle: str | None = None) -> EngineOutput:
         self._inject_faults(request)
         weight_version = self.info.weight_version
         sp = request.sampling_params
         token_ms = self._token_ms(request)
         prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
         started = time.monotonic()
+        if handle is not None:
+            self._running[handle] = (request, started, token_ms)
         budget = sp.max_new_tokens * token_ms / 1000.0
         if budget > 0:
             try:
@@ -171,4 +190,5 @@ class SyntheticEngine:
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
                                         self._versions_of(started, token_ms / 1000.0, len(ids), weight_version)))
+        self.tokens_decoded += sum(len(s.token_ids) for s in samples)
         return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version)

@@ -187,6 +187,9 @@ class TransformersEngine(TorchWeights):
         """Held by every model step and by an in-place weight swap (so the swap falls between steps)."""
         self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         """KV of recent prompts and conversations (``prefix_cache_tokens`` tokens at most); None: off."""
+        self.tokens_decoded = 0
+        """Output tokens this engine's model produced, one per row per step (the honest count of
+        decode work: a resumed request adds only what it made after its checkpoint)."""
         self.prefill_tokens_computed = 0
         """Prompt tokens fed to the model by prefill forwards (padding not counted)."""
         self.prefill_tokens_cached = 0
@@ -355,6 +358,16 @@ class TransformersEngine(TorchWeights):
         with contextlib.suppress(ValueError):
             self._waiting.remove(job)
         self._resolve_aborted(job)
+
+    def partial(self, handle: str) -> SampleOutput | None:
+        """What the first sample of ``handle`` has made so far (copies: the rows keep growing);
+        None before it runs. Resumable requests are checkpointed from this."""
+        job = self._jobs.get(handle)
+        if job is None or not job.rows:
+            return None
+        row = job.rows[0]
+        return SampleOutput(list(row.token_ids), list(row.logprobs) if job.request.return_logprob else None,
+                            row.finish_reason, weight_versions=list(row.versions))
 
     def progress(self, handle: str) -> int | None:
         """Tokens generated so far by the longest sample of ``handle``; ``None`` if unknown."""
@@ -533,6 +546,7 @@ class TransformersEngine(TorchWeights):
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            self.tokens_decoded += 1
             if tops is not None and row.job.request.top_logprobs_num:
                 row.top.append(tops[i][:row.job.request.top_logprobs_num])
             row.versions.append(str(version))

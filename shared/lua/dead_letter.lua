@@ -1,5 +1,6 @@
 -- Dead-letter one pending entry, owner-checked, and tell its waiter.
--- KEYS[1] source stream  KEYS[2] dead stream  KEYS[3..] optional: reply stream, rid key
+-- KEYS[1] source stream  KEYS[2] dead stream  KEYS[3..] optional: reply stream, rid key, and after
+-- the rid key the request's checkpoint key (deleted when it names this entry)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] entry id  ARGV[4] reason  ARGV[5] source name
 -- ARGV[6] delete the entry after ack (1/0)   ARGV[7] index of the reply key in KEYS (0 = none)
 -- ARGV[8] index of the rid key in KEYS (0 = none)
@@ -62,5 +63,9 @@ if ARGV[6] == '1' then
 end
 if type(held) == 'string' and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
   redis.call('DEL', KEYS[rid_idx])
+end
+if rid_idx > 0 and #KEYS > rid_idx then
+  local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)
+  if type(head) == 'string' and string.match(head, '^(%S+)') == ARGV[3] then redis.call('DEL', KEYS[rid_idx + 1]) end
 end
 return {1, reply_err}

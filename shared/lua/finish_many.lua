@@ -1,7 +1,9 @@
 -- Fenced finish of many requests of one stream in one call.
--- KEYS[1] request stream, then per item i (1-based): KEYS[2i] reply stream, KEYS[2i+1] rid key
+-- KEYS[1] request stream, then per item i (1-based): KEYS[3i-1] reply stream, KEYS[3i] rid key,
+-- KEYS[3i+1] checkpoint key ({tag}:partial:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
--- then per item 5 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none)
+-- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none),
+-- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
 -- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry), or
 -- the error the reply stream answered (a string: nothing of that item was written; it stays
 -- pending for the worker to dead-letter, hold or retry).
@@ -12,15 +14,15 @@
 -- group were read above). One item's refusal never changes another item's fate.
 local out = {}
 local done = {}
-local n = (#KEYS - 1) / 2
+local n = (#KEYS - 1) / 3
 for i = 1, n do
-  local a = 3 + (i - 1) * 5
+  local a = 3 + (i - 1) * 6
   local entry = ARGV[a + 1]
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
   if #p == 0 or p[1][2] ~= ARGV[2] then
     out[i] = 0
   else
-    local reply, ridkey = KEYS[2 * i], KEYS[2 * i + 1]
+    local reply, ridkey, partial = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
     local cap = tonumber(ARGV[a + 5])
     local added
@@ -38,6 +40,10 @@ for i = 1, n do
       -- Release the submit de-duplication key only if it still names this entry.
       if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
         redis.call('DEL', ridkey)
+      end
+      if ARGV[a + 6] == '1' then
+        local head = redis.pcall('GETRANGE', partial, 0, 43)
+        if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial) end
       end
       out[i] = 1
     end

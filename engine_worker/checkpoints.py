@@ -1,0 +1,266 @@
+"""Checkpoints of resumable requests: save partial output while generating, resume it elsewhere.
+
+A request with ``resumable`` (single-sample, token-id prompt, ``max_new_tokens`` at least the
+pipeline's ``checkpoint_min_new_tokens``) has its partial output saved next to it, under its hash
+tag, in ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens or
+``checkpoint_interval_s`` seconds, whichever comes later, one fenced append (``checkpoint.lua``:
+only the lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
+resubmit never resumes a stale one). A drain saves what the engine made before handing the entry
+back. The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
+
+A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt +
+saved tokens with the remaining budget and publishes one stitched record: ids, logprobs,
+per-token ``weight_versions`` and ``meta_info.segments`` (which worker and version made which part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis
+
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.types import GenerationRequest
+
+from .context import WorkerContext
+from .engines.base import EngineOutput, SampleOutput
+
+log = logging.getLogger("redroll.worker")
+
+HEADER_BYTES = 64
+"""``<entry id, space-padded to 44> <18-digit token count>\\n``."""
+
+
+class Part(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One appended piece of partial output (8 hex digits of length, then this as MessagePack)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    weight_version: str | None = None
+    """The version that made every token of this part ..."""
+    weight_versions: list[str] | None = None
+    """... or, when an in-place update fell inside it, the version of each token."""
+    worker: str
+    finish_reason: str | None = None
+
+    def versions(self) -> list[str]:
+        return list(self.weight_versions) if self.weight_versions else [str(self.weight_version)] * len(self.token_ids)
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_part = msgspec.msgpack.Decoder(Part).decode
+
+
+def encode_part(part: Part) -> bytes:
+    body = _encode(part)
+    return b"%08x" % len(body) + body
+
+
+@dataclass
+class Checkpoint:
+    """What was saved for one entry."""
+
+    entry_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def parse_checkpoint(raw: bytes) -> Checkpoint | None:
+    """The checkpoint in ``raw``; None when it is not one (a torn or foreign value)."""
+    if len(raw) < HEADER_BYTES or raw[HEADER_BYTES - 1:HEADER_BYTES] != b"\n":
+        return None
+    entry_id = raw[:44].decode("ascii", "replace").strip()
+    try:
+        count = int(raw[45:63])
+    except ValueError:
+        return None
+    cp = Checkpoint(entry_id=entry_id)
+    pos = HEADER_BYTES
+    while pos < len(raw):
+        try:
+            size = int(raw[pos:pos + 8], 16)
+            part = _decode_part(raw[pos + 8:pos + 8 + size])
+        except (ValueError, msgspec.DecodeError):
+            return None
+        pos += 8 + size
+        cp.token_ids += part.token_ids
+        if cp.logprobs is not None and part.logprobs is not None:
+            cp.logprobs += part.logprobs
+        else:
+            cp.logprobs = None
+        versions = part.versions()
+        cp.weight_versions += versions
+        last = cp.segments[-1] if cp.segments else None
+        version = versions[-1] if versions else None
+        if last is not None and last["worker"] == part.worker and last["weight_version"] == version:
+            last["tokens"] += len(part.token_ids)
+        else:
+            cp.segments.append({"worker": part.worker, "weight_version": version, "tokens": len(part.token_ids)})
+        cp.finish_reason = part.finish_reason
+    if cp.tokens != count:
+        return None
+    return cp
+
+
+def is_checkpointed(request: GenerationRequest, min_new_tokens: int) -> bool:
+    return request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens
+
+
+def continuation(request: GenerationRequest, cp: Checkpoint) -> GenerationRequest:
+    """``request`` continued after the checkpoint's tokens: the prompt grows by them and the
+    budget shrinks by as much; a seeded request continues with ``sampling_seed + tokens saved``."""
+    sp = request.sampling_params
+    changes: dict[str, Any] = {"max_new_tokens": sp.max_new_tokens - cp.tokens,
+                               "min_new_tokens": max(0, sp.min_new_tokens - cp.tokens)}
+    if sp.sampling_seed is not None:
+        changes["sampling_seed"] = sp.sampling_seed + cp.tokens
+    return msgspec.structs.replace(request, input_ids=list(request.input_ids or []) + cp.token_ids,
+                                   sampling_params=msgspec.structs.replace(sp, **changes))
+
+
+def stitch(cp: Checkpoint, output: EngineOutput, request: GenerationRequest, worker: str) -> EngineOutput:
+    """One output from the saved part and what this worker made after it."""
+    new = output.samples[0]
+    version = output.weight_version
+    new_versions = list(new.weight_versions) if new.weight_versions else [str(version)] * len(new.token_ids)
+    logprobs = None
+    if cp.logprobs is not None and new.logprobs is not None:
+        logprobs = cp.logprobs + list(new.logprobs)
+    sample = SampleOutput(token_ids=cp.token_ids + list(new.token_ids), logprobs=logprobs,
+                          finish_reason=new.finish_reason, weight_versions=cp.weight_versions + new_versions)
+    if len(set(sample.weight_versions or [])) <= 1:
+        sample.weight_versions = None
+    segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
+    extra = dict(output.extra)
+    extra.update(segments=segments, resumed_from=cp.tokens)
+    return EngineOutput(samples=[sample], prompt_tokens=len(request.input_ids or []), cached_tokens=output.cached_tokens,
+                        weight_version=version, extra=extra)
+
+
+class Checkpoints:
+    """Loading, saving and the save loop for one worker."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+
+    async def load(self, part: Keys, request: GenerationRequest, entry_id: str) -> Checkpoint | None:
+        raw = await self.ctx.redis.get(part.partial(request.request_id))
+        if raw is None:
+            return None
+        cp = parse_checkpoint(raw)
+        if cp is None or cp.entry_id != entry_id:
+            return None  # another entry's (a requeue, a resubmit) or not readable: start over
+        return cp
+
+    async def append(self, stream: str, part: Keys, request: GenerationRequest, entry_id: str, saved: int,
+                     piece: Part) -> bool:
+        """One fenced append; False when the lease or the count says this worker may not write."""
+        ctx = self.ctx
+        try:
+            ok, detail = await ctx.scripts.checkpoint(
+                requests_key=stream, partial_key=part.partial(request.request_id), group=WORKERS_GROUP,
+                consumer=ctx.name, entry_id=entry_id, saved=saved, adding=len(piece.token_ids),
+                part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s)
+        except redis.RedisError as exc:
+            log.warning("checkpoint of %s not saved: %s", request.request_id, exc)
+            return False
+        if ok != 1:
+            log.warning("checkpoint of %s not saved: %s", request.request_id, detail)
+            return False
+        ctx.stats.checkpoints += 1
+        return True
+
+    async def discard(self, part: Keys, fields: dict, entry_id: str) -> None:
+        """Delete the checkpoint of the entry in ``fields`` if it names this entry (a hand-back to
+        a newer worker: a checkpoint written by an older schema's worker is not resumed)."""
+        rid = fields.get(b"rid") or fields.get("rid")
+        if rid is None:
+            return
+        key = part.partial(rid.decode() if isinstance(rid, bytes) else str(rid))
+        try:
+            head = await self.ctx.redis.getrange(key, 0, 43)
+            if head and head.decode("ascii", "replace").strip() == entry_id:
+                await self.ctx.redis.delete(key)
+        except redis.RedisError as exc:
+            log.warning("checkpoint %s not deleted: %s", key, exc)
+
+    def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None) -> "Saver":
+        return Saver(self, flight, request, base.tokens if base else 0)
+
+
+class Saver:
+    """Saves one flight's new tokens while the engine generates it: :meth:`run` as a task
+    (cancelled when the generation returns), :meth:`flush` for what a drain cut short."""
+
+    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: int):
+        self.checkpoints = checkpoints
+        self.ctx = checkpoints.ctx
+        self.flight = flight
+        self.request = request
+        self.base = base
+        """Tokens in the checkpoint before this worker's generation began."""
+        self.done = 0
+        """Tokens of this worker's generation saved so far."""
+        self.broken = False
+        """A write was fenced or refused: this worker writes no more of it."""
+        self.stopped = False
+        """Set by :meth:`stop`: the loop ends at its next step (a cancellation alone can be lost
+        inside a Redis call on Python 3.11, whose ``asyncio.wait_for`` may swallow it)."""
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        partial = getattr(ctx.engine, "partial", None)
+        if partial is None:
+            return  # this engine cannot show partial output (SGLang: see the README)
+        every_tokens, every_s = ctx.settings.checkpoint_tokens, ctx.settings.checkpoint_interval_s
+        last_save = time.monotonic()
+        while not self.broken and not self.stopped:
+            await asyncio.sleep(min(every_s, 1.0) if every_s > 0 else 0.05)
+            if self.stopped:
+                return
+            snap = partial(self.flight.handle)
+            if snap is None or len(snap.token_ids) - self.done < every_tokens:
+                continue
+            if time.monotonic() - last_save < every_s:
+                continue
+            await self.save(snap)
+            last_save = time.monotonic()
+
+    async def flush(self, sample: SampleOutput) -> None:
+        """Save the rest of ``sample`` (a drain's aborted output) before the entry goes back."""
+        if not self.broken:
+            await self.save(sample)
+
+    async def save(self, sample: SampleOutput) -> None:
+        start = self.done
+        ids = list(sample.token_ids[start:])
+        if not ids:
+            return
+        version = str(self.ctx.engine.info.weight_version)
+        versions = list(sample.weight_versions[start:]) if sample.weight_versions else [version] * len(ids)
+        mixed = len(set(versions)) > 1
+        piece = Part(token_ids=ids, logprobs=list(sample.logprobs[start:]) if sample.logprobs is not None else None,
+                     weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
+                     worker=self.ctx.name,
+                     finish_reason=sample.finish_reason if sample.finish_reason in ("stop", "length") else None)
+        flight = self.flight
+        if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,
+                                         flight.entry_id, self.base + start, piece):
+            self.done = start + len(ids)
+        else:
+            self.broken = True

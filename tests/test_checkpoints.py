@@ -1,0 +1,321 @@
+"""Resumable requests: checkpoints saved while generating, resumed by the next worker (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from redroll.engine_worker.checkpoints import (
+    Checkpoint,
+    Part,
+    continuation,
+    encode_part,
+    parse_checkpoint,
+    stitch,
+)
+from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.producer.client import make_request
+from redroll.shared.codec import ValidationError, encode_request
+from redroll.shared.gc import collect_garbage
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.streams import ensure_group
+from redroll.shared.types import RecordStatus
+from tests.conftest import running, spawn, stop_process, wait_until
+
+PROMPT = list(range(1, 9))
+
+
+def checkpointing(settings, **kw):
+    return settings.with_(checkpoint_tokens=20, checkpoint_interval_s=0.1, checkpoint_min_new_tokens=50, **kw)
+
+
+def resumable(rid: str, max_new_tokens: int = 300, **kw):
+    return make_request(request_id=rid, input_ids=PROMPT, resumable=True, return_logprob=True,
+                        sampling_params={"max_new_tokens": max_new_tokens, "sampling_seed": 7}, **kw)
+
+
+def header(entry_id: str, count: int) -> bytes:
+    return b"%-44s %018d\n" % (entry_id.encode(), count)
+
+
+# ---------------------------------------------------------------- format, continuation, stitching
+
+
+def test_parts_append_and_parse_back():
+    raw = header("5-0", 5) + encode_part(Part(token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3],
+                                              weight_versions=["v1"] * 3, worker="a"))
+    raw += encode_part(Part(token_ids=[4, 5], logprobs=[-0.4, -0.5], weight_versions=["v2", "v2"], worker="a"))
+    cp = parse_checkpoint(raw)
+    assert cp is not None and cp.entry_id == "5-0" and cp.token_ids == [1, 2, 3, 4, 5]
+    assert cp.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5] and cp.weight_versions == ["v1"] * 3 + ["v2"] * 2
+    assert cp.segments == [{"worker": "a", "weight_version": "v1", "tokens": 3},
+                           {"worker": "a", "weight_version": "v2", "tokens": 2}]
+    assert parse_checkpoint(header("5-0", 4) + raw[64:]) is None  # the count disagrees: torn
+    assert parse_checkpoint(b"someone else's string") is None
+
+
+def test_validation_refuses_what_cannot_resume():
+    with pytest.raises(ValidationError, match="resumable"):
+        encode_request(make_request(request_id="x", prompt="text", resumable=True))
+    with pytest.raises(ValidationError, match="resumable"):
+        encode_request(make_request(request_id="x", input_ids=[1], resumable=True, sampling_params={"n": 2}))
+
+
+def test_continuation_and_stitch():
+    request = resumable("r", 10, meta_info={"k": 1})
+    cp = Checkpoint(entry_id="1-0", token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, -1.0], weight_versions=["v1"] * 3,
+                    segments=[{"worker": "a", "weight_version": "v1", "tokens": 3}])
+    cont = continuation(request, cp)
+    assert cont.input_ids == PROMPT + [5, 6, 7] and cont.sampling_params.max_new_tokens == 7
+    assert cont.sampling_params.sampling_seed == 10 and cont.request_id == "r"
+    out = EngineOutput(samples=[SampleOutput([8, 9], [-2.0, -2.0], "stop")], prompt_tokens=11, weight_version="v2")
+    merged = stitch(cp, out, request, "b")
+    sample = merged.samples[0]
+    assert sample.token_ids == [5, 6, 7, 8, 9] and sample.logprobs == [-1.0] * 3 + [-2.0] * 2
+    assert sample.finish_reason == "stop" and sample.weight_versions == ["v1"] * 3 + ["v2"] * 2
+    assert merged.prompt_tokens == len(PROMPT) and merged.extra["resumed_from"] == 3
+    assert merged.extra["segments"] == [{"worker": "a", "weight_version": "v1", "tokens": 3},
+                                        {"worker": "b", "weight_version": "v2", "tokens": 2}]
+
+
+# ---------------------------------------------------------------- the script
+
+
+async def test_checkpoint_script_is_fenced_and_all_or_nothing(settings, r):
+    keys = settings.keys
+    scripts = Scripts(r)
+    await ensure_group(r, keys.requests, WORKERS_GROUP)
+    entry = await r.xadd(keys.requests, {"rid": "c1", "data": b"x"})
+    entry = entry.decode()
+    await r.xreadgroup(WORKERS_GROUP, "owner", {keys.requests: ">"})
+    key = keys.partial("c1")
+    part = encode_part(Part(token_ids=[1, 2], weight_versions=["v", "v"], worker="owner"))
+
+    def call(consumer: str, saved: int, **kw):
+        return scripts.checkpoint(requests_key=keys.requests, partial_key=kw.get("key", key), group=WORKERS_GROUP,
+                                  consumer=consumer, entry_id=kw.get("entry", entry), saved=saved, adding=2,
+                                  part=part, ttl_s=60)
+
+    assert await call("intruder", 0) == (0, "fenced") and not await r.exists(key)
+    assert await call("owner", 0) == (1, 2)
+    assert await call("owner", 0) == (0, "stale")  # (a second writer that thinks nothing is saved)
+    assert await call("owner", 2) == (1, 4)
+    cp = parse_checkpoint(await r.get(key))
+    assert cp.entry_id == entry and cp.token_ids == [1, 2, 1, 2] and 0 < await r.ttl(key) <= 60
+    # A checkpoint of an earlier entry of the same request_id is replaced, never continued.
+    await r.set(key, header("1-1", 2) + part)
+    assert await call("owner", 2) == (0, "stale")
+    assert await call("owner", 0) == (1, 2) and parse_checkpoint(await r.get(key)).entry_id == entry
+    # A key of another type refuses it: nothing written.
+    await r.hset(keys.partial("hashy"), "a", "b")
+    code, detail = await call("owner", 0, key=keys.partial("hashy"))
+    assert code == 2 and "WRONGTYPE" in detail and await r.hgetall(keys.partial("hashy")) == {b"a": b"b"}
+
+
+async def test_dead_letter_and_gc_delete_checkpoints(settings, r):
+    keys = settings.keys
+    scripts = Scripts(r)
+    await ensure_group(r, keys.requests, WORKERS_GROUP)
+    entry = (await r.xadd(keys.requests, {"rid": "d1", "data": b"x"})).decode()
+    await r.xreadgroup(WORKERS_GROUP, "w", {keys.requests: ">"})
+    await r.set(keys.partial("d1"), header(entry, 0))
+    await r.set(keys.partial("other"), header("9-9", 0))  # another request's: kept by the dead letter
+    letter = DeadLetter(stream=keys.requests, entry_id=entry, reason="test", source="worker", fields={"rid": "d1"},
+                        rid_key=keys.rid("d1"), partial_key=keys.partial("d1"))
+    outcome = await scripts.dead_letter(dead_key=keys.dead, group=WORKERS_GROUP, consumer="w", letter=letter)
+    assert outcome.done and not await r.exists(keys.partial("d1"))
+    # GC: a checkpoint whose request has no de-duplication key any more is an orphan.
+    await r.set(keys.rid("live"), "token 1-0")
+    await r.set(keys.partial("live"), header("1-0", 0))
+    report = await collect_garbage(r, keys, reply_ttl_s=3600)
+    assert report.checkpoints == [keys.partial("other")]
+    assert await r.exists(keys.partial("live")) and not await r.exists(keys.partial("other"))
+
+
+# ---------------------------------------------------------------- workers
+
+
+async def test_a_drain_saves_and_the_next_worker_resumes(settings, r):
+    s = checkpointing(settings, drain_timeout_s=0.2)
+    a = Worker(s, SyntheticEngine(token_ms=5), max_inflight=4, block_ms=100, name="a")
+    b = Worker(s, SyntheticEngine(token_ms=5), max_inflight=4, block_ms=100, name="b")
+    request = resumable("long-1")
+    async with Producer(s) as p:
+        task = asyncio.create_task(a.run())
+        future = await p.submit(request)
+        await wait_until(lambda: a.stats.checkpoints >= 2, 10)
+        a.request_stop()
+        await asyncio.wait_for(task, 10)
+        saved = parse_checkpoint(await r.get(s.keys.partial("long-1")))
+        assert saved is not None and 40 <= saved.tokens < 300  # the drain's last part is in
+        async with running(b):
+            record = await asyncio.wait_for(future, 20)
+    assert record.status is RecordStatus.FINISHED and b.stats.resumed == 1
+    ids, lps = record.output_token_ids[0], record.output_logprobs[0]
+    assert len(ids) == len(lps) == 300 and ids[:saved.tokens] == saved.token_ids
+    segments = record.meta_info["segments"]
+    assert [x["worker"] for x in segments] == ["a", "b"] and sum(x["tokens"] for x in segments) == 300
+    assert record.meta_info["resumed_from"] == saved.tokens and record.meta_info["prompt_tokens"] == len(PROMPT)
+    # What a saw is what a would have made: the synthetic engine's tokens for the original request.
+    first, _ = SyntheticEngine().tokens_for(request, 0)
+    assert ids[:saved.tokens] == first[:saved.tokens]
+    assert not await r.exists(s.keys.partial("long-1"))  # the fenced finish deleted it
+
+
+async def test_a_stale_checkpoint_is_not_resumed(settings, r):
+    s = checkpointing(settings)
+    await r.set(s.keys.partial("fresh-1"), header("1-1", 3) + encode_part(
+        Part(token_ids=[1, 2, 3], weight_versions=["x"] * 3, worker="old")))
+    worker = Worker(s, SyntheticEngine(token_ms=1), max_inflight=4, block_ms=100)
+    async with running(worker), Producer(s) as p:
+        record = await asyncio.wait_for(await p.submit(resumable("fresh-1", 60)), 10)
+    assert worker.stats.resumed == 0 and "segments" not in record.meta_info
+    assert len(record.output_token_ids[0]) == 60
+
+
+@pytest.mark.slow
+async def test_sigkill_mid_generation_resumes_elsewhere(settings, r, tmp_path):
+    s = checkpointing(settings)
+    env = {"REDROLL_CHECKPOINT_TOKENS": "20", "REDROLL_CHECKPOINT_INTERVAL_S": "0.1",
+           "REDROLL_CHECKPOINT_MIN_NEW_TOKENS": "50"}
+    proc = spawn(s, "worker", "--engine", "synthetic", "--token-ms", "10", "--max-inflight", "4",
+                 log=tmp_path / "w.log", **env)
+    try:
+        async with Producer(s) as p:
+            future = await p.submit(resumable("killed-1", 400))
+
+            async def saved_tokens() -> int:
+                raw = await r.get(s.keys.partial("killed-1"))
+                cp = parse_checkpoint(raw) if raw else None
+                return cp.tokens if cp else 0
+            await wait_until(lambda: _at_least(saved_tokens, 100), 30)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed_at = time.monotonic()
+            before = await saved_tokens()
+            survivor = Worker(s, SyntheticEngine(token_ms=10), max_inflight=4, block_ms=100, name="survivor")
+            async with running(survivor):
+                record = await asyncio.wait_for(future, 30)
+            took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+    assert record.status is RecordStatus.FINISHED and record.meta_info["attempt"] >= 2
+    assert record.meta_info["resumed_from"] == before and len(record.output_token_ids[0]) == 400
+    last = record.meta_info["segments"][-1]
+    assert last["worker"] == "survivor" and last["tokens"] == 400 - before
+    assert sum(x["tokens"] for x in record.meta_info["segments"]) == 400
+    assert survivor.engine.tokens_decoded == 400 - before  # only the remaining budget was decoded
+    # Resuming saved the time of the tokens already made (400 x 10 ms from scratch).
+    assert took < s.claim_idle_ms / 1000 + (400 - before) * 0.01 + 3.0
+
+
+async def _at_least(probe, n: int) -> bool:
+    return await probe() >= n
+
+
+@pytest.mark.slow
+async def test_sigkill_of_a_transformers_worker_resumes_unseeded_sampling(settings, r, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from redroll.engine_worker.engines.tiny_model import build_tiny_model, teacher_forced_logprobs
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
+
+    s = checkpointing(settings)
+    env = {"REDROLL_CHECKPOINT_TOKENS": "50", "REDROLL_CHECKPOINT_INTERVAL_S": "0.2",
+           "REDROLL_CHECKPOINT_MIN_NEW_TOKENS": "50"}
+    proc = spawn(s, "worker", "--engine", "transformers", "--model-path", "tiny-random", "--max-inflight", "2",
+                 log=tmp_path / "w.log", **env)
+    budget = 1000
+    request = make_request(request_id="tf-1", input_ids=PROMPT, resumable=True, return_logprob=True,
+                           sampling_params={"max_new_tokens": budget, "temperature": 1.0, "ignore_eos": True})
+    try:
+        async with Producer(s) as p:
+            future = await p.submit(request)
+
+            async def saved() -> Checkpoint | None:
+                raw = await r.get(s.keys.partial("tf-1"))
+                return parse_checkpoint(raw) if raw else None
+
+            async def enough() -> bool:
+                cp = await saved()
+                return cp is not None and cp.tokens >= 150
+            await wait_until(enough, 60)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            cp = await saved()
+            survivor = Worker(s, TransformersEngine(), max_inflight=2, block_ms=100, name="survivor")
+            async with running(survivor):
+                record = await asyncio.wait_for(future, 120)
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+    ids, lps = record.output_token_ids[0], record.output_logprobs[0]
+    assert record.status is RecordStatus.FINISHED and len(ids) == len(lps) == budget
+    assert ids[:cp.tokens] == cp.token_ids and lps[:cp.tokens] == cp.logprobs
+    segments = record.meta_info["segments"]
+    assert segments[-1]["worker"] == "survivor" and segments[0]["worker"] != "survivor"
+    assert [sum(x["tokens"] for x in segments[:-1]), segments[-1]["tokens"]] == [cp.tokens, budget - cp.tokens]
+    assert survivor.engine.tokens_decoded == budget - cp.tokens
+    # Both parts are the same model's: every logprob matches a teacher-forced recomputation.
+    ref = teacher_forced_logprobs(build_tiny_model(0), PROMPT, ids, 1.0)
+    assert max(abs(x - y) for x, y in zip(lps, ref)) < 1e-4
+
+
+async def test_transformers_continues_greedy_output_exactly():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from redroll.engine_worker.engines.tiny_model import build_tiny_model, teacher_forced_logprobs
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
+    from tests.conftest import started
+
+    request = make_request(request_id="g", input_ids=PROMPT, resumable=True, return_logprob=True,
+                           sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+    async with started(TransformersEngine()) as engine:
+        whole = await engine.generate(request, "h1")
+        head = whole.samples[0]
+        cp = Checkpoint(entry_id="1-0", token_ids=head.token_ids[:10], logprobs=head.logprobs[:10],
+                        weight_versions=["v"] * 10, segments=[{"worker": "a", "weight_version": "v", "tokens": 10}])
+        rest = await engine.generate(continuation(request, cp), "h2")
+    merged = stitch(cp, rest, request, "b").samples[0]
+    assert merged.token_ids == head.token_ids
+    ref = teacher_forced_logprobs(build_tiny_model(0), PROMPT, merged.token_ids, 1.0)
+    assert max(abs(x - y) for x, y in zip(merged.logprobs, ref)) < 1e-4
+
+
+async def test_a_saver_stops_even_when_a_redis_call_swallows_its_cancellation(settings):
+    """Python 3.11's asyncio.wait_for (inside redis-py) can return a result although it was
+    cancelled: the generation's finally must still end the save loop (the flag), or the request hangs."""
+    from types import SimpleNamespace
+
+    from redroll.engine_worker.checkpoints import Saver
+
+    class Swallowing:
+        ctx = SimpleNamespace(settings=settings.with_(checkpoint_tokens=1, checkpoint_interval_s=0.0),
+                              engine=SimpleNamespace(partial=lambda handle: SampleOutput([1, 2, 3], None, None),
+                                                     info=SimpleNamespace(weight_version="v")),
+                              name="w", part_of={"s": settings.keys})
+        calls = 0
+
+        async def append(self, *args) -> bool:
+            self.calls += 1
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass  # what a swallowed cancellation looks like from here
+            return True
+
+    saver = Saver(Swallowing(), SimpleNamespace(handle="h", stream="s", entry_id="1-0"), resumable("x"), 0)
+    task = asyncio.create_task(saver.run())
+    await asyncio.sleep(0.08)  # inside append
+    saver.stop()
+    task.cancel()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 2)
