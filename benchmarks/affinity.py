@@ -35,6 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import emit_json, stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-random:0"
 
@@ -203,13 +205,7 @@ async def run_config(args: argparse.Namespace, url: str, lanes: int, log_dir: Pa
                     res["wall_s_runs"] = [run["wall_s"] for run in runs]
                 out[name] = res
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes(procs)
         print(f"lanes={lanes} {name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
     return out
 
@@ -257,11 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs of the groups and hot-key scenarios (medians)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_json(asyncio.run(run(args)), args.json_out)
     return 0
 
 

@@ -293,3 +293,24 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def emit_json(result: Any, json_out: str | None) -> None:
+    """Print a bench's JSON document, and write it to ``json_out`` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float = 30.0) -> None:
+    """SIGTERM every process that still runs (they drain), then wait; kill those that do not exit."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,9 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
+
+from benchmarks.harness import emit_json, stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,42 +45,41 @@ def worker(url: str, namespace: str, args: argparse.Namespace, log: Path) -> sub
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
-async def one_run(url: str, args: argparse.Namespace, resumable: bool, log: Path) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def fleet(url: str, args: argparse.Namespace, log: Path, name: str) -> AsyncIterator[tuple]:
+    """Two worker processes on a fresh namespace, a client and a producer: (settings, r, producer, procs)."""
     from redroll.producer import Producer
     from redroll.shared.connection import connect
     from redroll.shared.settings import Settings
 
-    namespace = f"resume{uuid.uuid4().hex[:8]}"
+    namespace = f"{name}{uuid.uuid4().hex[:8]}"
     settings = Settings(redis_url=url, namespace=namespace, claim_idle_ms=args.claim_idle_ms)
     procs = [worker(url, namespace, args, log) for _ in range(2)]
     try:
         async with connect(settings) as r, Producer(settings) as p:
             while len(await r.hgetall(settings.keys.workers)) < 2:
                 await asyncio.sleep(0.1)
-            pids = {}
-            t0 = time.monotonic()
-            futures = await p.submit_many([dict(request_id=f"long-{i}", input_ids=[i + 1, 2, 3], resumable=resumable,
-                                                sampling_params={"max_new_tokens": args.tokens})
-                                           for i in range(args.requests)])
-            await asyncio.sleep(args.tokens * args.token_ms / 1000.0 / 2)
-            beats = {k.decode(): json.loads(v) for k, v in (await r.hgetall(settings.keys.workers)).items()}
-            pids = {b["pid"]: name for name, b in beats.items()}
-            victim = procs[0]
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.wait()
-            killed_at = time.monotonic()
-            procs.append(worker(url, namespace, args, log))
-            records = await asyncio.gather(*futures)
-            end = time.monotonic()
+            yield settings, r, p, procs
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, timeout=20)
+
+
+async def one_run(url: str, args: argparse.Namespace, resumable: bool, log: Path) -> dict[str, Any]:
+    async with fleet(url, args, log, "resume") as (settings, r, p, procs):
+        t0 = time.monotonic()
+        futures = await p.submit_many([dict(request_id=f"long-{i}", input_ids=[i + 1, 2, 3], resumable=resumable,
+                                            sampling_params={"max_new_tokens": args.tokens})
+                                       for i in range(args.requests)])
+        await asyncio.sleep(args.tokens * args.token_ms / 1000.0 / 2)
+        beats = {k.decode(): json.loads(v) for k, v in (await r.hgetall(settings.keys.workers)).items()}
+        pids = {b["pid"]: name for name, b in beats.items()}
+        victim = procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        killed_at = time.monotonic()
+        procs.append(worker(url, settings.namespace, args, log))
+        records = await asyncio.gather(*futures)
+        end = time.monotonic()
     killed_name = pids.get(procs[0].pid)
     hit = [rec for rec in records if rec.meta_info.get("attempt", 1) > 1]
     # Each of the killed worker's requests had run from the submit to the kill (they all started at
@@ -97,37 +99,19 @@ async def one_run(url: str, args: argparse.Namespace, resumable: bool, log: Path
 
 async def cost_run(url: str, args: argparse.Namespace, resumable: bool, log: Path) -> dict[str, Any]:
     """No kill: what checkpointing costs (wall time, bytes sent to Redis, peak memory)."""
-    from redroll.producer import Producer
-    from redroll.shared.connection import connect
-    from redroll.shared.settings import Settings
-
-    namespace = f"cost{uuid.uuid4().hex[:8]}"
-    settings = Settings(redis_url=url, namespace=namespace, claim_idle_ms=args.claim_idle_ms)
-    procs = [worker(url, namespace, args, log) for _ in range(2)]
-    try:
-        async with connect(settings) as r, Producer(settings) as p:
-            while len(await r.hgetall(settings.keys.workers)) < 2:
-                await asyncio.sleep(0.1)
-            before = await r.info()
-            peak = before["used_memory"]
-            t0 = time.monotonic()
-            futures = await p.submit_many([dict(request_id=f"c-{i}", input_ids=[i + 1, 2, 3], resumable=resumable,
-                                                sampling_params={"max_new_tokens": args.tokens})
-                                           for i in range(args.cost_requests)])
-            pending = set(futures)
-            while pending:
-                _, pending = await asyncio.wait(pending, timeout=0.2)
-                peak = max(peak, (await r.info("memory"))["used_memory"])
-            wall = time.monotonic() - t0
-            after = await r.info()
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    async with fleet(url, args, log, "cost") as (_, r, p, _procs):
+        before = await r.info()
+        peak = before["used_memory"]
+        t0 = time.monotonic()
+        futures = await p.submit_many([dict(request_id=f"c-{i}", input_ids=[i + 1, 2, 3], resumable=resumable,
+                                            sampling_params={"max_new_tokens": args.tokens})
+                                       for i in range(args.cost_requests)])
+        pending = set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=0.2)
+            peak = max(peak, (await r.info("memory"))["used_memory"])
+        wall = time.monotonic() - t0
+        after = await r.info()
     n = args.cost_requests
     return {"resumable": resumable, "wall_s": round(wall, 2),
             "requests_per_s": round(n / wall, 2),
@@ -170,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    emit_json(result, args.json_out)
     ok = result["without_checkpoints"]["all_complete"] and result["with_checkpoints"]["all_complete"]
     return 0 if ok else 1
 

@@ -308,6 +308,7 @@ async def _run_worker(args: argparse.Namespace) -> int:
                    "dtype": args.dtype or "auto", "random_seed": args.random_seed,
                    "enable_memory_saver": args.enable_memory_saver,
                    "skip_tokenizer_init": args.skip_tokenizer_init, "pause_mode": args.pause_mode,
+                   "checkpoint_stream_interval": settings.checkpoint_tokens,
                    "max_routed_experts_bytes": args.max_routed_experts_bytes,
                    "extra_args": parse_key_values(args.sglang_arg)}
     if args.weight_version is not None:

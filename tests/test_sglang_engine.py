@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -920,3 +921,65 @@ async def test_extras_reach_the_record_through_the_queue(settings, r):
     assert [len(t) for t in rec.output_top_logprobs] == [5, 5] and len(rec.output_top_logprobs[0][0]) == 2
     assert rec.input_logprobs[0] is None and len(rec.input_logprobs) == 3
     assert [e.shape for e in rec.routed_experts] == [(7, 2, 2), (7, 2, 2)]
+
+
+# --------------------------------------------------------------------------- resumable requests: streaming
+
+
+def resumable_req(request_id: str, max_new_tokens: int = 80, **kw) -> GenerationRequest:
+    return GenerationRequest(request_id=request_id, input_ids=[4, 5, 6], resumable=True, return_logprob=True,
+                             sampling_params=SamplingParams(max_new_tokens=max_new_tokens, sampling_seed=3), **kw)
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_resumable_requests_stream_so_the_worker_sees_partial_output(incremental):
+    engine = await started({"token_delay_s": 0.004, "token_fn": stepping_tokens}, checkpoint_stream_interval=10,
+                           extra_args={"incremental_streaming_output": incremental})
+    raw = engine.engine
+    try:
+        plain = await engine.generate(req("plain", input_ids=[4, 5, 6], max_new_tokens=80, return_logprob=True,
+                                          sampling_seed=3), "h-plain")
+        task = asyncio.ensure_future(engine.generate(resumable_req("res"), "h-res"))
+        assert engine.partial("h-plain") is None
+        await wait_until(lambda: (engine.partial("h-res") or SimpleNamespace(token_ids=[])).token_ids, 10)
+        snap = engine.partial("h-res")
+        await wait_until(lambda: len(engine.partial("h-res").token_ids) >= 30, 10)
+        later = engine.partial("h-res")
+        out = await asyncio.wait_for(task, 10)
+    finally:
+        await engine.close()
+    final = out.samples[0]
+    # The same output as without streaming; every snapshot a prefix of it, with aligned logprobs
+    # (copies: SGLang's live lists kept growing after each chunk).
+    assert final.token_ids == plain.samples[0].token_ids and final.logprobs == plain.samples[0].logprobs
+    for s in (snap, later):
+        assert s.token_ids == final.token_ids[:len(s.token_ids)] and s.logprobs == final.logprobs[:len(s.logprobs)]
+    assert len(snap.token_ids) < len(later.token_ids) < 80 and final.finish_reason == "length"
+    assert [c["stream"] for c in raw.calls] == [False, True]
+    assert raw.calls[1]["sampling_params"]["stream_interval"] == 10
+
+
+async def test_a_worker_checkpoints_a_streaming_sglang_request(settings, r):
+    from redroll.engine_worker.checkpoints import parse_checkpoint
+    from redroll.engine_worker.worker import Worker
+    from redroll.producer import Producer
+
+    s = settings.with_(checkpoint_tokens=20, checkpoint_interval_s=0.1, checkpoint_min_new_tokens=50)
+    factory = sgl.Engine.with_options(token_delay_s=0.005)
+    engine = SGLangEngine("/models/tiny", engine_factory=factory, checkpoint_stream_interval=20)
+    worker = Worker(s, engine, max_inflight=4)
+    async with Producer(s) as p:
+        task = asyncio.create_task(worker.run())
+        try:
+            future = await p.submit(request_id="sg-1", input_ids=[4, 5, 6], resumable=True, return_logprob=True,
+                                    sampling_params={"max_new_tokens": 400})
+            await wait_until(lambda: worker.stats.checkpoints >= 2, 15)
+            cp = parse_checkpoint(await r.get(s.keys.partial("sg-1")))
+            record = await asyncio.wait_for(future, 15)
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(task, 15)
+    assert cp is not None and 0 < cp.tokens < 400 and len(cp.logprobs) == cp.tokens
+    assert record.status is RecordStatus.FINISHED and record.output_token_ids[0][:cp.tokens] == cp.token_ids
+    assert record.output_logprobs[0][:cp.tokens] == cp.logprobs
+    assert not await r.exists(s.keys.partial("sg-1"))

@@ -63,6 +63,7 @@ TOKENIZER_MANAGER_ATTRIBUTES = (
     "max_req_input_len",  # :602 (set by engine.py:1355-1357)
     "num_reserved_tokens",  # :605
     "enable_lora",  # :544 (the resolved value; server_args.enable_lora stays None with only lora_paths)
+    "incremental_streaming_output",  # :543 (streamed chunks are deltas, else the live cumulative lists)
     "server_args",
     "_subprocess_watchdog",
 )

@@ -30,6 +30,10 @@ tests. References are to files under ``sglang/srt/`` of sglang 0.5.23, with thei
   259-289). It then lowers ``max_new_tokens`` silently to ``max_req_len - input - 1`` (scheduler.py
   :2693-2740; ``max_req_len = max_req_input_len + 5``, tp_worker.py:568-572): the record says so
   in ``meta_info.max_new_tokens_effective``.
+* A resumable request streams (``async_generate(stream=True)``, engine.py:645-646) with the
+  per-request ``sampling_params.stream_interval`` (sampling_params.py:177), so :meth:`partial`
+  can show the worker what has been made for its checkpoints; chunk lists are copied (SGLang
+  hands out its live lists, tokenizer_manager.py:2651-2662) and the stream is always closed.
 * ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then every
   unseeded request gets 42 (sampling/sampling_batch_info.py:157-172): each sample gets its own seed.
 * Weights and memory are awaited on the tokenizer manager with io_struct inputs: the Engine's
@@ -106,6 +110,10 @@ class _Job:
     """rid → the task running its ``async_generate`` call (while it runs)."""
     started: set[str] = field(default_factory=set)
     """rids whose call has begun (SGLang may hold state for them)."""
+    streamed: dict[str, tuple[list[int], list]] = field(default_factory=dict)
+    """rid → (output ids, output_token_logprobs entries) received so far, for streaming samples
+    (copies: SGLang hands out its live lists, tokenizer_manager.py:2655-2662)."""
+    return_logprob: bool = False
 
 
 @dataclass
@@ -140,7 +148,11 @@ class SGLangEngine:
         shutdown_timeout_s: float = 30.0,
         pause_mode: str = "in_place",
         max_routed_experts_bytes: int = 2 * 1024 * 1024,
+        checkpoint_stream_interval: int = 256,
     ) -> None:
+        self.stream_interval = checkpoint_stream_interval
+        """Resumable requests stream their output every this many tokens (the per-request
+        ``sampling_params.stream_interval``, sampling_params.py:177), so the worker can checkpoint it."""
         self.max_routed_experts_bytes = max_routed_experts_bytes
         """The most routed-experts data one record may carry (see :meth:`_check_routed_experts`)."""
         if pause_mode not in ("in_place", "retract"):
@@ -401,7 +413,7 @@ class SGLangEngine:
         n = request.n
         base = f"{self._rid_prefix}{next(self._seq):012d}"
         width = max(3, len(str(max(n - 1, 0))))
-        job = _Job(handle, [f"{base}-{i:0{width}d}" for i in range(n)])
+        job = _Job(handle, [f"{base}-{i:0{width}d}" for i in range(n)], return_logprob=request.return_logprob)
         if handle in self._aborted:
             del self._aborted[handle]
             job.aborted = True  # aborted before it started: start nothing
@@ -498,9 +510,13 @@ class SGLangEngine:
         if request.return_routed_experts:
             kwargs["return_routed_experts"] = True
 
+        streaming = request.resumable and request.n == 1
+
         async def call_sglang() -> Any:
             await self._dispatch_open.wait()  # (closed only while a flush after an in-place swap waits)
             job.started.add(rid)
+            if streaming:
+                return await self._streamed(engine, job, rid, kwargs)
             return await engine.async_generate(**kwargs)
 
         call = asyncio.ensure_future(call_sglang())
@@ -521,6 +537,52 @@ class SGLangEngine:
                 return self._never_started(request)
             raise _request_error(exc, rid) from exc
         return self._map_output(call.result(), job, request, rid)
+
+    async def _streamed(self, engine: Any, job: _Job, rid: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """One sample through ``async_generate(stream=True)`` (engine.py:645-646), its chunks kept
+        in ``job.streamed`` as they come (for :meth:`partial`); returns what a non-streaming call
+        would: the whole output_ids and output_token_logprobs with the last chunk's meta_info.
+
+        Chunks are cumulative (the live lists, tokenizer_manager.py:2651-2662: copied here) unless
+        the server runs with ``incremental_streaming_output`` (:2637-2648, deltas, coalesced by
+        ``_wait_one_response`` :1983-1990). The generator is always closed: one left suspended keeps
+        the tokenizer manager's reader lock and every weight update would wait on it (:941-957)."""
+        kwargs["sampling_params"]["stream_interval"] = self.stream_interval
+        incremental = bool(getattr(engine.tokenizer_manager, "incremental_streaming_output", False))  # :543
+        ids: list[int] = []
+        entries: list = []
+        last: dict[str, Any] = {}
+        stream = await engine.async_generate(**kwargs, stream=True)
+        try:
+            async for chunk in stream:
+                meta = chunk.get("meta_info") or {}
+                got_ids = list(chunk.get("output_ids") or [])
+                got_entries = list(meta.get("output_token_logprobs") or [])
+                if incremental:
+                    ids, entries = ids + got_ids, entries + got_entries
+                else:
+                    ids, entries = got_ids, got_entries
+                job.streamed[rid] = (ids, entries)
+                last = chunk
+        finally:
+            await stream.aclose()
+        meta = dict(last.get("meta_info") or {})
+        if job.return_logprob:
+            meta["output_token_logprobs"] = entries
+        return {**last, "output_ids": ids, "meta_info": meta}
+
+    def partial(self, handle: str) -> SampleOutput | None:
+        """What the (single) streaming sample of ``handle`` has made so far; None when it does not
+        stream (only resumable requests do) or nothing arrived yet."""
+        job = self._jobs.get(handle)
+        if job is None or not job.rids or job.rids[0] not in job.streamed:
+            return None
+        ids, entries = job.streamed[job.rids[0]]
+        if not job.return_logprob:
+            return SampleOutput(list(ids), None, None)
+        if len(entries) != len(ids):
+            return None  # (not lined up yet: saved at the next chunk rather than without logprobs)
+        return SampleOutput(list(ids), [float(e[0]) for e in entries], None)
 
     # ------------------------------------------------------------------ output mapping
 
