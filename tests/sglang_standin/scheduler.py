@@ -403,13 +403,7 @@ class StandInScheduler:
             weights = await asyncio.to_thread(receive)
         except Exception as e:
             return SimpleNamespace(success=False, message=f"Failed to receive weights: {e}")
-        success, message = self._load(weights)
-        if success:
-            self.session_loaded = True
-            if obj.weight_version is not None:
-                self.weight_version = obj.weight_version
-            success, message = self._flush_after_update(obj, success, message)
-        return SimpleNamespace(success=success, message=message)
+        return self._after_load(obj, *self._load(weights))
 
     def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput) -> SimpleNamespace:
         """weight_updater.py:234-263: this rank's payload deserialized, then loaded."""
@@ -417,7 +411,11 @@ class StandInScheduler:
             return SimpleNamespace(success=False, message="update_weights_from_tensor must run between "
                                                           "begin_weight_update() and end_weight_update()")
         named = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])
-        success, message = self._load([(name, tensor.clone()) for name, tensor in named])
+        return self._after_load(obj, *self._load([(name, tensor.clone()) for name, tensor in named]))
+
+    def _after_load(self, obj: Any, success: bool, message: str) -> SimpleNamespace:
+        """A loaded push inside the begin/end bracket: the session holds new weights, the version
+        changes when the request names one, and the cache is flushed as the request asks."""
         if success:
             self.session_loaded = True
             if obj.weight_version is not None:
