@@ -52,6 +52,20 @@ def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), str(path))
 
 
+def _missing_members(classes: dict, wanted: dict, prefix: str, members, *, suffix: str = "") -> list[str]:
+    """``prefix.Class`` for each wanted class that is absent, ``prefix.Class.name<suffix>`` for
+    each wanted member (``members(cls)``: its fields or methods) that it lacks."""
+    missing = []
+    for cls_name, names in wanted.items():
+        cls = classes.get(cls_name)
+        if cls is None:
+            missing.append(f"{prefix}.{cls_name}")
+            continue
+        have = members(cls)
+        missing += [f"{prefix}.{cls_name}.{n}{suffix}" for n in names if n not in have]
+    return missing
+
+
 def _classes(path: Path) -> dict[str, ast.ClassDef]:
     if not path.exists():
         return {}
@@ -164,13 +178,8 @@ def check(srt: Path) -> list[str]:
     have = _annotated(state) if state is not None else set()
     missing += [f"ReqState.{f}" for f in contract.REQ_STATE_FIELDS if f not in have]
 
-    io = _classes(srt / "managers" / "io_struct.py")
-    for cls_name, wanted in contract.IO_STRUCT_FIELDS.items():
-        cls = io.get(cls_name)
-        if cls is None:
-            missing.append(f"io_struct.{cls_name}")
-            continue
-        missing += [f"io_struct.{cls_name}.{f}" for f in wanted if f not in _annotated(cls)]
+    missing += _missing_members(_classes(srt / "managers" / "io_struct.py"), contract.IO_STRUCT_FIELDS,
+                                "io_struct", _annotated)
 
     batch = _classes(srt / "managers" / "schedule_batch.py")
     for cls_name, kind in contract.FINISH_REASON_TYPES.items():
@@ -181,13 +190,8 @@ def check(srt: Path) -> list[str]:
     strings = _string_constants(srt / "managers" / "tokenizer_manager.py")
     missing += [f"meta_info[{k!r}]" for k in contract.META_INFO_KEYS if k not in strings]
 
-    common = _classes(srt / "utils" / "common.py")
-    for cls_name, wanted in contract.UTILS_CLASSES.items():
-        cls = common.get(cls_name)
-        if cls is None:
-            missing.append(f"utils.{cls_name}")
-            continue
-        missing += [f"utils.{cls_name}.{m}()" for m in wanted if m not in _methods(cls)]
+    missing += _missing_members(_classes(srt / "utils" / "common.py"), contract.UTILS_CLASSES, "utils", _methods,
+                                suffix="()")
     versions = srt / "utils" / "weight_versions.py"
     have = _string_constants(versions) if versions.exists() else set()
     missing += [f"weight_versions[{k!r}]" for k in contract.WEIGHT_VERSION_KEYS if k not in have]

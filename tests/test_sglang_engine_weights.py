@@ -44,15 +44,22 @@ def the_update(engine: SGLangEngine, cls: str):
     return call
 
 
-async def push_by_hand(engine: SGLangEngine, tensors: dict, version: str, *, in_place: bool = True):
-    """Rank 0 (a trainer) and the engine (rank 1) in one group; returns once the engine took it."""
-    port, name = free_port(), f"g-{free_port()}"
+async def join_by_hand(engine: SGLangEngine, name: str) -> WeightGroup:
+    """A trainer's group ``name`` (rank 0, gloo) that the engine joined as rank 1."""
+    port = free_port()
     joining = asyncio.create_task(engine.join_weight_group(address="127.0.0.1", port=port, rank_offset=1,
                                                            world_size=2, group_name=name, backend="gloo",
                                                            timeout_s=20))
     group = await asyncio.to_thread(WeightGroup.open, address="127.0.0.1", port=port, rank=0, world_size=2,
                                     name=name, timeout_s=20)
     await joining
+    return group
+
+
+async def push_by_hand(engine: SGLangEngine, tensors: dict, version: str, *, in_place: bool = True):
+    """Rank 0 (a trainer) and the engine (rank 1) in one group; returns once the engine took it."""
+    name = f"g-{free_port()}"
+    group = await join_by_hand(engine, name)
     specs = [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in tensors.items()]
     receiving = asyncio.create_task(engine.receive_weights(specs, group_name=name, version=version, in_place=in_place))
 
@@ -184,13 +191,8 @@ async def test_what_a_failed_push_leaves_behind():
         await push_by_hand(engine, {"x": torch.zeros(3)}, "1", in_place=False)
     assert await engine.discard_weights() is False
     # The trainer gone mid-broadcast: nothing was loaded, the old weights serve on.
-    port, name = free_port(), "g-gone"
-    joining = asyncio.create_task(engine.join_weight_group(address="127.0.0.1", port=port, rank_offset=1,
-                                                           world_size=2, group_name=name, backend="gloo",
-                                                           timeout_s=20))
-    group = await asyncio.to_thread(WeightGroup.open, address="127.0.0.1", port=port, rank=0, world_size=2,
-                                    name=name, timeout_s=20)
-    await joining
+    name = "g-gone"
+    group = await join_by_hand(engine, name)
     receiving = asyncio.create_task(engine.receive_weights(
         [TensorSpec(name="x", dtype="float32", shape=[2])], group_name=name, version="2", in_place=False))
     await asyncio.sleep(0.2)
