@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import IO, Any, Iterable
+from typing import IO, Iterable
 
 import msgspec
 
@@ -56,10 +56,6 @@ def read_requests(lines: Iterable[str], settings: Settings, source: str = "input
     return out
 
 
-def record_to_json(record: CompletionRecord) -> dict[str, Any]:
-    return msgspec.to_builtins(record)
-
-
 async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | None,
                       window: int = 1024, progress: bool = True, timeout: float | None = None) -> int:
     """Submit every request of ``path``; with ``wait``, write one record per line. Returns an exit code."""
@@ -78,31 +74,66 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
             await r.aclose()
         print(f"submitted {len(requests)} request(s) to {settings.keys.requests}; records go to {settings.keys.results}")
         return 0
-    sink: IO[str] = open(out, "w", encoding="utf-8") if out else sys.stdout
-    failed = 0
+    sink: IO[bytes] = open(out, "wb") if out else sys.stdout.buffer
     try:
-        async with Producer(settings) as producer:
-            bar = _progress(len(requests), enabled=progress)
-            futures = []
-            for i in range(0, len(requests), window):
-                futures += await producer.submit_many(requests[i:i + window])
-            async def collect() -> None:
-                nonlocal failed
-                async for record in producer.as_completed(futures):
-                    if not record.ok:
-                        failed += 1
-                    sink.write(json.dumps(record_to_json(record)) + "\n")
-                    bar.advance()
-            try:
-                await asyncio.wait_for(collect(), timeout)
-            finally:
-                bar.close()
+        failed = await _submit_and_write(settings, requests, sink, window=window, progress=progress, timeout=timeout)
     finally:
         if out:
             sink.close()
     if failed:
         print(f"{failed} of {len(requests)} request(s) did not finish (see their status and error)", file=sys.stderr)
     return 0 if not failed else 3
+
+
+async def _submit_and_write(settings: Settings, requests: list[GenerationRequest], sink: IO[bytes], *, window: int,
+                            progress: bool, timeout: float | None) -> int:
+    """Submit ``requests`` and write each record as one JSON line as it arrives; returns how many
+    did not finish. Records are collected by the producer's callback and written (and flushed) a
+    delivered batch at a time: one write, one flush and one progress refresh per batch, not per record."""
+    encode = msgspec.json.Encoder().encode
+    arrived: list[bytes] = []
+    wake = asyncio.Event()
+    failed = 0
+
+    def on_record(record: CompletionRecord) -> None:
+        nonlocal failed
+        if not record.ok:
+            failed += 1
+        arrived.append(encode(record))
+        wake.set()
+
+    async with Producer(settings) as producer:
+        bar = _progress(len(requests), enabled=progress)
+        try:
+            pending = 0
+            for i in range(0, len(requests), window):
+                for fut, req in zip(await producer.submit_many(requests[i:i + window], callback=on_record),
+                                    requests[i:i + window]):
+                    if fut.done() and fut.exception() is not None:  # refused at submit: no record will come
+                        print(f"{req.request_id}: not submitted: {fut.exception()}", file=sys.stderr)
+                        failed += 1
+                        bar.advance(1)
+                    else:
+                        pending += 1
+
+            async def write_as_they_arrive() -> None:
+                nonlocal pending
+                while pending:
+                    await wake.wait()
+                    wake.clear()
+                    batch = arrived[:]
+                    del arrived[:]
+                    if not batch:
+                        continue
+                    sink.write(b"\n".join(batch) + b"\n")
+                    sink.flush()
+                    pending -= len(batch)
+                    bar.advance(len(batch))
+
+            await asyncio.wait_for(write_as_they_arrive(), timeout)
+        finally:
+            bar.close()
+    return failed
 
 
 class _progress:
@@ -122,11 +153,11 @@ class _progress:
             self._t0 = asyncio.get_running_loop().time()
             self._done = 0
 
-    def advance(self) -> None:
+    def advance(self, count: int = 1) -> None:
         if self._p is not None:
-            self._done += 1
+            self._done += count
             elapsed = max(1e-6, asyncio.get_running_loop().time() - self._t0)
-            self._p.update(self._task, advance=1, rate=self._done / elapsed)
+            self._p.update(self._task, advance=count, rate=self._done / elapsed)
 
     def close(self) -> None:
         if self._p is not None:
