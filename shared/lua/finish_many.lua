@@ -4,9 +4,9 @@
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none),
 -- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
--- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry), or
--- the error the reply stream answered (a string: nothing of that item was written; it stays
--- pending for the worker to dead-letter, hold or retry).
+-- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry, or the
+-- entry came earlier in this call), or the error the reply stream answered (a string: nothing of
+-- that item was written; it stays pending for the worker to dead-letter, hold or retry).
 --
 -- All or nothing per item: Redis keeps the writes a script made before a failing redis.call, so
 -- an item's reads come first and its first write, the XADD, goes through pcall; its ack, delete
@@ -15,13 +15,41 @@
 local out = {}
 local done = {}
 local n = (#KEYS - 1) / 3
+
+-- Which of the entries this consumer still owns: one XPENDING over the batch's id range, filtered
+-- by consumer (its own pending entries there: at most what it has in flight), instead of one call
+-- per item. Entry ids are canonical '<ms>-<seq>', so comparing lengths, then text, orders them.
+local function less(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not am or not bm then error('finish_many: not a stream entry id: ' .. (am and b or a)) end
+  if #am ~= #bm then return #am < #bm end
+  if am ~= bm then return am < bm end
+  if #as ~= #bs then return #as < #bs end
+  return as < bs
+end
+local lo, hi
+for i = 1, n do
+  local entry = ARGV[3 + (i - 1) * 6 + 1]
+  if not lo or less(entry, lo) then lo = entry end
+  if not hi or less(hi, entry) then hi = entry end
+end
+local owned = {}
+local start = lo
+while n > 0 do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], start, hi, 1000, ARGV[2])
+  for _, e in ipairs(p) do owned[e[1]] = true end
+  if #p < 1000 then break end
+  start = '(' .. p[#p][1]
+end
+
 for i = 1, n do
   local a = 3 + (i - 1) * 6
   local entry = ARGV[a + 1]
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
-  if #p == 0 or p[1][2] ~= ARGV[2] then
+  if not owned[entry] then
     out[i] = 0
   else
+    owned[entry] = nil  -- (an entry listed twice is published once)
     local reply, ridkey, partial = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
     local cap = tonumber(ARGV[a + 5])
