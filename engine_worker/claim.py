@@ -113,12 +113,16 @@ class Claimer:
         suspects: list[tuple[str, str, int]] = []
         if flights.holds:
             return False
-        for stream in ctx.request_streams:  # high priority first
-            # Even with every slot taken, look: suspects are run in isolation, which waits for the
-            # slots to empty, so a busy worker still takes over a dead one's work.
-            free = max(0, flights.max_inflight - flights.occupied - len(bulk))
-            idle = await ctx.redis.xpending_range(stream, WORKERS_GROUP, min="-", max="+",
-                                                  count=max(free, 16) * 4, idle=ctx.settings.claim_idle_ms)
+        # Even with every slot taken, look: suspects are run in isolation, which waits for the
+        # slots to empty, so a busy worker still takes over a dead one's work. One round trip for
+        # every request stream (with affinity lanes there are hundreds, mostly empty).
+        count = max(flights.max_inflight - flights.occupied, 16) * 4
+        async with ctx.redis.pipeline(transaction=False) as pipe:
+            for stream in ctx.request_streams:
+                pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
+                                    idle=ctx.settings.claim_idle_ms)
+            pending = await pipe.execute()
+        for stream, idle in zip(ctx.request_streams, pending):  # high priority first
             idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
             if not idle:
                 continue

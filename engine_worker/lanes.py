@@ -125,9 +125,10 @@ class LaneClaimer:
 
     async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
         ctx, flights = self.ctx, self.flights
-        # Wake for a new entry in a stream this worker reads first; overdue entries elsewhere are
-        # looked for at least every half steal interval.
-        block_ms = max(1, min(ctx.block_ms, ctx.settings.steal_after_ms // 2))
+        # Wake for a new entry in a stream this worker reads first; other lanes are looked at again
+        # at least once per steal wait, so an entry there is stolen within about twice that wait,
+        # and an idle fleet scans each lane once per worker and steal wait.
+        block_ms = max(1, min(ctx.block_ms, ctx.settings.steal_after_ms))
         while not ctx.stopping.is_set():
             await flights.wait_for_slot()
             if ctx.stopping.is_set():

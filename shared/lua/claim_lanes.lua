@@ -41,7 +41,11 @@ end
 -- is split. With
 -- `aligned_only`, a lane whose head continues the key its owner took last (a group it is part way
 -- through) yields nothing: such lanes are stolen from only after the others.
+-- Returns the count, and true when only `aligned_only` held it back (the lane is worth a second
+-- look). An empty lane costs one XLEN: an idle fleet's scans stay cheap.
 local function stealable(key, cutoff_ms, n, depth, aligned_only)
+  local length = redis.pcall('XLEN', key)
+  if type(length) ~= 'number' or length == 0 then return 0 end
   local groups = redis.pcall('XINFO', 'GROUPS', key)
   if type(groups) ~= 'table' or groups.err then return 0 end
   local last, pending
@@ -51,7 +55,7 @@ local function stealable(key, cutoff_ms, n, depth, aligned_only)
     end
   end
   if not last then return 0 end
-  local undelivered = redis.call('XLEN', key) - pending
+  local undelivered = length - pending
   if undelivered <= 0 then return 0 end
   local window = math.max(n, math.min(depth, 64))
   local head = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', window + 1)
@@ -61,7 +65,7 @@ local function stealable(key, cutoff_ms, n, depth, aligned_only)
   if aligned_only and not late then
     local prev = redis.call('XRANGE', key, last, last)
     local ak = field(head[1][2], 'ak')
-    if prev[1] and ak ~= nil and field(prev[1][2], 'ak') == ak then return 0 end
+    if prev[1] and ak ~= nil and field(prev[1][2], 'ak') == ak then return 0, true end
   end
   local count = 0
   for _, e in ipairs(head) do
@@ -100,11 +104,16 @@ budget = budget - take(KEYS[2 + own], budget, 'shared')
 if budget > 0 and #KEYS > 2 + own then
   local t = redis.call('TIME')
   local cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - steal_ms
-  for pass = 1, 2 do  -- lanes whose head starts a new key first
-    for i = 3 + own, #KEYS do
-      if budget <= 0 then break end
-      budget = budget - take(KEYS[i], stealable(KEYS[i], cutoff, budget, depth, pass == 1), 'stolen')
-    end
+  local held_back = {}  -- lanes whose head continues their owner's key: looked at again after the others
+  for i = 3 + own, #KEYS do
+    if budget <= 0 then break end
+    local count, aligned = stealable(KEYS[i], cutoff, budget, depth, true)
+    if aligned then held_back[#held_back + 1] = KEYS[i] end
+    budget = budget - take(KEYS[i], count, 'stolen')
+  end
+  for _, key in ipairs(held_back) do
+    if budget <= 0 then break end
+    budget = budget - take(key, stealable(key, cutoff, budget, depth, false), 'stolen')
   end
 end
 return out
