@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench [--quick] [--only NAME,...] [--json-out FILE]
 
-Sections: ceiling, latency, utilisation, large, peers, memory (in that order). Every role runs as
+Sections: ceiling, latency, utilisation, large, peers, memory, fleet (in that order). Every role runs as
 its own OS process against one private redis-server started here (no persistence: ``--save ''
 --appendonly no``, loopback port). Prints a table (rich) and then the JSON document on stdout.
 Exit code 1 when a section failed (a skipped peer is not a failure).
@@ -21,10 +21,11 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from benchmarks import sections
+from benchmarks.fleet import fleet
 from benchmarks.harness import BenchError, Server, machine_info, make_base_dir
 from benchmarks.results import SectionResult
 
-SECTION_ORDER = ("ceiling", "latency", "utilisation", "large", "peers", "memory")
+SECTION_ORDER = ("ceiling", "latency", "utilisation", "large", "peers", "memory", "fleet")
 
 
 def _peers(server, cfg, base, res):  # imported lazily: it may create virtualenvs
@@ -40,6 +41,7 @@ RUNNERS: dict[str, Callable] = {
     "large": sections.large,
     "peers": _peers,
     "memory": sections.memory,
+    "fleet": fleet,
 }
 
 
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-requests", type=int, default=None, help="requests in the ceiling section")
     ap.add_argument("--memory-requests", type=int, default=None, help="requests in the memory section")
     ap.add_argument("--peer-jobs", type=int, default=None, help="jobs per peer")
+    ap.add_argument("--peer-runs", type=int, default=None, help="runs of the peers section (default 5; 1 with --quick)")
+    ap.add_argument("--workers", type=int, default=None, help="workers in the fleet section (default 64)")
+    ap.add_argument("--fleet-processes", type=int, default=None, help="host processes the fleet is spread over")
+    ap.add_argument("--fleet-idle-s", type=float, default=None, help="seconds of idle measured per fleet layout")
+    ap.add_argument("--fleet-requests", type=int, default=None, help="requests per fleet ceiling run")
+    ap.add_argument("--fleet-runs", type=int, default=None, help="ceiling runs per fleet size (median kept)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the run directory (process logs)")
     args = ap.parse_args(argv)
 
@@ -93,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.memory_requests = args.memory_requests
     if args.peer_jobs:
         cfg.peer_jobs = args.peer_jobs
+    for name in ("peer_runs", "workers", "fleet_processes", "fleet_idle_s", "fleet_requests", "fleet_runs"):
+        value = getattr(args, name)
+        if value:
+            setattr(cfg, "fleet_workers" if name == "workers" else name, value)
 
     from rich.console import Console
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("ceiling", "latency", "utilisation", "large", "memory")
+SECTIONS = ("ceiling", "latency", "utilisation", "large", "memory", "fleet")
 EXPECTED = {
-    "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw", "ratio_bound"},
+    "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw", "ratio_bound",
+                "redroll_server_us_per_request", "raw_sync_server_us_per_request", "redroll_clients_us_per_request",
+                "raw_sync_clients_us_per_request", "submit_wait_rps", "submit_wait_vs_api"},
     "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
                 "consumer_p99_added_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
@@ -29,6 +31,8 @@ EXPECTED = {
     "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps"},
     "memory": {"used_memory_before_MB", "used_memory_after_processed_MB", "used_memory_after_window_MB",
                "growth_after_window_MB", "dedup_bytes_per_request"},
+    "fleet": {"idle_redis_cpu_8w_lanes_off", "idle_redis_cpu_8w_lanes_on", "ceiling_4w_rps", "ceiling_8w_rps",
+              "ceiling_8w_vs_4w"},
 }
 
 
