@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
@@ -697,6 +698,8 @@ def test_records_carry_extras_in_shapes_the_reference_reader_sees():
     assert raw["output_top_logprobs"] == [[[[5, -0.1], [7, -2.0]], [[6, -0.2], [8, -3.0]]]]
     assert raw["input_logprobs"] == [None, -1.5]
     assert raw["routed_experts"] == [{"shape": [2, 1, 2], "data": experts.data}]
+    # the data bytes are exactly RecordData's encoding (encode_record skips building that struct)
+    assert fields["data"] == msgspec.msgpack.encode(rec.data())
 
 
 @pytest.mark.parametrize("change, field", [
