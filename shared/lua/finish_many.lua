@@ -18,15 +18,16 @@ local n = (#KEYS - 1) / 3
 
 -- Which of the entries this consumer still owns: one XPENDING over the batch's id range, filtered
 -- by consumer (its own pending entries there: at most what it has in flight), instead of one call
--- per item. Entry ids are canonical '<ms>-<seq>', so comparing lengths, then text, orders them.
+-- per item. Entry ids are canonical '<ms>-<seq>': the dash's place orders the ms parts' lengths,
+-- and ids of the same shape order as text.
 local function less(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  if not am or not bm then error('finish_many: not a stream entry id: ' .. (am and b or a)) end
-  if #am ~= #bm then return #am < #bm end
-  if am ~= bm then return am < bm end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
+  local da, db = string.find(a, '-', 1, true), string.find(b, '-', 1, true)
+  if not da or not db then error('finish_many: not a stream entry id: ' .. (da and b or a)) end
+  if da ~= db then return da < db end
+  if #a == #b then return a < b end
+  local ma, mb = string.sub(a, 1, da), string.sub(b, 1, db)
+  if ma ~= mb then return ma < mb end
+  return #a < #b
 end
 local lo, hi
 for i = 1, n do
