@@ -336,35 +336,68 @@ def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     status = _STATUS_BY_FIELD.get(_field(fields, "status"))
     if status is None:
         raise ValidationError("status", f"unknown status {_field_str(fields, 'status')!r}")
-    try:
-        data = _RECORD_DECODER.decode(_data(fields))
-    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-        raise _from_msgspec(exc) from None
-    except msgspec.DecodeError as exc:
-        raise ValidationError("data", f"not valid msgpack ({exc})") from None
-    ids = data.output_token_ids
-    if len(data.finish_reasons) != len(ids):
+    data = _data(fields)
+    worker = _field_str(fields, "worker") or None
+    rec = _decode_with_plain_fields(data, status, worker)
+    if rec is None:  # the canonical path: the data map alone, then the record built from it
+        try:
+            wire = _RECORD_DECODER.decode(data)
+        except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+            raise _from_msgspec(exc) from None
+        except msgspec.DecodeError as exc:
+            raise ValidationError("data", f"not valid msgpack ({exc})") from None
+        rec = CompletionRecord(status=status, worker=worker, **{f.name: getattr(wire, f.name) for f in _RECORD_FIELDS})
+    ids = rec.output_token_ids
+    if len(rec.finish_reasons) != len(ids):
         raise ValidationError("finish_reasons", "must be a list with one entry per sample")
-    logprobs = data.output_logprobs
+    logprobs = rec.output_logprobs
     if logprobs is not None:
         if len(logprobs) != len(ids):
             raise ValidationError("output_logprobs", "must be a list with one entry per sample")
         for i, (lp, s) in enumerate(zip(logprobs, ids)):
             if len(lp) != len(s):
                 raise ValidationError(f"output_logprobs[{i}]", "must have the same length as its token ids")
-    versions = data.weight_versions
+    versions = rec.weight_versions
     if versions is not None:
         if len(versions) != len(ids):
             raise ValidationError("weight_versions", "must be a list with one entry per sample")
         for i, (vs, s) in enumerate(zip(versions, ids)):
             if vs is not None and len(vs) != len(s):
                 raise ValidationError(f"weight_versions[{i}]", "must have the same length as its token ids")
-    _check_extras(data)
-    return CompletionRecord(status=status, worker=_field_str(fields, "worker") or None,
-                            **{f.name: getattr(data, f.name) for f in _RECORD_FIELDS})
+    _check_extras(rec)
+    return rec
 
 
 _RECORD_FIELDS = msgspec.structs.fields(RecordData)
+_COMPLETION_DECODER = msgspec.msgpack.Decoder(CompletionRecord)
+_STATUS_PAIR = {s: _ENCODER.encode("status") + _ENCODER.encode(s.value) for s in RecordStatus}
+_WORKER_KEY = _ENCODER.encode("worker")
+
+
+def _decode_with_plain_fields(data: Any, status: RecordStatus, worker: str | None) -> CompletionRecord | None:
+    """The record in one decode: the data map's header counts two more pairs, the entry's plain
+    ``status`` and ``worker``, appended after its own (a later key wins, so a data map's own
+    ``status`` or ``worker`` key changes nothing). None when that does not decode (not a map,
+    trailing bytes, a bad value anywhere): then the canonical path decodes it and says why."""
+    data = bytes(data)
+    head = data[:1]
+    if not head:
+        return None
+    if 0x80 <= head[0] <= 0x8F:
+        count, body = head[0] & 0x0F, 1
+    elif head[0] == 0xDE:
+        count, body = int.from_bytes(data[1:3], "big"), 3
+    elif head[0] == 0xDF:
+        count, body = int.from_bytes(data[1:5], "big"), 5
+    else:
+        return None
+    count += 2
+    header = b"\xde" + count.to_bytes(2, "big") if count < 0x10000 else b"\xdf" + count.to_bytes(4, "big")
+    try:
+        return _COMPLETION_DECODER.decode(b"".join((header, memoryview(data)[body:], _STATUS_PAIR[status],
+                                                   _WORKER_KEY, _ENCODER.encode(worker))))
+    except msgspec.DecodeError:
+        return None
 
 
 def _check_extras(data: RecordData) -> None:

@@ -545,6 +545,23 @@ def test_record_data_not_msgpack_or_not_map():
     assert ei.value.field == "data"
 
 
+def test_record_status_and_worker_come_from_the_plain_fields_only():
+    # a data map's own status / worker keys (a foreign writer, a newer schema) change nothing
+    data = pack(valid_record_map(status="bogus", worker="impostor", **{f"extra_{i}": i for i in range(20)}))
+    assert data[0] == 0xDE  # a map16 header: more than 15 pairs
+    rec = decode_record({b"rid": b"r1", b"status": b"aborted", b"worker": b"w", b"data": data})
+    assert rec.status is RecordStatus.ABORTED and rec.worker == "w"
+    rec = decode_record({b"rid": b"r1", b"status": b"finished", b"data": pack(valid_record_map(worker="x"))})
+    assert rec.status is RecordStatus.FINISHED and rec.worker is None
+
+
+def test_record_data_with_trailing_bytes_is_refused():
+    for tail in (b"\xc0", pack("status") + pack("finished"), pack({"a": 1})):
+        with pytest.raises(ValidationError) as ei:
+            decode_record({b"rid": b"r", b"status": b"finished", b"data": pack(valid_record_map()) + tail})
+        assert ei.value.field == "data" and "msgpack" in ei.value.rule
+
+
 def test_record_accepts_nil_logprobs_and_nil_finish_reason():
     rec = decode_record({b"rid": b"r1", b"status": b"aborted", b"worker": b"w",
                          b"data": pack(valid_record_map(output_token_ids=[[]], finish_reasons=[None],
