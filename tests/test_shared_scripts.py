@@ -169,6 +169,30 @@ async def test_finish_refused_for_non_owner(r, settings):
     assert p is not None and p["consumer"] == b"c1"
 
 
+async def test_finish_of_a_batch_publishes_only_the_entries_this_consumer_owns(r, settings):
+    # One XPENDING over the batch's id range decides: entries of another consumer in between, an
+    # entry listed twice and ids that order differently as text (…-9 < …-10) are all handled.
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    seconds, _ = await r.time()
+    ms = seconds * 1000
+    owners = {}
+    for seq, consumer in [(9, "c1"), (10, "c2"), (11, "c1"), (100, "c1")]:
+        rid = f"r-{seq}"
+        entry = f"{ms}-{seq}"
+        await r.xadd(keys.requests, {"rid": rid, "reply_to": keys.results, "data": data_for(rid)}, id=entry)
+        await r.xreadgroup(G, consumer, {keys.requests: ">"}, count=1)
+        owners[entry] = (consumer, rid)
+    order = [f"{ms}-100", f"{ms}-10", f"{ms}-9", f"{ms}-11", f"{ms}-9"]
+    async with r.pipeline(transaction=False) as pipe:
+        scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1", items=[
+            (e, keys.results, keys.rid(owners[e][1]), record(owners[e][1], worker="c1"), 0) for e in order])
+        (reply,) = await pipe.execute()
+    assert [int(x) for x in reply] == [1, 0, 1, 1, 0]
+    assert sorted(f[b"rid"].decode() for _, f in await r.xrange(keys.results)) == ["r-100", "r-11", "r-9"]
+    assert [e.decode() for e, _ in await r.xrange(keys.requests)] == [f"{ms}-10"]  # c2's, untouched
+
+
 async def test_finish_refused_for_unknown_entry(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     await ensure_group(r, keys.requests, G)
@@ -436,3 +460,17 @@ async def test_claim_lanes_splits_a_run_once_it_waited_twice_the_steal_wait(r, n
                     group=WORKERS_GROUP, consumer="thief", budget=2, steal_after_ms=1000, steal_depth=16)
         # The rest of g1 (5) does not fit in 2 slots: left to its owner until it waited 2T.
         assert claimed(await scripts.claim_lanes(**args)) == expected, age_ms
+
+
+async def test_claim_lanes_costs_an_idle_lane_one_xlen(r, namespace):
+    # An idle fleet scans every other lane once per worker and steal wait: an empty lane must
+    # cost that scan a single cheap read.
+    keys = await lane_streams(r, namespace, lanes=16)
+    scripts = Scripts(r)
+    await r.config_resetstat()
+    assert await scripts.claim_lanes(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests,
+                                     others=[keys.lane(j) for j in range(1, 16)], group=WORKERS_GROUP,
+                                     consumer="w", budget=8, steal_after_ms=10) == []
+    stats = await r.info("commandstats")
+    assert stats["cmdstat_xlen"]["calls"] == 15
+    assert "cmdstat_xinfo|groups" not in stats and "cmdstat_xrange" not in stats

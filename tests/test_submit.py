@@ -1,0 +1,42 @@
+"""``redroll submit`` as a module: what reaches the output file, and what a refused submit does."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.shared.types import CompletionRecord
+from redroll.submit import submit_file
+from tests.conftest import running
+
+
+async def test_every_record_is_written_as_one_json_line(settings, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"request_id": f"j{i}", "input_ids": [i + 1, 2], "return_logprob": True,
+                                       "sampling_params": {"max_new_tokens": 3}}) + "\n" for i in range(300)))
+    async with running(Worker(settings, SyntheticEngine(), max_inflight=64)):
+        code = await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60)
+    assert code == 0
+    lines = out.read_bytes().splitlines()
+    assert len(lines) == 300
+    records = [msgspec.json.decode(line, type=CompletionRecord) for line in lines]  # the record, field for field
+    assert sorted(r.request_id for r in records) == sorted(f"j{i}" for i in range(300))
+    assert all(r.ok and len(r.output_token_ids[0]) == 3 == len(r.output_logprobs[0]) for r in records)
+
+
+async def test_a_request_refused_at_submit_is_reported_and_the_others_still_written(settings, tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"request_id": rid, "prompt": "x"}) + "\n" for rid in ("a", "held", "b")))
+    async with Producer(settings) as other:
+        # live for the whole test: the worker parks it until weights it does not have
+        await other.submit(request_id="held", prompt="y", min_weight_version=99)
+        async with running(Worker(settings, SyntheticEngine(), max_inflight=8)):
+            code = await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=30)
+    assert code == 3
+    assert sorted(json.loads(x)["request_id"] for x in out.read_text().splitlines()) == ["a", "b"]
+    err = capsys.readouterr().err
+    assert "held: not submitted" in err and "1 of 3 request(s) did not finish" in err
