@@ -212,21 +212,25 @@ class Producer:
         requests: Iterable[GenerationRequest | Mapping[str, Any]],
         *,
         callback: Callback | None = None,
+        validated: bool = False,
     ) -> list[asyncio.Future]:
         """Queue many requests in pipelined round trips; one future per request, in order.
 
         With ``max_inflight`` / ``max_staleness`` set this waits for room, chunk by chunk.
+        ``validated``: each request already passed :func:`~redroll.shared.codec.encode_request`
+        with this producer's limits (``redroll submit`` checks its whole file first), so it is
+        encoded without being decoded again; only its ``reply_to`` changes here.
         """
         items = list(requests)
         if self.max_inflight is None and self.max_staleness is None:
-            return await self._submit_chunk(items, callback)
+            return await self._submit_chunk(items, callback, validated)
         futures: list[asyncio.Future] = []
         step = self.max_inflight or len(items) or 1
         i = 0
         while i < len(items):
             room = await self._wait_for_room()
             chunk = items[i:i + min(step, room)]
-            futures += await self._submit_chunk(chunk, callback)
+            futures += await self._submit_chunk(chunk, callback, validated)
             i += len(chunk)
         return futures
 
@@ -252,12 +256,13 @@ class Producer:
         self.weight_version = int(version)
         asyncio.get_running_loop().create_task(self._notify_room())
 
-    async def _submit_chunk(self, requests: list, callback: Callback | None) -> list[asyncio.Future]:
+    async def _submit_chunk(self, requests: list, callback: Callback | None,
+                            validated: bool = False) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         for item in requests:
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
-            fields = encode_request(req, self.settings.limits)
+            fields = encode_request(req, self.settings.limits, check=not validated)
             prepared.append((req, fields, f"{self.name}:{secrets.token_hex(8)}"))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []

@@ -12,6 +12,8 @@ import msgspec
 from redroll.producer.client import Producer, make_request, send
 from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.connection import connect
+from redroll.shared.refusals import StreamRefusedError
+from redroll.shared.scripts import DuplicateRequestError
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 
@@ -107,8 +109,13 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
         try:
             pending = 0
             for i in range(0, len(requests), window):
-                for fut, req in zip(await producer.submit_many(requests[i:i + window], callback=on_record),
-                                    requests[i:i + window]):
+                chunk = requests[i:i + window]  # (validated whole by read_requests)
+                try:
+                    futures = await producer.submit_many(chunk, callback=on_record, validated=True)
+                except (DuplicateRequestError, StreamRefusedError) as exc:  # (a chunk of one raises it)
+                    futures = [asyncio.get_running_loop().create_future()]
+                    futures[0].set_exception(exc)
+                for fut, req in zip(futures, chunk):
                     if fut.done() and fut.exception() is not None:  # refused at submit: no record will come
                         print(f"{req.request_id}: not submitted: {fut.exception()}", file=sys.stderr)
                         failed += 1

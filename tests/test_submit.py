@@ -40,3 +40,14 @@ async def test_a_request_refused_at_submit_is_reported_and_the_others_still_writ
     assert sorted(json.loads(x)["request_id"] for x in out.read_text().splitlines()) == ["a", "b"]
     err = capsys.readouterr().err
     assert "held: not submitted" in err and "1 of 3 request(s) did not finish" in err
+
+
+async def test_a_file_of_one_refused_request_exits_3(settings, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"request_id": "held", "prompt": "x"}) + "\n")
+    async with Producer(settings) as other:
+        await other.submit(request_id="held", prompt="y")  # no worker: it stays live
+        code = await submit_file(settings, str(src), wait=True, out=str(tmp_path / "out.jsonl"), progress=False,
+                                 timeout=10)
+    assert code == 3 and (tmp_path / "out.jsonl").read_text() == ""
+    assert "held: not submitted" in capsys.readouterr().err
