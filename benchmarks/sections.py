@@ -41,6 +41,7 @@ class Config:
     fleet_idle_s: float = 20.0
     fleet_requests: int = 20_000
     fleet_runs: int = 3
+    submit_runs: int = 3
 
     @classmethod
     def make(cls, quick: bool) -> "Config":
@@ -49,7 +50,7 @@ class Config:
         return cls(quick=True, ceiling_requests=2_000, latency_requests=300, util_slots=8, util_token_ms=5.0,
                    util_tokens=8, util_rounds=6, large_records=12, memory_requests=3_000,
                    memory_dedup_window_s=1, peer_jobs=300, peer_runs=1, fleet_workers=8, fleet_processes=2,
-                   fleet_idle_s=3.0, fleet_requests=2_000, fleet_runs=1)
+                   fleet_idle_s=3.0, fleet_requests=2_000, fleet_runs=1, submit_runs=1)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:
@@ -109,11 +110,23 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
     res.details["raw_how"] = ("same bytes, same three processes: producer pipelined XADD (500 per round trip); "
                               "worker XREADGROUP COUNT 256 -> one pipeline of XADD(result) per entry + one XACK; "
                               "consumer XREADGROUP COUNT 256 -> XACK. No XDEL, no decoding, no Lua.")
-    sub = submit_wait(server, new_run_dir(base, "submit"), n)
-    res.details["submit_wait"] = sub
-    res.fig("submit_wait_rps", sub["rate"], "req/s", note="`redroll submit FILE --wait --out OUT`, process start to exit")
-    res.fig("submit_wait_vs_api", sub["rate"] / run.rate, "x", target=">= 0.8", check=lambda v: v >= 0.8,
-            note="/ redroll_rps of this run")
+    # The command line against the API: short runs on a shared machine move by 20% or more, so
+    # they alternate and the medians are compared (the API's first sample is the run above).
+    api, subs = [run.rate], []
+    for k in range(cfg.submit_runs):
+        subs.append(submit_wait(server, new_run_dir(base, f"submit-{k}"), n))
+        if k < cfg.submit_runs - 1:
+            again_dir = new_run_dir(base, f"ceiling-again-{k}")
+            api.append(pipeline_run(server, again_dir, count=n,
+                                    workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
+                                    producer=producer_argv(n, again_dir / "producer.json", chunk=500),
+                                    timeout=max(120, n / 50)).rate)
+    sub_rate, api_rate = statistics.median(x["rate"] for x in subs), statistics.median(api)
+    res.details["submit_wait"] = {"runs": subs, "api_rps_runs": [round(x, 1) for x in api]}
+    res.fig("submit_wait_rps", sub_rate, "req/s",
+            note=f"`redroll submit FILE --wait --out OUT`, process start to exit; median of {len(subs)}")
+    res.fig("submit_wait_vs_api", sub_rate / api_rate, "x", target=">= 0.8", check=lambda v: v >= 0.8,
+            note=f"medians, {len(subs)} submit runs alternated with {len(api)} API runs (redroll_rps)")
 
 
 def server_commands(server: Server, n: int) -> dict[str, dict[str, float]]:
