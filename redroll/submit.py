@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import uuid
 from typing import IO, Iterable
 
 import msgspec
 
-from redroll.producer.client import Producer, make_request, send
-from redroll.shared.codec import ValidationError, encode_request
+from redroll.producer.client import Producer, send
+from redroll.shared.codec import ValidationError, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError
@@ -44,13 +45,12 @@ def read_requests(lines: Iterable[str], settings: Settings, source: str = "input
         unknown = set(obj) - ACCEPTED_FIELDS
         if unknown:
             raise InputError(f"{source}:{n}: unknown field(s) {', '.join(sorted(unknown))}")
+        if not obj.get("request_id"):
+            obj["request_id"] = uuid.uuid4().hex  # (as make_request names a request without one)
         try:
-            req = make_request(**obj)
-            encode_request(req, settings.limits)
+            req = request_from_values(obj, settings.limits)
         except ValidationError as exc:
             raise InputError(f"{source}:{n}: {exc.reason}") from None
-        except TypeError as exc:
-            raise InputError(f"{source}:{n}: {exc}") from None
         if req.request_id in seen:
             raise InputError(f"{source}:{n}: request_id {req.request_id!r} appears twice")
         seen.add(req.request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -23,6 +24,7 @@ from redroll.shared.codec import (
     decode_sampling_params,
     encode_record,
     encode_request,
+    request_from_values,
     request_to_map,
 )
 from redroll.shared.types import SCHEMA_VERSION, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
@@ -730,3 +732,46 @@ def test_records_with_misshapen_extras_are_refused(change, field):
     with pytest.raises(ValidationError) as ei:
         decode_record({b"rid": b"r", b"status": b"finished", b"data": pack(data)})
     assert ei.value.field == field
+
+
+@_PROP
+@given(m=_request_like())
+def test_property_plain_values_are_refused_exactly_as_their_encoding(m):
+    # request_from_values (redroll submit's JSON lines) takes what decode_request takes from the
+    # same map's msgpack bytes, and refuses the rest naming the same field
+    # A producer stamps a missing (or nil) v and submitted_at when it encodes: so does the wire map.
+    stamped = {**m, "v": SCHEMA_VERSION if m.get("v") is None else m["v"],
+               "submitted_at": 1.0 if m.get("submitted_at") is None else m["submitted_at"]}
+    fields = {b"rid": b"r", b"data": pack(stamped)}
+    # (the payload limit holds for the bytes a producer writes, every field encoded, not for this
+    # sparse map's: compared apart below)
+    for limits in (DEFAULT_LIMITS, dataclasses.replace(_small_limits, max_payload_bytes=1 << 20)):
+        try:
+            want: GenerationRequest | ValidationError = decode_request(fields, limits)
+        except ValidationError as exc:
+            want = exc
+        try:
+            got: GenerationRequest | ValidationError = request_from_values(m, limits)
+        except ValidationError as exc:
+            got = exc
+        if isinstance(want, ValidationError):
+            assert isinstance(got, ValidationError) and got.field == want.field, (got, want)
+        else:
+            assert isinstance(got, GenerationRequest), got
+            got = msgspec.structs.replace(got, v=want.v, submitted_at=want.submitted_at)
+            assert pack(request_to_map(got)) == pack(request_to_map(want))
+
+
+def test_plain_values_over_the_payload_limit_are_refused_like_their_encoding():
+    limits = Limits(max_payload_bytes=400)
+    small, big = valid_map(meta_info={"x": "a"}), valid_map(meta_info={"x": "a" * 300})
+    for m in (small, big):
+        refused = []
+        for make in (lambda: request_from_values(m, limits),
+                     lambda: encode_request(msgspec.convert(m, GenerationRequest), limits)):
+            try:
+                make()
+                refused.append(None)
+            except ValidationError as exc:
+                refused.append(exc.field)
+        assert refused == ([None, None] if m is small else ["data", "data"])
