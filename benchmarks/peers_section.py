@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.harness import ROOT, BenchError, Procs, Server, new_run_dir, read_json, wait_for
 from benchmarks.results import SectionResult
-from benchmarks.runs import pipeline_run, producer_argv, redroll_worker_argv
+from benchmarks.runs import queue_run
 
 HERE = Path(__file__).resolve().parent
 
@@ -205,8 +205,7 @@ def peers(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
             rates[peer] = out["rate"]
         # redroll, same count, same shape of run
         run_dir = new_run_dir(base, f"peer-redroll-{k}")
-        run = pipeline_run(server, run_dir, count=n, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
-                           producer=producer_argv(n, run_dir / "producer.json", chunk=500), timeout=max(120, n / 50))
+        run = queue_run(server, run_dir, n)
         res.details["redroll"]["runs"].append({"rate": run.rate, "elapsed_s": round(run.elapsed, 3),
                                                "cpu_us_per_request": run.cpu_us_per_item()})
         rates["redroll"] = run.rate

@@ -13,7 +13,15 @@ from typing import Any, Callable
 
 from benchmarks.harness import BenchError, Procs, Server, new_run_dir, percentile, read_json, redroll_env, wait_for
 from benchmarks.results import SectionResult
-from benchmarks.runs import NAMESPACE, PY, bench_worker_argv, pipeline_run, producer_argv, redroll_worker_argv
+from benchmarks.runs import (
+    NAMESPACE,
+    PY,
+    bench_worker_argv,
+    pipeline_run,
+    producer_argv,
+    queue_run,
+    redroll_worker_argv,
+)
 
 MB = 1024 * 1024
 
@@ -66,10 +74,8 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
     n = cfg.ceiling_requests
     run_dir = new_run_dir(base, "ceiling")
     commands: dict[str, Any] = {}
-    run = pipeline_run(server, run_dir, count=n, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
-                       producer=producer_argv(n, run_dir / "producer.json", chunk=500), timeout=max(120, n / 50),
-                       on_ready=lambda: server.r.config_resetstat() and None,
-                       after_done=lambda _procs: commands.update(server_commands(server, n)))
+    run = queue_run(server, run_dir, n, on_ready=lambda: server.r.config_resetstat() and None,
+                    after_done=lambda _procs: commands.update(server_commands(server, n)))
     res.details["redroll"] = {
         "requests": n, "elapsed_s": round(run.elapsed, 3),
         "producer_submit_s": round(run.producer["t_last"] - run.producer["t_first"], 3),
@@ -116,11 +122,7 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
     for k in range(cfg.submit_runs):
         subs.append(submit_wait(server, new_run_dir(base, f"submit-{k}"), n))
         if k < cfg.submit_runs - 1:
-            again_dir = new_run_dir(base, f"ceiling-again-{k}")
-            api.append(pipeline_run(server, again_dir, count=n,
-                                    workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
-                                    producer=producer_argv(n, again_dir / "producer.json", chunk=500),
-                                    timeout=max(120, n / 50)).rate)
+            api.append(queue_run(server, new_run_dir(base, f"ceiling-again-{k}"), n).rate)
     sub_rate, api_rate = statistics.median(x["rate"] for x in subs), statistics.median(api)
     res.details["submit_wait"] = {"runs": subs, "api_rps_runs": [round(x, 1) for x in api]}
     res.fig("submit_wait_rps", sub_rate, "req/s",
