@@ -471,6 +471,9 @@ class Producer:
                 await asyncio.sleep(delay)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
+                # A read the server ran before the connection dropped left its entries pending here,
+                # with no reply to deliver them: page this reader's own pending entries again.
+                last_ids = {stream: "0" for stream in streams}
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -501,6 +504,8 @@ class Producer:
                 # Already applied here: skipped (ROLL's pop), but kept for result(fresh=True)
                 # (a requeued request's new record may arrive before that call).
                 self._recent[record.request_id] = record
+            elif entry_id is not None and self._unclaimed.get(record.request_id, (None,))[0] == entry_id:
+                return False  # the held entry itself, read again (a lost reply): pending until handed out
             elif record.request_id in self._unclaimed or entry_id is None:
                 pass  # a duplicate of a record not yet handed out, or a notice nobody waits for
             else:

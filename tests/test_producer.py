@@ -174,6 +174,33 @@ async def test_submit_survives_connection_drop_after_server_applied(settings, r,
         assert rec.request_id == "drop-1" and rec.status is RecordStatus.FINISHED
 
 
+async def test_records_read_when_the_connection_dropped_are_read_again(settings, r, monkeypatch):
+    # The server ran the reply read (the entries are now pending here) but its reply was lost, as
+    # when a primary fails over: the reader pages its own pending entries again and resolves them.
+    from redis.asyncio import Redis
+
+    original = Redis.xreadgroup
+    state = {"dropped": 0}
+
+    async def lossy_xreadgroup(self, groupname, consumername, streams, *a, **kw):
+        result = await original(self, groupname, consumername, streams, *a, **kw)
+        mine = groupname in (PRODUCER_GROUP, PRODUCER_GROUP.encode())
+        if mine and result and state["dropped"] == 0 and all(i == ">" for i in streams.values()):
+            state["dropped"] += 1
+            raise redis.ConnectionError("connection closed by server (simulated, after the read ran)")
+        return result
+
+    async with Producer(settings, name="lossy", block_ms=100) as p:
+        monkeypatch.setattr(Redis, "xreadgroup", lossy_xreadgroup)
+        futures = await p.submit_many([make_request(request_id=f"lost-{i}", prompt="x", sampling_params=SP)
+                                       for i in range(5)])
+        async with running_worker(settings):
+            records = await asyncio.wait_for(asyncio.gather(*futures), 15)
+        assert state["dropped"] == 1
+        assert sorted(x.request_id for x in records) == [f"lost-{i}" for i in range(5)]
+        await wait_until(lambda: _pending_is(r, "lossy", settings, 0), timeout=5)
+
+
 # ---------------------------------------------------------------- isolation and restart
 
 
