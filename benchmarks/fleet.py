@@ -106,11 +106,14 @@ def fleet(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--processes", type=int, default=8)
-    ap.add_argument("--idle-s", type=float, default=20.0)
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--runs", type=int, default=3, help="ceiling runs per fleet size")
+    from benchmarks.sections import Config
+
+    defaults = Config()  # (the bench section's own defaults: one place for both entry points)
+    ap.add_argument("--workers", type=int, default=defaults.fleet_workers)
+    ap.add_argument("--processes", type=int, default=defaults.fleet_processes)
+    ap.add_argument("--idle-s", type=float, default=defaults.fleet_idle_s)
+    ap.add_argument("--requests", type=int, default=defaults.fleet_requests)
+    ap.add_argument("--runs", type=int, default=defaults.fleet_runs, help="ceiling runs per fleet size")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
     from benchmarks.bench import main as bench_main
