@@ -139,8 +139,8 @@ class Producer:
         self._waiters: dict[str, _Waiter] = {}
         self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
         self._unclaimed_event = asyncio.Event()
-        self._recent: dict[str, CompletionRecord | None] = {}
-        """request_id → None once its record was applied; → a later record of the same id."""
+        self._recent: dict[str, tuple[tuple[str, str] | None, CompletionRecord | None]] = {}
+        """request_id → (the entry its record was applied from, a later record of the same id or None)."""
         self._readers: list[asyncio.Task] = []
         self._closed = False
         self._last_expire = 0.0
@@ -327,12 +327,13 @@ class Producer:
         if waiter is None and request_id in self._recent:
             if not fresh:
                 raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
-            later = self._recent.pop(request_id)
+            later = self._recent.pop(request_id)[1]
             if later is not None:
                 return later  # a newer record of this id arrived before this call
         if waiter is None:
             held = self._unclaimed.pop(request_id, None)
             if held is not None:
+                self._remember(request_id, held[0])
                 await self._ack([held[0]])
                 return held[1]
             waiter = _Waiter(asyncio.get_running_loop().create_future(), None)
@@ -350,6 +351,7 @@ class Producer:
             while self._unclaimed:
                 rid, (entry_id, rec) = next(iter(self._unclaimed.items()))
                 del self._unclaimed[rid]
+                self._remember(rid, entry_id)
                 await self._ack([entry_id])
                 yield rec
             self._unclaimed_event.clear()
@@ -441,9 +443,16 @@ class Producer:
         # First our own pending entries on each reply stream (a restart resumes them), then new ones.
         last_ids = {stream: "0" for stream in streams}
         delay = 0.1
+        recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
+        next_check = time.monotonic() + recheck_s
         while not self._closed:
             try:
                 paging = {s: i for s, i in last_ids.items() if i != ">"}
+                if not paging and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + recheck_s
+                    if await self._lost_reads(streams):
+                        last_ids = {stream: "0" for stream in streams}
+                        continue
                 if paging:
                     stream, last_id = next(iter(paging.items()))
                     resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id},
@@ -477,6 +486,21 @@ class Producer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    async def _lost_reads(self, streams: list[str]) -> bool:
+        """True when this reader has entries pending that it neither holds for :meth:`unclaimed`
+        nor knows about: a read the server ran whose reply never came back. The client retries a
+        read on a dropped connection by itself (the cluster client after a failover too), so the
+        retried read (``>``) finds nothing new and no error tells the loop to page them again."""
+        for stream in streams:
+            summary = await self.redis.xpending(stream, PRODUCER_GROUP)
+            mine = sum(c["pending"] for c in summary.get("consumers") or () if text(c["name"]) == self.name)
+            held = sum(1 for (held_stream, _id), _rec in self._unclaimed.values() if held_stream == stream)
+            if mine > held:
+                log.warning("reply reader: %d record(s) on %s were read without a reply; reading them again",
+                            mine - held, stream)
+                return True
+        return False
+
     async def _deliver(self, entries: list) -> None:
         done: list[tuple[str, str]] = []
         for stream, (raw_id, fields) in entries:
@@ -501,9 +525,12 @@ class Producer:
         waiter = self._waiters.pop(record.request_id, None)
         if waiter is None:
             if record.request_id in self._recent:
-                # Already applied here: skipped (ROLL's pop), but kept for result(fresh=True)
-                # (a requeued request's new record may arrive before that call).
-                self._recent[record.request_id] = record
+                # Already applied here: skipped (ROLL's pop). A record from another entry is kept
+                # for result(fresh=True) (a requeued request's new record may arrive before that
+                # call); the applied entry itself, read again after a lost ack, is not.
+                applied_from = self._recent[record.request_id][0]
+                if entry_id is None or entry_id != applied_from:
+                    self._recent[record.request_id] = (applied_from, record)
             elif entry_id is not None and self._unclaimed.get(record.request_id, (None,))[0] == entry_id:
                 return False  # the held entry itself, read again (a lost reply): pending until handed out
             elif record.request_id in self._unclaimed or entry_id is None:
@@ -522,7 +549,7 @@ class Producer:
                 log.exception("callback for request %s raised", record.request_id)
         if not waiter.future.done():
             waiter.future.set_result(record)
-        self._remember(record.request_id)
+        self._remember(record.request_id, entry_id)
         if record.status is not RecordStatus.FINISHED:
             self.admitted -= 1  # no sample came of it: give its staleness capacity back
         return True
@@ -535,9 +562,10 @@ class Producer:
             await self._resolve(record)
             await self._notify_room()
 
-    def _remember(self, request_id: str) -> None:
-        """Remember applied request_ids for a while so a duplicate record is skipped, not re-applied."""
-        self._recent[request_id] = None
+    def _remember(self, request_id: str, entry_id: tuple[str, str] | None) -> None:
+        """Remember applied request_ids (and the entry each came from) for a while, so a duplicate
+        record is skipped, not re-applied."""
+        self._recent[request_id] = (entry_id, None)
         if len(self._recent) > self.RECENT_LIMIT:
             self._recent.pop(next(iter(self._recent)))
 
@@ -561,7 +589,7 @@ class Producer:
                                                  letter=letter)
         if outcome.refused is not None:
             log.error("undecodable record %s on %s: the dead stream refused its letter (%s); it stays pending "
-                      "here until this producer restarts", entry_id, stream, outcome.refused)
+                      "here and is tried again", entry_id, stream, outcome.refused)
         else:
             log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
 

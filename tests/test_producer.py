@@ -201,6 +201,52 @@ async def test_records_read_when_the_connection_dropped_are_read_again(settings,
         await wait_until(lambda: _pending_is(r, "lossy", settings, 0), timeout=5)
 
 
+async def test_records_read_without_a_reply_and_retried_silently_are_read_again(settings, r, monkeypatch):
+    # As above, but the client retries the read by itself (redis-py does on a dropped connection,
+    # its cluster client after a failover): the retried read finds nothing new and no error
+    # reaches the reader. Its check of its own pending entries finds them and reads them again.
+    from redis.asyncio import Redis
+
+    original = Redis.xreadgroup
+    state = {"swallowed": 0}
+
+    async def retried_xreadgroup(self, groupname, consumername, streams, *a, **kw):
+        result = await original(self, groupname, consumername, streams, *a, **kw)
+        mine = groupname in (PRODUCER_GROUP, PRODUCER_GROUP.encode())
+        if mine and result and state["swallowed"] == 0 and all(i == ">" for i in streams.values()):
+            state["swallowed"] += 1
+            return await original(self, groupname, consumername, streams, *a, **kw)  # the silent retry
+        return result
+
+    async with Producer(settings, name="retried", block_ms=100) as p:
+        monkeypatch.setattr(Redis, "xreadgroup", retried_xreadgroup)
+        futures = await p.submit_many([make_request(request_id=f"retried-{i}", prompt="x", sampling_params=SP)
+                                       for i in range(5)])
+        async with running_worker(settings):
+            records = await asyncio.wait_for(asyncio.gather(*futures), 15)
+        assert state["swallowed"] == 1
+        assert sorted(x.request_id for x in records) == [f"retried-{i}" for i in range(5)]
+        await wait_until(lambda: _pending_is(r, "retried", settings, 0), timeout=5)
+
+
+async def test_a_held_record_handed_out_and_read_again_is_not_a_later_record(settings, r):
+    # unclaimed() hands a held record out; the same entry read again (its ack lost) is skipped,
+    # and result() knows the record was delivered instead of waiting for it or handing it out twice.
+    async with Producer(settings, name="restarted", block_ms=100) as a:
+        await a.submit(make_request(request_id="held-1", prompt="x", sampling_params=SP))
+    async with running_worker(settings):
+        await wait_until(lambda: _xlen_is(r, settings.keys.reply("restarted"), 1), timeout=10)
+    async with Producer(settings, name="restarted", block_ms=100) as b:
+        rec = await asyncio.wait_for(anext(aiter(b.unclaimed())), 10)
+        assert rec.request_id == "held-1"
+        entry_id = b._recent["held-1"][0]
+        assert entry_id is not None
+        assert await b._resolve(rec, entry_id)  # the same entry delivered again: skipped, acked
+        assert b._recent["held-1"][1] is None and not b._unclaimed
+        with pytest.raises(LookupError):
+            await b.result("held-1")
+
+
 # ---------------------------------------------------------------- isolation and restart
 
 
