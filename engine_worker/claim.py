@@ -88,7 +88,8 @@ class Claimer:
 
         ``XPENDING … IDLE`` first shows what is idle, its owner and delivery count, so the worker
         picks what to take with ``XCLAIM`` (min-idle checked, so two workers never both take one):
-        entries with a recorded error or hand-back are taken in bulk; entries that were in flight
+        entries with a recorded error or hand-back, and its own entries that it never saw (a claim
+        read whose reply was lost), are taken in bulk; entries that were in flight
         on a worker that died ("suspects": one of them may be what killed it) are taken one at a
         time and run with nothing else in flight. A request that kills every worker it runs on thus
         takes down no innocent neighbour, and only its own delivery count climbs until it is
@@ -130,7 +131,10 @@ class Claimer:
             notes = await ctx.redis.hmget(ctx.keys.errors, [ctx.flight_key(stream, i) for i in ids])
             for p, entry_id, note in zip(idle, ids, notes):
                 deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
-                if note is not None or deliveries > ctx.settings.max_deliveries:
+                # An entry of this worker's own that it does not know of never ran: a claim read
+                # whose reply was lost (and retried by the client). It is no suspect.
+                never_ran = text(p["consumer"]) == ctx.name
+                if note is not None or never_ran or deliveries > ctx.settings.max_deliveries:
                     if len(bulk) < flights.max_inflight - flights.occupied:
                         bulk.append((stream, entry_id, deliveries))
                 else:

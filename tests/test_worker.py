@@ -200,3 +200,34 @@ async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r)
     await second_task
     collected = [f[b"rid"] for _, f in await r.xrange(settings.keys.results)]
     assert sorted(collected) == [b"late-0", b"late-1", b"late-2"]
+
+
+async def test_entries_read_without_a_reply_are_reclaimed_in_bulk(settings, r, monkeypatch, caplog):
+    """A claim read the server ran but whose reply was lost, then retried by the client itself (as
+    redis-py does on a dropped connection): the entries sit in this worker's pending list unknown
+    to it. Its reclaim pass takes them back after claim_idle, all at once (they never ran, so they
+    are no suspects to run alone), and runs them."""
+    from redis.asyncio import Redis
+
+    original = Redis.xreadgroup
+    state = {"swallowed": 0}
+
+    async def retried_xreadgroup(self, groupname, consumername, streams, *a, **kw):
+        result = await original(self, groupname, consumername, streams, *a, **kw)
+        mine = groupname in (WORKERS_GROUP, WORKERS_GROUP.encode())
+        if mine and result and state["swallowed"] == 0:
+            state["swallowed"] += 1
+            return await original(self, groupname, consumername, streams, *a, **kw)  # the silent retry
+        return result
+
+    monkeypatch.setattr(Redis, "xreadgroup", retried_xreadgroup)
+    await send(settings, r, [make_request(request_id=f"unseen-{i}", prompt="x") for i in range(4)])
+    worker, task = await start_worker(settings, max_inflight=8, block_ms=200)
+    try:
+        await wait_until(lambda: worker.stats.published == 4, timeout=15)
+    finally:
+        await stop(worker, task)
+    assert state["swallowed"] == 1 and worker.stats.reclaimed == 4
+    assert "running it alone" not in caplog.text
+    collected = [f[b"rid"] for _, f in await r.xrange(settings.keys.results)]
+    assert sorted(collected) == [f"unseen-{i}".encode() for i in range(4)]
