@@ -289,8 +289,8 @@ async def test_resharding_and_failover_under_traffic(cluster, cluster_settings, 
             try:
                 records = await asyncio.wait_for(asyncio.shield(asyncio.gather(*futures)), 60)
             except asyncio.TimeoutError:
-                await _explain_missing(rc, s, p, futures, workers)
-                raise
+                missing = await _explain_missing(rc, s, p, futures, workers)
+                raise AssertionError(missing) from None
             await wait_until(lambda: len(applied) >= len(sent), timeout=60)
         await asyncio.sleep(0.5)
     assert all(rec.status is RecordStatus.FINISHED for rec in records)
@@ -300,10 +300,12 @@ async def test_resharding_and_failover_under_traffic(cluster, cluster_settings, 
     assert status["dead_letters"] == 0
 
 
-async def _explain_missing(rc, s: Settings, producer, futures, workers) -> None:
-    """Print where the requests whose records never came are (for a failure report)."""
+async def _explain_missing(rc, s: Settings, producer, futures, workers) -> str:
+    """Print where the requests whose records never came are (for a failure report); a one-line
+    summary is returned for the assertion (the printed part may be cut from a long report)."""
     missing = [f for f in futures if not f.done()]
-    print(f"{len(missing)} of {len(futures)} records missing; waiters: {list(producer._waiters)[:10]}")
+    summary = f"{len(missing)} of {len(futures)} records missing; waiters: {list(producer._waiters)[:10]}"
+    print(summary)
     for part in s.partition_keys:
         node = rc.get_node_from_key(part.requests).port
         pend = await rc.xpending(part.requests, WORKERS_GROUP)
@@ -316,6 +318,7 @@ async def _explain_missing(rc, s: Settings, producer, futures, workers) -> None:
     print("producer readers", [(t.get_name(), t.done()) for t in producer._readers])
     for t in asyncio.all_tasks():
         print("task", t.get_name(), t.get_stack(limit=2)[-1:] if not t.done() else "done")
+    return summary
 
 
 def _cli(s: Settings, *args: str, input: str | None = None) -> subprocess.CompletedProcess:
