@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Any
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
@@ -88,8 +89,8 @@ class Claimer:
 
         ``XPENDING … IDLE`` first shows what is idle, its owner and delivery count, so the worker
         picks what to take with ``XCLAIM`` (min-idle checked, so two workers never both take one):
-        entries with a recorded error or hand-back, and its own entries that it never saw (a claim
-        read whose reply was lost), are taken in bulk; entries that were in flight
+        entries with a recorded error or hand-back, and entries delivered to this run of the worker
+        that it never saw (a claim read whose reply was lost), are taken in bulk; entries that were in flight
         on a worker that died ("suspects": one of them may be what killed it) are taken one at a
         time and run with nothing else in flight. A request that kills every worker it runs on thus
         takes down no innocent neighbour, and only its own delivery count climbs until it is
@@ -129,11 +130,16 @@ class Claimer:
                 continue
             ids = [text(p["message_id"]) for p in idle]
             notes = await ctx.redis.hmget(ctx.keys.errors, [ctx.flight_key(stream, i) for i in ids])
+            now = time.monotonic()
             for p, entry_id, note in zip(idle, ids, notes):
                 deliveries = int(p["times_delivered"]) + 1  # what it will be once claimed
-                # An entry of this worker's own that it does not know of never ran: a claim read
-                # whose reply was lost (and retried by the client). It is no suspect.
-                never_ran = text(p["consumer"]) == ctx.name
+                # An entry delivered to this run of the worker that it does not know of never ran:
+                # a claim read whose reply was lost (and retried by the client). It is no suspect.
+                # (One delivered to its name before this run began was a previous run's: a restart
+                # with the same name after a crash, which that entry may have caused. The margin
+                # covers the idle time's millisecond steps; this run claims nothing that early.)
+                delivered_at = now - int(p["time_since_delivered"]) / 1000.0
+                never_ran = text(p["consumer"]) == ctx.name and delivered_at >= ctx.started_at + 0.1
                 if note is not None or never_ran or deliveries > ctx.settings.max_deliveries:
                     if len(bulk) < flights.max_inflight - flights.occupied:
                         bulk.append((stream, entry_id, deliveries))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,9 @@ class WorkerContext:
     block_ms: int
     metrics: Any = None
     """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
+    started_at: float = field(default_factory=time.monotonic)
+    """When this run of the worker began (``time.monotonic``): entries delivered to its name before
+    were a previous run's (a restart with the same ``--name``)."""
 
     def __post_init__(self) -> None:
         self.keys: Keys = self.settings.keys
