@@ -14,7 +14,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
 from .codec import encode_record
-from .connection import is_cluster
+from .connection import is_cluster, large_argument
 from .refusals import StreamRefusedError
 from .types import CompletionRecord
 
@@ -178,7 +178,7 @@ class Scripts:
         args: list[Any] = [rid_ttl_s]
         for rid_key, token, request_id, reply_to, data, *rest in items:
             keys.append(rid_key)
-            args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", data]
+            args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
         return _run(self._submit_many, keys, args, client, checked=checked)
 
     # -- finish
@@ -210,7 +210,7 @@ class Scripts:
             partial_key = rest[0] if rest else None
             f = encode_record(record)
             keys += [reply_key, rid_key, partial_key or rid_key]
-            args += [entry_id, f["rid"], f["status"], f["data"], cap, "1" if partial_key else "0"]
+            args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
         return _run(self._finish_many, keys, args, client, checked=checked)
 
     async def load_all(self) -> None:
@@ -246,7 +246,8 @@ class Scripts:
         consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
         or (2, the error that refused the write: nothing written)."""
         code, detail = await _run(self._checkpoint, [requests_key, partial_key],
-                                  [group, consumer, entry_id, saved, adding, part, ttl_s], self.redis)
+                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s],
+                                  self.redis)
         return int(code), (detail if isinstance(detail, int) else _s(detail))
 
     # -- dead letter

@@ -159,6 +159,28 @@ async def test_finish_in_pipeline(r, settings):
     assert [e[0].decode() for e in await r.xrange(keys.requests)] == [ids[1]]
 
 
+async def test_large_requests_and_records_arrive_whole(r, settings):
+    # Large data goes out as its own buffer (redis-py's packer, not hiredis): the same bytes arrive.
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    big_request = msgpack.packb({"v": 1, "request_id": "big", "input_ids": list(range(40_000)), "submitted_at": 1.0},
+                                use_bin_type=True)
+    assert len(big_request) > 64 * 1024
+    submitted = await scripts.submit(keys.requests, keys.rid("big"), "t1", "big", keys.results, big_request, 60)
+    resp = await r.xreadgroup(G, "c1", {keys.requests: ">"}, count=1)
+    entry, fields = resp[0][1][0]
+    assert entry.decode() == submitted.entry_id and fields[b"data"] == big_request
+    rec = CompletionRecord(request_id="big", status=RecordStatus.FINISHED, output_token_ids=[list(range(30_000))] * 2,
+                           finish_reasons=["length"] * 2, output_logprobs=[[-0.5] * 30_000] * 2, meta_info={},
+                           worker="c1")
+    async with r.pipeline(transaction=False) as pipe:
+        scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1", checked=True,
+                               items=[(entry.decode(), keys.results, keys.rid("big"), rec, 0)])
+        assert await pipe.execute() == [[1]]
+    (_, published), = await r.xrange(keys.results)
+    assert decode_record(published) == rec
+
+
 async def test_finish_refused_for_non_owner(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")
