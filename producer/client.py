@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
 
@@ -491,13 +492,13 @@ class Producer:
         nor knows about: a read the server ran whose reply never came back. The client retries a
         read on a dropped connection by itself (the cluster client after a failover too), so the
         retried read (``>``) finds nothing new and no error tells the loop to page them again."""
+        held = Counter(held_stream for (held_stream, _id), _rec in self._unclaimed.values())
         for stream in streams:
             summary = await self.redis.xpending(stream, PRODUCER_GROUP)
             mine = sum(c["pending"] for c in summary.get("consumers") or () if text(c["name"]) == self.name)
-            held = sum(1 for (held_stream, _id), _rec in self._unclaimed.values() if held_stream == stream)
-            if mine > held:
+            if mine > held[stream]:
                 log.warning("reply reader: %d record(s) on %s were read without a reply; reading them again",
-                            mine - held, stream)
+                            mine - held[stream], stream)
                 return True
         return False
 
