@@ -137,7 +137,8 @@ class Claimer:
                 # a claim read whose reply was lost (and retried by the client). It is no suspect.
                 # (One delivered to its name before this run began was a previous run's: a restart
                 # with the same name after a crash, which that entry may have caused. The margin
-                # covers the idle time's millisecond steps; this run claims nothing that early.)
+                # covers the idle time's millisecond steps: an entry this run lost in its first
+                # 0.1 s is taken as a suspect, which is only slower.)
                 delivered_at = now - int(p["time_since_delivered"]) / 1000.0
                 never_ran = text(p["consumer"]) == ctx.name and delivered_at >= ctx.started_at + 0.1
                 if note is not None or never_ran or deliveries > ctx.settings.max_deliveries:
