@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -221,8 +222,6 @@ def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, c
     if req.v == 0:
         req.v = SCHEMA_VERSION
     if req.submitted_at is None:
-        import time
-
         req.submitted_at = time.time()
     data = _ENCODER.encode(req)
     if check:
@@ -269,8 +268,6 @@ def request_from_values(values: dict[str, Any], limits: Limits = DEFAULT_LIMITS)
     would refuse its encoding: nil values mean the default, as on the wire; the same schema,
     bounds and cross-field rules; the payload limit on the bytes the producer will write. One
     conversion in C, where :func:`encode_request` on a hand-built request encodes and decodes it."""
-    import time
-
     stripped, _dropped = _without_nils(values)
     v, rid = stripped.get("v"), stripped.get("request_id")
     if type(v) is int and v > SCHEMA_VERSION:  # (first, whatever else is wrong: as a worker decodes)
