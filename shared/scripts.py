@@ -200,7 +200,8 @@ class Scripts:
                        items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
         """Fenced finish of many entries of one stream in one script call.
 
-        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None). Result:
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None), the record
+        a :class:`CompletionRecord` or its stream fields from ``encode_record``. Result:
         per item 1 (published), 0 (fenced) or the error its reply stream answered (see :func:`refusal`).
         A resumable request's checkpoint (when it names this entry) is deleted with the finish.
         """
@@ -208,7 +209,7 @@ class Scripts:
         args: list[Any] = [group, consumer, worker]
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
-            f = encode_record(record)
+            f = encode_record(record) if isinstance(record, CompletionRecord) else record
             keys += [reply_key, rid_key, partial_key or rid_key]
             args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
         return _run(self._finish_many, keys, args, client, checked=checked)

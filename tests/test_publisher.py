@@ -1,0 +1,108 @@
+"""The worker's publisher against a real redis-server: concurrent finishes share a round trip, a
+round trip's records are split into script calls of bounded size, and each caller gets its own
+entry's outcome back whichever call carried it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from redroll.engine_worker.publisher import Publisher
+from redroll.shared.codec import decode_record, encode_record
+from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.scripts import Scripts
+from redroll.shared.streams import ensure_group
+from redroll.shared.types import CompletionRecord, RecordStatus
+
+G = WORKERS_GROUP
+
+
+def record(rid: str, tokens: int) -> CompletionRecord:
+    return CompletionRecord(request_id=rid, status=RecordStatus.FINISHED, output_token_ids=[list(range(tokens))],
+                            finish_reasons=["length"], output_logprobs=[[-0.5] * tokens], meta_info={},
+                            worker="w1")
+
+
+async def claimed(r, keys, rids: list[str], consumer: str) -> list[str]:
+    await ensure_group(r, keys.requests, G)
+    for rid in rids:
+        data = msgpack.packb({"v": 1, "request_id": rid, "prompt": "hi", "submitted_at": 1.0}, use_bin_type=True)
+        await r.xadd(keys.requests, {"rid": rid, "data": data})
+    resp = await r.xreadgroup(G, consumer, {keys.requests: ">"}, count=len(rids))
+    return [e[0].decode() for e in resp[0][1]]
+
+
+class CountingScripts(Scripts):
+    """Scripts that note how many records each ``finish_many`` call carried (loaded first, so that
+    no call is sent twice after a NOSCRIPT reply)."""
+
+    def __init__(self, redis):
+        super().__init__(redis)
+        self.calls: list[int] = []
+
+    def finish_many_in(self, client, **kwargs):
+        self.calls.append(len(kwargs["items"]))
+        return super().finish_many_in(client, **kwargs)
+
+
+async def test_finishes_of_one_round_trip_are_split_into_calls_of_bounded_size(r, settings):
+    keys = settings.keys
+    records = [record(f"big-{i}", 3_000) for i in range(5)]
+    size = len(encode_record(records[0])["data"])
+    entries = await claimed(r, keys, [rec.request_id for rec in records], "w1")
+    scripts = CountingScripts(r)
+    await scripts.load_all()
+    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=2 * size + size // 2)
+    try:
+        published = await asyncio.gather(*(
+            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
+                             record=rec, cap=0) for e, rec in zip(entries, records)))
+    finally:
+        await publisher.close()
+    assert published == [True] * 5
+    assert publisher.flushes == 1 and scripts.calls == [2, 2, 1]  # one round trip, three calls
+    stored = [decode_record(f) for _, f in await r.xrange(keys.results)]
+    assert [s.request_id for s in stored] == [rec.request_id for rec in records]
+    assert stored[4].output_token_ids == records[4].output_token_ids
+    assert await r.xlen(keys.requests) == 0  # each call acked and deleted its own entries
+
+
+async def test_each_caller_gets_its_own_outcome_whichever_call_carried_it(r, settings):
+    # Entries 1 and 3 belong to another worker: their finishes are fenced (False), in whichever
+    # call they went; the others publish.
+    keys = settings.keys
+    records = [record(f"mix-{i}", 2_000) for i in range(4)]
+    size = len(encode_record(records[0])["data"])
+    mine = await claimed(r, keys, ["mix-0", "mix-2"], "w1")
+    theirs = await claimed(r, keys, ["mix-1", "mix-3"], "w2")
+    entries = [mine[0], theirs[0], mine[1], theirs[1]]
+    scripts = CountingScripts(r)
+    await scripts.load_all()
+    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=size)  # one record a call
+    try:
+        published = await asyncio.gather(*(
+            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
+                             record=rec, cap=0) for e, rec in zip(entries, records)))
+    finally:
+        await publisher.close()
+    assert published == [True, False, True, False]
+    assert scripts.calls == [1, 1, 1, 1]
+    assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"mix-0", b"mix-2"]
+
+
+async def test_small_finishes_share_one_call(r, settings):
+    keys = settings.keys
+    records = [record(f"small-{i}", 4) for i in range(20)]
+    entries = await claimed(r, keys, [rec.request_id for rec in records], "w1")
+    scripts = CountingScripts(r)
+    await scripts.load_all()
+    publisher = Publisher(r, scripts, consumer="w1", worker="w1")
+    try:
+        published = await asyncio.gather(*(
+            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
+                             record=rec, cap=0) for e, rec in zip(entries, records)))
+    finally:
+        await publisher.close()
+    assert published == [True] * 20
+    assert scripts.calls == [20]
