@@ -30,12 +30,25 @@ from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
 from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.settings import Settings
-from redroll.shared.streams import ensure_group, run_resilient, text, unique_consumer_name
+from redroll.shared.streams import (
+    READ_BYTES,
+    data_size,
+    ensure_group,
+    read_count,
+    run_resilient,
+    text,
+    unique_consumer_name,
+)
 from redroll.shared.types import CompletionRecord
 
 from .handlers import Handler, HandlerRegistry
 
 log = logging.getLogger("redroll.consumer")
+
+APPLY_BYTES = READ_BYTES
+"""Record data per read (see ``shared.streams.read_count``) and per applied chunk of a batch (at
+least one record): a batch is decoded, applied and acked a chunk at a time, so that a batch of
+large records is never all decoded and alive at once."""
 
 
 @dataclass
@@ -73,6 +86,7 @@ class ConsumerRunner:
         block_ms: int = 1000,
         trim_interval_s: float = 5.0,
         reclaim_interval_s: float | None = None,
+        apply_bytes: int = APPLY_BYTES,
     ):
         self.settings = settings
         self.keys: Keys = settings.keys
@@ -85,6 +99,9 @@ class ConsumerRunner:
         self.registry = HandlerRegistry(handlers, default_handler)
         self.name = name or unique_consumer_name(f"consumer-{group}")
         self.batch = batch
+        self.apply_bytes = apply_bytes
+        self._count = batch
+        """Entries the next read asks for: ``batch``, fewer after large records (``read_count``)."""
         self.block_ms = block_ms
         self.trim_interval_s = trim_interval_s
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
@@ -150,10 +167,11 @@ class ConsumerRunner:
     async def _read_loop(self, streams: list[str]) -> None:
         wanted = {s: ">" for s in streams}
         while not self._stopping.is_set():
-            resp = await self.redis.xreadgroup(self.group, self.name, wanted, count=self.batch, block=self.block_ms)
+            resp = await self.redis.xreadgroup(self.group, self.name, wanted, count=self._count, block=self.block_ms)
             for stream, entries in resp or []:
                 items = [_Item(text(i), f or {}, 1) for i, f in entries]
                 if items:
+                    self._count = read_count(entries, self.batch, self.apply_bytes)
                     await self.process(items, text(stream))
 
     async def _reclaim_loop(self) -> None:
@@ -167,11 +185,12 @@ class ConsumerRunner:
     async def _reclaim(self, stream: str) -> None:
         next_cursor, entries, *_ = await self.redis.xautoclaim(
             stream, self.group, self.name, self.settings.claim_idle_ms,
-            start_id=self._cursors[stream], count=self.batch)
+            start_id=self._cursors[stream], count=self._count)
         self._cursors[stream] = text(next_cursor)
         entries = [(text(i), f) for i, f in entries if f]
         if not entries:
             return
+        self._count = read_count(entries, self.batch, self.apply_bytes)
         async with self.redis.pipeline(transaction=False) as pipe:
             for i, _ in entries:
                 pipe.xpending_range(stream, self.group, min=i, max=i, count=1)
@@ -189,9 +208,31 @@ class ConsumerRunner:
     # ------------------------------------------------------------------ one batch
 
     async def process(self, items: list[_Item], stream: str | None = None) -> None:
-        """Apply one batch of ``stream`` (default: the first stream): dead-letter what cannot be
-        applied, skip duplicates, ack what succeeded."""
+        """Apply one batch of ``stream`` (default: the first stream), in chunks of at most
+        ``apply_bytes`` of record data: each chunk's records are decoded, applied, acked and let go
+        before the next chunk is decoded, so a batch of large records is never all alive at once."""
         stream = stream or self.stream
+        chunk: list[_Item] = []
+        size = 0
+        for item in items:
+            n = data_size(item.fields)
+            if chunk and size + n > self.apply_bytes:
+                await self._process_chunk(chunk, stream)
+                chunk, size = [], 0
+            chunk.append(item)
+            size += n
+        if chunk:
+            await self._process_chunk(chunk, stream)
+
+    async def _process_chunk(self, items: list[_Item], stream: str) -> None:
+        try:
+            await self._apply_chunk(items, stream)
+        finally:
+            for item in items:
+                item.record = None  # (the decoded records are the bulk of a batch's memory)
+
+    async def _apply_chunk(self, items: list[_Item], stream: str) -> None:
+        """Dead-letter what cannot be applied, skip duplicates, ack what succeeded."""
         part = self._part_of[stream]
         runnable: list[_Item] = []
         for item in items:

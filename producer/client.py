@@ -36,7 +36,7 @@ from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
-from redroll.shared.streams import ensure_group, is_unblocked, text, unique_consumer_name
+from redroll.shared.streams import ensure_group, is_unblocked, read_count, text, unique_consumer_name
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 from . import dead_notices
@@ -446,6 +446,7 @@ class Producer:
         delay = 0.1
         recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
         next_check = time.monotonic() + recheck_s
+        count = self.read_count  # (fewer after large records: see read_count)
         while not self._closed:
             try:
                 paging = {s: i for s, i in last_ids.items() if i != ">"}
@@ -456,15 +457,16 @@ class Producer:
                         continue
                 if paging:
                     stream, last_id = next(iter(paging.items()))
-                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id},
-                                                       count=self.read_count)
+                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
                     entries = [e for _s, es in (resp or []) for e in es]
-                    last_ids[stream] = ">" if len(entries) < self.read_count else text(entries[-1][0])
+                    last_ids[stream] = ">" if len(entries) < count else text(entries[-1][0])
                     batch = [(stream, e) for e in entries]
                 else:
-                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, last_ids, count=self.read_count,
+                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, last_ids, count=count,
                                                        block=self.block_ms)
                     batch = [(text(s), e) for s, es in (resp or []) for e in es]
+                if batch:
+                    count = read_count([e for _s, e in batch], self.read_count)
                 await self._deliver(batch)
                 await self._refresh_ttl()
                 delay = 0.1

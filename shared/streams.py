@@ -34,6 +34,27 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+READ_BYTES = 1 << 20
+"""Record data a reader asks for in one read of a results or reply stream (see :func:`read_count`)."""
+
+
+def data_size(fields: Any) -> int:
+    """The bytes of an entry's ``data`` field (0 when it has none)."""
+    data = fields.get(b"data", fields.get("data")) if fields else None
+    return len(data) if isinstance(data, (bytes, bytearray, str)) else 0
+
+
+def read_count(entries: list, most: int, budget: int = READ_BYTES) -> int:
+    """How many entries the next read asks for after ``entries`` ((id, fields) pairs): ``most``, or
+    as many of the size just read as make up ``budget`` bytes (at least one). Redis builds a read's
+    whole reply before it serves anyone else, so a read of a hundred large records (n × thousands of
+    tokens with logprobs: hundreds of kB each) would hold it for tens of milliseconds."""
+    if not entries:
+        return most
+    size = sum(data_size(fields) for _id, fields in entries) / len(entries)
+    return max(1, min(most, int(budget // size))) if size else most
+
+
 def id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)

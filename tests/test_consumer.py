@@ -11,7 +11,9 @@ import sys
 import time
 from collections import Counter
 
-from redroll.consumer.runner import ConsumerRunner
+import pytest
+
+from redroll.consumer.runner import APPLY_BYTES, ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import make_request, send
@@ -207,18 +209,65 @@ async def test_duplicate_record_applied_once_per_group(settings, r):
     assert await group_pending(r, results, "g2") == 0
 
 
-async def test_duplicates_within_one_batch_applied_once(settings, r):
+@pytest.mark.parametrize("apply_bytes", [APPLY_BYTES, 1], ids=["one-chunk", "a-chunk-per-record"])
+async def test_duplicates_within_one_batch_applied_once(settings, r, apply_bytes):
     entries = await produce(settings, r, ["dup-2", "other-2"])
     for _ in range(2):
         await r.xadd(settings.keys.results, entries[0][1])
     applied: Counter = Counter()
     runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.update([rec.request_id])},
-                            block_ms=100)
+                            block_ms=100, apply_bytes=apply_bytes)
     async with running(runner):
         await wait_until(lambda: runner.stats.applied + runner.stats.duplicates_skipped == 4, timeout=5)
     assert applied == Counter({"dup-2": 1, "other-2": 1})
     assert runner.stats.duplicates_skipped == 2
     assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+async def test_a_batch_is_applied_and_acked_chunk_by_chunk(settings, r):
+    # One read of 4 records, chunks of one record each: when a record's callback runs, the
+    # records before it are acked already, and its own chunk is the only one decoded.
+    await produce(settings, r, [f"chunk-{i}" for i in range(4)])
+    results = settings.keys.results
+    pending_seen: list[int] = []
+
+    async def handler(rec):
+        pending_seen.append(await group_pending(r, results, "g"))
+        assert [i.record is not None for i in held] in ([], [True])
+
+    held: list = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": handler}, block_ms=100, apply_bytes=1)
+    apply_chunk = runner._apply_chunk
+
+    async def watched(items, stream):
+        held[:] = items
+        await apply_chunk(items, stream)
+
+    runner._apply_chunk = watched  # type: ignore[method-assign]
+    async with running(runner):
+        await wait_until(lambda: runner.stats.applied == 4, timeout=5)
+    assert pending_seen == [4, 3, 2, 1]
+    assert await group_pending(r, results, "g") == 0
+
+
+async def test_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeypatch):
+    await produce(settings, r, [f"big-{i}" for i in range(6)])
+    size = len((await r.xrange(settings.keys.results, count=1))[0][1][b"data"])
+    counts: list[int] = []
+    read = r.xreadgroup
+
+    async def counting(*args, **kwargs):
+        counts.append(kwargs["count"])
+        return await read(*args, **kwargs)
+
+    monkeypatch.setattr(r, "xreadgroup", counting)
+    # a budget of two and a half records of this size: the first read asks for a full batch (and
+    # gets all 6), the next ones for 2
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: None}, block_ms=50, batch=64,
+                            apply_bytes=2 * size + size // 2, redis_client=r)
+    async with running(runner):
+        await wait_until(lambda: runner.stats.applied == 6 and len(counts) >= 2, timeout=5)
+    assert counts[0] == 64 and set(counts[1:]) == {2}
 
 
 # ---------------------------------------------------------------- recovery and sharing

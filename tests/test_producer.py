@@ -12,7 +12,7 @@ from redis.asyncio.client import Pipeline
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import DuplicateRequestError, Producer, SyncProducer, make_request
-from redroll.shared.codec import encode_request
+from redroll.shared.codec import encode_record, encode_request
 from redroll.shared.keys import PRODUCER_GROUP
 from redroll.shared.scripts import Scripts
 from redroll.shared.types import RecordStatus
@@ -205,6 +205,34 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
         assert state["lost"] == 1
         assert sorted(x.request_id for x in records) == [f"lost-{i}" for i in range(5)]
         await wait_until(lambda: _pending_is(r, "lossy", settings, 0), timeout=5)
+
+
+async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeypatch):
+    # Records of about 40 kB: after the first of them, a reply read asks for about 1 MiB of them,
+    # not read_count (256), so that Redis never builds one reply of many megabytes.
+    from redis.asyncio import Redis
+
+    from redroll.shared.streams import READ_BYTES
+
+    original = Redis.xreadgroup
+    counts: list[int] = []
+
+    async def counting(self, groupname, consumername, streams, *a, **kw):
+        if groupname in (PRODUCER_GROUP, PRODUCER_GROUP.encode()):
+            counts.append(kw["count"])
+        return await original(self, groupname, consumername, streams, *a, **kw)
+
+    monkeypatch.setattr(Redis, "xreadgroup", counting)
+    async with Producer(settings, name="large", block_ms=100) as p:
+        sp = {"max_new_tokens": 3000}
+        futures = await p.submit_many([make_request(request_id=f"large-{i}", prompt="x", sampling_params=sp,
+                                                    return_logprob=True) for i in range(3)])
+        async with running_worker(settings):
+            records = await asyncio.wait_for(asyncio.gather(*futures), 30)
+        size = len(encode_record(records[0])["data"])
+        await wait_until(lambda: counts[-1] < 256, timeout=5)
+    assert size > 20_000 and counts[0] == 256
+    assert abs(counts[-1] - READ_BYTES // size) <= 2
 
 
 async def test_a_held_record_handed_out_and_read_again_is_not_a_later_record(settings, r):
