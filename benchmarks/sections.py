@@ -407,6 +407,19 @@ def packed_arrays_cost(ids: list[list[int]], logprobs: list[list[float]], timed:
     }
 
 
+def _command_name(command: bytes | str) -> str:
+    """A slowlog entry's command without its arguments; a script call by its file name."""
+    import hashlib
+    from importlib import resources
+
+    words = (command.decode(errors="replace") if isinstance(command, bytes) else command).split()
+    if len(words) > 1 and words[0].upper() == "EVALSHA":
+        lua = resources.files("redroll.shared").joinpath("lua")
+        scripts = {hashlib.sha1(f.read_bytes()).hexdigest(): f.name for f in lua.iterdir() if f.name.endswith(".lua")}
+        return f"EVALSHA {scripts.get(words[1].lower(), words[1])}"
+    return words[0] if words else ""
+
+
 def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
     import msgpack
 
@@ -457,13 +470,30 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
     }
     count = cfg.large_records
     run_dir = new_run_dir(base, "large")
-    run = pipeline_run(server, run_dir, count=count,
-                       workers=[bench_worker_argv(engine="canned", max_inflight=32)],
-                       producer=producer_argv(count, run_dir / "producer.json", chunk=50, max_new_tokens=tokens,
-                                              n=n, logprob=True),
-                       timeout=120 + count)
+
+    def watch_slow_commands() -> None:
+        server.r.config_set("slowlog-log-slower-than", 100)  # µs
+        server.r.config_set("slowlog-max-len", 100_000)
+        server.r.slowlog_reset()
+
+    try:
+        run = pipeline_run(server, run_dir, count=count,
+                           workers=[bench_worker_argv(engine="canned", max_inflight=32)],
+                           producer=producer_argv(count, run_dir / "producer.json", chunk=50, max_new_tokens=tokens,
+                                                  n=n, logprob=True),
+                           timeout=120 + count, on_ready=watch_slow_commands)
+        slow = server.r.slowlog_get(100_000)
+    finally:
+        server.r.config_set("slowlog-log-slower-than", 10_000)
     res.fig("e2e_records_per_s", run.rate, "records/s")
     res.fig("e2e_MBps", run.rate * size / MB, "MB/s")
+    longest = max(slow, key=lambda e: e["duration"], default=None)
+    res.fig("longest_redis_command_ms", longest["duration"] / 1000.0 if longest else 0.0, "ms",
+            note="the longest command redis-server ran during the run (its slowlog): while it runs, every other "
+                 "client of that server waits")
+    res.details["slow_commands"] = {
+        "over_1ms": sum(1 for e in slow if e["duration"] > 1000), "over_10ms": sum(1 for e in slow if e["duration"] > 10_000),
+        "longest": _command_name(longest["command"]) if longest else None}
     res.details["e2e"] = {"records": count, "elapsed_s": round(run.elapsed, 3),
                           "cpu_us_per_record": run.cpu_us_per_item(),
                           "synthetic_engine_generate_ms_per_record": round(syn_ms, 1),

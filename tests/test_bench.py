@@ -28,7 +28,7 @@ EXPECTED = {
                 "consumer_p99_added_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
                     "ratio_4w_inflight_eq_slots"},
-    "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps"},
+    "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps", "longest_redis_command_ms"},
     "memory": {"used_memory_before_MB", "used_memory_after_processed_MB", "used_memory_after_window_MB",
                "growth_after_window_MB", "dedup_bytes_per_request"},
     "fleet": {"idle_redis_cpu_8w_lanes_off", "idle_redis_cpu_8w_lanes_on", "ceiling_4w_rps", "ceiling_8w_rps",
