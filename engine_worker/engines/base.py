@@ -11,7 +11,8 @@ from redroll.shared.types import GenerationRequest
 
 @dataclass
 class SampleOutput:
-    """One sample of one request."""
+    """One sample of one request. Returned, it is the worker's: the record takes its lists as they
+    are, so an engine gives lists it no longer changes (a fresh or a read-only one)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
