@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", default=None, help="reply stream to consume (default {ns}:results)")
     p.add_argument("--claim-idle-ms", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=None)
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--batch", type=int, default=128,
+                   help="most records per read (fewer after large ones: about 1 MiB of records a read)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     p = sub.add_parser("submit", help="submit requests from a JSONL file (one request per line)")
