@@ -43,6 +43,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"])
 
 
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is not positive")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redroll", description="Queue-driven LLM generation on Redis Streams.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -116,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--claim-idle-ms", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=None)
     p.add_argument("--batch", type=int, default=128,
-                   help="most records per read (fewer after large ones: about 1 MiB of records a read)")
+                   help="most records per read (fewer after large ones: see --batch-bytes)")
+    p.add_argument("--batch-bytes", type=_positive_int, default=1 << 20,
+                   help="record data per read and per applied chunk (default 1 MiB, at least one record): "
+                        "async handlers run concurrently within a chunk")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     p = sub.add_parser("submit", help="submit requests from a JSONL file (one request per line)")
@@ -343,7 +356,7 @@ async def _run_consume(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
-                            stream=args.stream, batch=args.batch)
+                            stream=args.stream, batch=args.batch, apply_bytes=args.batch_bytes)
     from redroll.shared.metrics import ConsumerMetrics
 
     return await _serve(runner, ConsumerMetrics, args.metrics_port, settings)

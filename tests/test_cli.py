@@ -164,3 +164,14 @@ async def test_submit_and_lanes_with_affinity_lanes(settings, r):
     proc = run_cli(settings, "lanes", "set", "8")
     assert proc.returncode == 0 and "4 -> 8" in proc.stdout
     assert await r.hget(settings.keys.config, "affinity_lanes") == b"8"
+
+
+def test_consume_batch_bytes_bounds_reads_and_chunks(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["consume", "--group", "g", "--default-handler", "m:f", "--batch-bytes", "4096"])
+    assert args.batch_bytes == 4096 and args.batch == 128
+    assert parser.parse_args(["consume", "--group", "g", "--default-handler", "m:f"]).batch_bytes == 1 << 20
+    for bad in ("0", "-5", "1MB"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["consume", "--group", "g", "--default-handler", "m:f", "--batch-bytes", bad])
+    assert "--batch-bytes" in capsys.readouterr().err
