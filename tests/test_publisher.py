@@ -46,6 +46,16 @@ class CountingScripts(Scripts):
         return super().finish_many_in(client, **kwargs)
 
 
+async def finish_all(publisher: Publisher, keys, entries: list[str], records: list[CompletionRecord]) -> list[bool]:
+    """Finish every entry at once (one flush), then close the publisher."""
+    try:
+        return await asyncio.gather(*(
+            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
+                             record=rec, cap=0) for e, rec in zip(entries, records)))
+    finally:
+        await publisher.close()
+
+
 async def test_finishes_of_one_round_trip_are_split_into_calls_of_bounded_size(r, settings):
     keys = settings.keys
     records = [record(f"big-{i}", 3_000) for i in range(5)]
@@ -54,12 +64,7 @@ async def test_finishes_of_one_round_trip_are_split_into_calls_of_bounded_size(r
     scripts = CountingScripts(r)
     await scripts.load_all()
     publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=2 * size + size // 2)
-    try:
-        published = await asyncio.gather(*(
-            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
-                             record=rec, cap=0) for e, rec in zip(entries, records)))
-    finally:
-        await publisher.close()
+    published = await finish_all(publisher, keys, entries, records)
     assert published == [True] * 5
     assert publisher.flushes == 1 and scripts.calls == [2, 2, 1]  # one round trip, three calls
     stored = [decode_record(f) for _, f in await r.xrange(keys.results)]
@@ -80,12 +85,7 @@ async def test_each_caller_gets_its_own_outcome_whichever_call_carried_it(r, set
     scripts = CountingScripts(r)
     await scripts.load_all()
     publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=size)  # one record a call
-    try:
-        published = await asyncio.gather(*(
-            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
-                             record=rec, cap=0) for e, rec in zip(entries, records)))
-    finally:
-        await publisher.close()
+    published = await finish_all(publisher, keys, entries, records)
     assert published == [True, False, True, False]
     assert scripts.calls == [1, 1, 1, 1]
     assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"mix-0", b"mix-2"]
@@ -98,11 +98,6 @@ async def test_small_finishes_share_one_call(r, settings):
     scripts = CountingScripts(r)
     await scripts.load_all()
     publisher = Publisher(r, scripts, consumer="w1", worker="w1")
-    try:
-        published = await asyncio.gather(*(
-            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
-                             record=rec, cap=0) for e, rec in zip(entries, records)))
-    finally:
-        await publisher.close()
+    published = await finish_all(publisher, keys, entries, records)
     assert published == [True] * 20
     assert scripts.calls == [20]
