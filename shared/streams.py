@@ -40,15 +40,20 @@ READ_BYTES = 1 << 20
 
 def data_size(fields: Any) -> int:
     """The bytes of an entry's ``data`` field (0 when it has none)."""
-    data = fields.get(b"data", fields.get("data")) if fields else None
+    if not fields:
+        return 0
+    data = fields.get(b"data")
+    if data is None:
+        data = fields.get("data")
     return len(data) if isinstance(data, (bytes, bytearray, str)) else 0
 
 
 def read_count(entries: list, most: int, budget: int = READ_BYTES) -> int:
     """How many entries the next read asks for after ``entries`` ((id, fields) pairs): ``most``, or
-    as many of the size just read (the mean of a few) as make up ``budget`` bytes (at least one). Redis builds a read's
-    whole reply before it serves anyone else, so a read of a hundred large records (n × thousands of
-    tokens with logprobs: hundreds of kB each) would hold it for tens of milliseconds."""
+    as many of the size just read (the mean of a few) as make up ``budget`` bytes (at least one).
+    Redis builds a read's whole reply before it serves anyone else, so a read of a hundred large
+    records (n × thousands of tokens with logprobs: hundreds of kB each) would hold it for tens of
+    milliseconds."""
     if not entries:
         return most
     sample = entries[::max(1, len(entries) // 8)]  # (a size estimate: at most 9 entries looked at)
