@@ -492,8 +492,8 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
         finally:
             server.r.config_set("slowlog-log-slower-than", 10_000)
 
-    # This code's runs, each after a run of the baseline's own bench when there is one (interleaved,
-    # so that the machine's drift hits both alike).
+    # This code's runs (as many whether or not the baseline can run), each after a run of the
+    # baseline's own bench when there is one (interleaved, so that the machine's drift hits both alike).
     baseline_rates: list[float] = []
     baseline_cpu: list[Any] = []
     src = None
@@ -503,7 +503,7 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
         except BaselineUnavailable as exc:
             res.details["baseline"] = {"commit": cfg.large_baseline, "skipped": str(exc)}
     runs: list[tuple[Any, list]] = []
-    for k in range(max(1, cfg.large_baseline_runs if src is not None else 1)):
+    for k in range(max(1, cfg.large_baseline_runs)):
         if src is not None:
             try:
                 got = large_run(src, base / f"baseline-large-{k}.json")
