@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import msgspec
+import pytest
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
+from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord
-from redroll.submit import submit_file
+from redroll.submit import InputError, read_requests, submit_file
 from tests.conftest import running
 
 
@@ -51,3 +53,36 @@ async def test_a_file_of_one_refused_request_exits_3(settings, tmp_path, capsys)
                                  timeout=10)
     assert code == 3 and (tmp_path / "out.jsonl").read_text() == ""
     assert "held: not submitted" in capsys.readouterr().err
+
+
+def _read(*lines: str):
+    return read_requests([line + "\n" for line in lines], Settings(), source="in.jsonl")
+
+
+def test_read_requests_takes_valid_lines_and_skips_blank_ones():
+    reqs = _read(json.dumps({"request_id": "a", "prompt": "x", "sampling_params": {"max_new_tokens": 3}}), "  ",
+                 json.dumps({"prompt": "y", "meta_info": {"k": [1, 2.5, None]}}))
+    assert [r.prompt for r in reqs] == ["x", "y"] and reqs[0].request_id == "a"
+    assert reqs[0].sampling_params.max_new_tokens == 3 and reqs[1].meta_info == {"k": [1, 2.5, None]}
+    assert len(reqs[1].request_id) == 32  # named when the line names none
+
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"request_id": "a", "prompt": "x"', "not valid JSON"),
+    ('{"request_id": "a", "prompt": "x"} trailing', "not valid JSON"),
+    # json.dumps writes these, but they are not JSON: refused with the line, never sent
+    (json.dumps({"request_id": "a", "prompt": "x", "meta_info": {"score": float("nan")}}), "not valid JSON"),
+    (json.dumps({"request_id": "a", "prompt": "\ud800"}), "not valid JSON"),
+    ('["a", "x"]', "each line must be a JSON object"),
+    ('{"request_id": "a", "prompt": "x", "promt": 1}', "unknown field(s) promt"),
+    ('{"request_id": "a", "prompt": "x", "sampling_params": {"temperature": -1}}', "temperature"),
+])
+def test_read_requests_names_the_line_and_the_reason(line, reason):
+    with pytest.raises(InputError) as err:
+        _read(json.dumps({"request_id": "ok", "prompt": "x"}), line)
+    assert str(err.value).startswith("in.jsonl:2: ") and reason in str(err.value)
+
+
+def test_read_requests_refuses_a_request_id_twice():
+    with pytest.raises(InputError, match="in.jsonl:3: request_id 'a' appears twice"):
+        _read(*(json.dumps({"request_id": rid, "prompt": "x"}) for rid in ("a", "b", "a")))
