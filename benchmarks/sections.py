@@ -110,6 +110,13 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
     res.fig("ratio_bound", bound["ratio"], "x",
             note="what a zero-cost asyncio client keeping redroll's redis-side work could reach here")
     cpu = run.cpu_us_per_item()
+    busy = {k: round(v / run.elapsed, 3) for k, v in run.cpu_s.items()}
+    busy["redis-server"] = round(run.redis_cpu_s / run.elapsed, 3)
+    res.details["redroll"]["cores_busy"] = busy
+    if "worker0" in busy:
+        res.fig("redroll_worker_cores_busy", busy["worker0"], "cores",
+                note="the worker's CPU over the run: every request passes its one thread, so near 1 its CPU "
+                     "per request sets the ceiling (details.redroll.cores_busy: every process)")
     res.fig("redroll_server_us_per_request", cpu["redis-server"], "us", target="<= 15", check=lambda v: v <= 15,
             note="redis-server CPU; the commands behind it are in details.redroll.redis_commands_per_request")
     res.fig("raw_sync_server_us_per_request", raw["sync"]["cpu_us"]["redis-server"], "us")

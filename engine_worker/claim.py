@@ -8,6 +8,8 @@ import random
 import time
 from typing import Any
 
+import redis
+
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import text
 
@@ -39,34 +41,44 @@ class Claimer:
 
     async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
         ctx, flights = self.ctx, self.flights
-        highs = {k.requests_high: ">" for k in parts}
-        streams = {s: ">" for s in [*highs, *(k.requests for k in parts)]}
+        highs = [k.requests_high for k in parts]
+        streams = [*highs, *(k.requests for k in parts)]
         while not ctx.stopping.is_set():
             await flights.wait_for_slot()
             if ctx.stopping.is_set():
                 return
             free = -(-(flights.max_inflight - flights.occupied) // loops)
-            # High priority first, without blocking; then block on every request stream.
-            resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, highs, count=free)
-            if not any(entries for _, entries in resp or []):
-                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, streams, count=free, block=ctx.block_ms)
-            resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
+            # One round trip while there is work (claim.lua): high priority first, then the request
+            # streams, nothing read beyond the free slots. It goes out just before the finishes of
+            # the batch that freed the slots, so Redis answers it first and the worker runs the next
+            # batch while Redis stores those records; a second read would wait behind them, and the
+            # worker with it. With nothing there, block on every request stream.
+            got, refused = await ctx.scripts.claim(streams=streams, group=WORKERS_GROUP, consumer=ctx.name,
+                                                   budget=free)
+            claimed = [(stream, text(entry_id), dict(zip(flat[0::2], flat[1::2])))
+                       for stream, entries in got for entry_id, flat in entries]
+            if not claimed and not refused:
+                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, {s: ">" for s in streams}, count=free,
+                                                  block=ctx.block_ms)
+                resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
+                claimed = [(text(stream), text(entry_id), fields or {})
+                           for stream, entries in resp for entry_id, fields in entries]
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.
-                late = [(text(s), text(i)) for s, entries in resp for i, _ in entries]
-                ctx.stats.claimed += len(late)
-                await self._give_back(late)
+                ctx.stats.claimed += len(claimed)
+                await self._give_back([(stream, entry_id) for stream, entry_id, _ in claimed])
                 return
             running = flights.generating
-            for stream, entries in resp:
-                for entry_id, fields in entries:
-                    ctx.stats.claimed += 1
-                    # A hold or an isolation may have begun while the read was blocked, or both
-                    # streams answered: then the entry waits (leased) for its turn.
-                    defer = flights.claiming_paused or running >= flights.max_inflight
-                    self._add(text(stream), text(entry_id), fields or {}, deliveries=1, defer=defer)
-                    running += not defer
+            for stream, entry_id, fields in claimed:
+                ctx.stats.claimed += 1
+                # A hold or an isolation may have begun while the read was blocked, or several
+                # streams answered it: then the entry waits (leased) for its turn.
+                defer = flights.claiming_paused or running >= flights.max_inflight
+                self._add(stream, entry_id, fields, deliveries=1, defer=defer)
+                running += not defer
+            if refused:  # (after the entries read: those run) NOGROUP makes the caller recreate the groups
+                raise redis.ResponseError("claim: " + "; ".join(refused))
 
     async def _give_back(self, entries: list[tuple[str, str]]) -> None:
         """Hand entries claimed after the stop began straight back (owner-checked, JUSTID: their

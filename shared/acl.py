@@ -140,12 +140,12 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
                   rw(requests, requests_high, lanes, rid, partial, results, replies, dead),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
-                  "renew and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
+                  "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
                    "xinfo|groups", "xrange", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
-                  "claim (XREADGROUP; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane entries), "
+                  "claim (XREADGROUP, in claim.lua; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane entries), "
                   "reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
             Grant(("get", "del", "exists"), rw(rid), "release the submit de-duplication key in the finish "

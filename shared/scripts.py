@@ -1,6 +1,7 @@
 """The Lua scripts of the delivery promise, with typed async wrappers.
 
-Each script touches only keys of one hash tag, so it runs unchanged on Redis Cluster.
+Each script touches only keys of one hash tag, so it runs unchanged on Redis Cluster (claim.lua reads
+several partitions' streams in one call on a single server only: on a cluster each claim loop reads one).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RENEW_LUA = _load("renew.lua")
 CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
 FINISH_MANY_LUA = _load("finish_many.lua")
 SUBMIT_MANY_LUA = _load("submit_many.lua")
+CLAIM_LUA = _load("claim.lua")
 CLAIM_LANES_LUA = _load("claim_lanes.lua")
 CHECKPOINT_LUA = _load("checkpoint.lua")
 
@@ -143,6 +145,7 @@ class Scripts:
         self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
         self._finish_many = redis.register_script(FINISH_MANY_LUA)
         self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
+        self._claim = redis.register_script(CLAIM_LUA)
         self._claim_lanes = redis.register_script(CLAIM_LANES_LUA)
         self._checkpoint = redis.register_script(CHECKPOINT_LUA)
 
@@ -218,8 +221,8 @@ class Scripts:
         """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
 
         On a cluster, SCRIPT LOAD goes to every primary."""
-        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim_lanes,
-                   self._checkpoint)
+        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim,
+                   self._claim_lanes, self._checkpoint)
         if is_cluster(self.redis):
             for script in scripts:
                 await self.redis.script_load(script.script)
@@ -228,6 +231,23 @@ class Scripts:
             for script in scripts:
                 pipe.script_load(script.script)
             await pipe.execute()
+
+    # -- claim (plain layout)
+    async def claim(self, *, streams: Sequence[str], group: str, consumer: str,
+                    budget: int) -> tuple[list[tuple[str, list]], list[str]]:
+        """Up to ``budget`` new entries of ``streams``, read in their order with the budget carried
+        over (see claim.lua). Returns the (stream, entries) pairs that had entries, and one
+        ``"<stream>: <error>"`` for each stream that refused the read."""
+        reply = await _run(self._claim, list(streams), [group, consumer, budget], self.redis)
+        got: list[tuple[str, list]] = []
+        refused: list[str] = []
+        for i in range(0, len(reply), 2):
+            stream, value = _s(reply[i]), reply[i + 1]
+            if isinstance(value, (bytes, str)):
+                refused.append(f"{stream}: {_s(value)}")
+            else:
+                got.append((stream, value))
+        return got, refused
 
     # -- claim (affinity lanes)
     async def claim_lanes(self, *, high: str, own: Sequence[str], shared: str, others: Sequence[str], group: str,

@@ -23,7 +23,7 @@ SECTIONS = ("ceiling", "latency", "utilisation", "large", "memory", "fleet")
 EXPECTED = {
     "ceiling": {"redroll_rps", "raw_sync_rps", "raw_async_rps", "ratio_vs_raw", "ratio_bound",
                 "redroll_server_us_per_request", "raw_sync_server_us_per_request", "redroll_clients_us_per_request",
-                "raw_sync_clients_us_per_request", "submit_wait_rps", "submit_wait_vs_api"},
+                "raw_sync_clients_us_per_request", "submit_wait_rps", "submit_wait_vs_api", "redroll_worker_cores_busy"},
     "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
                 "consumer_p99_added_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",

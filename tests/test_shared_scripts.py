@@ -415,6 +415,42 @@ def claimed(reply) -> list[tuple[str, str, list[str]]]:
     return [(stream.rsplit(":", 1)[-1], kind, [rid(f) for _, f in entries]) for stream, kind, entries in reply]
 
 
+def rids(got) -> list[tuple[str, list[str]]]:
+    return [(stream.rsplit(":", 1)[-1], [dict(zip(f[0::2], f[1::2]))[b"rid"].decode() for _, f in entries])
+            for stream, entries in got]
+
+
+async def test_claim_reads_high_priority_first_and_carries_the_budget(r, namespace):
+    keys = await lane_streams(r, namespace, lanes=0)
+    scripts = Scripts(r)
+    streams = [keys.requests_high, keys.requests]
+    await fill(r, keys.requests, [("s", 3)])
+    await fill(r, keys.requests_high, [("h", 2)])
+    claim = dict(streams=streams, group=WORKERS_GROUP, consumer="w")
+    # Budget 3: both high-priority entries, then one of the request stream; nothing over-read.
+    got, refused = await scripts.claim(budget=3, **claim)
+    assert rids(got) == [("high", ["h-0", "h-1"]), ("requests", ["s-0"])] and refused == []
+    info = {g["name"]: g["pending"] for g in await r.xinfo_groups(keys.requests)}
+    assert info[WORKERS_GROUP.encode()] == 1
+    got, _ = await scripts.claim(budget=1, **claim)
+    assert rids(got) == [("requests", ["s-1"])]
+    got, _ = await scripts.claim(budget=8, **claim)
+    assert rids(got) == [("requests", ["s-2"])]
+    assert await scripts.claim(budget=8, **claim) == ([], [])
+
+
+async def test_claim_reports_a_stream_without_its_group_and_still_reads_the_others(r, namespace):
+    keys = await lane_streams(r, namespace, lanes=0)
+    scripts = Scripts(r)
+    await fill(r, keys.requests, [("s", 2)])
+    await r.delete(keys.requests_high)  # (a server that restarted empty: the stream and its group are gone)
+    await fill(r, keys.requests_high, [("h", 1)])  # a new submit makes the stream again, without the group
+    got, refused = await scripts.claim(streams=[keys.requests_high, keys.requests], group=WORKERS_GROUP,
+                                       consumer="w", budget=8)
+    assert rids(got) == [("requests", ["s-0", "s-1"])]
+    assert len(refused) == 1 and refused[0].startswith(keys.requests_high + ": NOGROUP")
+
+
 async def test_claim_lanes_order_and_budget(r, namespace):
     keys = await lane_streams(r, namespace)
     scripts = Scripts(r)

@@ -136,6 +136,23 @@ async def test_inflight_bound(settings, r):
     assert peak_pending <= 6
 
 
+async def test_a_request_stream_that_lost_its_group_is_read_again_while_the_others_are_served(settings, r):
+    """The high-priority stream loses its group (deleted, as on a server that restarted empty) while
+    the worker works through a backlog: the backlog keeps running, the group is made again, and a
+    high-priority request submitted meanwhile is served."""
+    worker, task = await start_worker(settings, token_ms=2, max_inflight=4)
+    async with Producer(settings) as p:
+        normal = await p.submit_many([dict(prompt=str(i), sampling_params={"max_new_tokens": 5}) for i in range(40)])
+        await wait_until(lambda: worker.stats.published >= 4)
+        await r.delete(settings.keys.requests_high)
+        high = await p.submit(prompt="h", priority=1, sampling_params={"max_new_tokens": 5})
+        records = await asyncio.wait_for(asyncio.gather(*normal, high), 30)
+    await stop(worker, task)
+    assert all(rec.ok for rec in records)
+    groups = [g["name"] for g in await r.xinfo_groups(settings.keys.requests_high)]
+    assert groups == [WORKERS_GROUP.encode()]
+
+
 async def test_lease_renewal_keeps_long_generation(settings, r):
     """A generation lasting 3x claim_idle is not stolen by another worker."""
     long_ms = 3 * settings.claim_idle_ms
