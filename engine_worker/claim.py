@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
-from redroll.shared.streams import text
+from redroll.shared.streams import script_fields, text
 
 from .context import WorkerContext
 from .flights import Flights, InFlight
@@ -55,7 +55,7 @@ class Claimer:
             # worker with it. With nothing there, block on every request stream.
             got, refused = await ctx.scripts.claim(streams=streams, group=WORKERS_GROUP, consumer=ctx.name,
                                                    budget=free)
-            claimed = [(stream, text(entry_id), dict(zip(flat[0::2], flat[1::2])))
+            claimed = [(stream, text(entry_id), script_fields(flat))
                        for stream, entries in got for entry_id, flat in entries]
             if not claimed and not refused:
                 resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, {s: ">" for s in streams}, count=free,

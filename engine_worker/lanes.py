@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import stream_backlog
-from redroll.shared.streams import text
+from redroll.shared.streams import script_fields, text
 
 from .context import WorkerContext
 from .flights import Flights
@@ -162,7 +162,7 @@ class LaneClaimer:
             others=[part.lane(j) for j in range(part.lanes) if j not in owned], group=WORKERS_GROUP,
             consumer=ctx.name, budget=budget, steal_after_ms=ctx.settings.steal_after_ms,
             steal_depth=STEAL_DEPTH_FACTOR * self.flights.max_inflight)
-        return [(stream, text(entry_id), dict(zip(flat[0::2], flat[1::2])), kind)
+        return [(stream, text(entry_id), script_fields(flat), kind)
                 for stream, kind, entries in got for entry_id, flat in entries]
 
     def _start(self, stream: str, entry_id: str, fields: dict, kind: str) -> None:

@@ -34,6 +34,11 @@ def text(value: Any) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+def script_fields(flat: list) -> dict:
+    """An entry's fields as a Lua script hands them back (a flat list), as the dict XREADGROUP gives."""
+    return dict(zip(flat[0::2], flat[1::2]))
+
+
 READ_BYTES = 1 << 20
 """Record data a reader asks for in one read of a results or reply stream (see :func:`read_count`)."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from redroll.shared.streams import READ_BYTES, data_size, read_count
+from redroll.shared.streams import READ_BYTES, data_size, read_count, script_fields
 
 
 def entries(*sizes: int) -> list:
@@ -28,3 +28,8 @@ def test_entries_without_data_count_as_small():
     assert read_count([("1-0", {}), ("2-0", None), ("3-0", {"data": "text"})], most=64) == 64
     assert data_size({b"data": b"abc"}) == data_size({"data": "abc"}) == 3
     assert data_size(None) == data_size({b"rid": b"x"}) == 0
+
+
+def test_script_fields_pairs_a_flat_field_list():
+    assert script_fields([b"rid", b"a", b"data", b"\x01"]) == {b"rid": b"a", b"data": b"\x01"}
+    assert script_fields([]) == {}
