@@ -184,7 +184,11 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
                                  group_id=f"g-{i // 4}", sampling_params={"max_new_tokens": 4 + i % 5})
                     for i in range(n)]
         await send(s, rc, requests[: n // 2])
-        await wait_until(lambda: len(applied_lines()) >= n // 8, timeout=60, interval=0.1)
+
+        async def first_worker_busy() -> bool:  # (the workers may finish the first half quickly)
+            return bool(applied_lines()) and await _pending_of(rc, s, workers[0].pid) > 0
+
+        await wait_until(first_worker_busy, timeout=60, interval=0.01)
         workers[0].send_signal(signal.SIGKILL)  # its leased entries must be reclaimed, not lost
         workers[0].wait(10)
         workers.append(start_worker())
@@ -216,6 +220,17 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
 
 async def _hlen_at_least(r, key: str, n: int) -> bool:
     return await r.hlen(key) >= n
+
+
+async def _pending_of(r, settings: Settings, pid: int) -> int:
+    """Request entries the worker process ``pid`` holds now (its consumer names carry its pid)."""
+    held = 0
+    for part in settings.partition_keys:
+        for stream in (part.requests_high, part.requests):
+            info = await r.xpending(stream, WORKERS_GROUP)
+            held += sum(int(c["pending"]) for c in info.get("consumers") or []
+                        if f"-{pid}-" in (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]))
+    return held
 
 
 def _migrate_slot(cluster: RedisCluster, slot: int, source: int, target: int) -> int:
