@@ -29,6 +29,7 @@ from redroll.producer.client import make_request, send
 from redroll.shared.connection import connect, is_cluster
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
+from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
 from redroll.status import collect_pipeline_status
 from tests.conftest import (
@@ -229,7 +230,7 @@ async def _pending_of(r, settings: Settings, pid: int) -> int:
         for stream in (part.requests_high, part.requests):
             info = await r.xpending(stream, WORKERS_GROUP)
             held += sum(int(c["pending"]) for c in info.get("consumers") or []
-                        if f"-{pid}-" in (c["name"].decode() if isinstance(c["name"], bytes) else c["name"]))
+                        if f"-{pid}-" in text(c["name"]))
     return held
 
 
