@@ -25,9 +25,6 @@ class Claimer:
         self.flights = flights
         self.reclaim_interval_s = reclaim_interval_s
 
-    def _add(self, stream: str, entry_id: str, fields: dict, deliveries: int, defer: bool = False) -> InFlight:
-        return self.flights.add(stream, entry_id, self.ctx.flight_key(stream, entry_id), deliveries, fields,
-                                defer=defer)
 
     # ------------------------------------------------------------ new entries
 
@@ -69,14 +66,9 @@ class Claimer:
                 ctx.stats.claimed += len(claimed)
                 await self._give_back([(stream, entry_id) for stream, entry_id, _ in claimed])
                 return
-            running = flights.generating
-            for stream, entry_id, fields in claimed:
-                ctx.stats.claimed += 1
-                # A hold or an isolation may have begun while the read was blocked, or several
-                # streams answered it: then the entry waits (leased) for its turn.
-                defer = flights.claiming_paused or running >= flights.max_inflight
-                self._add(stream, entry_id, fields, deliveries=1, defer=defer)
-                running += not defer
+            ctx.stats.claimed += len(claimed)
+            flights.add_claimed([(stream, entry_id, ctx.flight_key(stream, entry_id), fields)
+                                 for stream, entry_id, fields in claimed])
             if refused:  # (after the entries read: those run) NOGROUP makes the caller recreate the groups
                 raise redis.ResponseError("claim: " + "; ".join(refused))
 
@@ -192,5 +184,6 @@ class Claimer:
                 if not fields or ctx.flight_key(stream, entry_id) in self.flights:
                     continue
                 ctx.stats.reclaimed += 1
-                started.append(self._add(stream, entry_id, fields, deliveries=counts[entry_id]))
+                started.append(self.flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), counts[entry_id],
+                                                fields))
         return started

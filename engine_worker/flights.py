@@ -19,6 +19,7 @@ from redroll.shared.types import GenerationRequest, RecordStatus
 
 Fields = dict
 Run = Callable[["InFlight", Fields], Awaitable[None]]
+RunBatch = Callable[[list[tuple["InFlight", Fields]]], Awaitable[None]]
 
 
 @dataclass(eq=False)
@@ -65,9 +66,11 @@ class InFlight:
 class Flights:
     """In-flight entries by key, their slots, and the reasons claiming waits."""
 
-    def __init__(self, max_inflight: int, run: Run, stopping: asyncio.Event):
+    def __init__(self, max_inflight: int, run: Run, stopping: asyncio.Event, run_batch: RunBatch | None = None):
         self.max_inflight = max(1, int(max_inflight))
         self._run = run
+        self._run_batch = run_batch
+        """Runs the entries of one claim that start at once in one task (None: a task each)."""
         self._stopping = stopping
         self._by_key: dict[str, InFlight] = {}
         self._released = 0
@@ -121,16 +124,43 @@ class Flights:
             defer: bool = False) -> InFlight:
         """A claimed entry: leased (renewed) from now on; its task starts now, or when a slot and
         claiming are free again (``defer``)."""
-        flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",
-                          deliveries=deliveries, claimed_at=time.time(), fields=fields)
-        self._by_key[key] = flight
+        flight = self._new(stream, entry_id, key, deliveries, fields)
         if defer:
             self._deferred.append((flight, fields))
         else:
-            self._start(flight, fields)
+            self.start(flight, fields)
         return flight
 
-    def _start(self, flight: InFlight, fields: Fields) -> None:
+    def add_claimed(self, entries: list[tuple[str, str, str, Fields]]) -> None:
+        """Entries a claim read delivered for the first time, as (stream, entry id, key, fields).
+        Each waits, leased, while claiming is held or every slot is taken (a hold or an isolation
+        may have begun while the read was blocked, or several streams answered it); the others
+        start now, all in one task when there is a batch runner."""
+        running = self.generating
+        now: list[tuple[InFlight, Fields]] = []
+        for stream, entry_id, key, fields in entries:
+            flight = self._new(stream, entry_id, key, 1, fields)
+            if self.claiming_paused or running >= self.max_inflight:
+                self._deferred.append((flight, fields))
+            else:
+                now.append((flight, fields))
+                running += 1
+        if self._run_batch is None:
+            for flight, fields in now:
+                self.start(flight, fields)
+        elif now:
+            task = asyncio.create_task(self._run_batch(now))
+            for flight, _ in now:
+                flight.task = task
+
+    def _new(self, stream: str, entry_id: str, key: str, deliveries: int, fields: Fields) -> InFlight:
+        flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",
+                          deliveries=deliveries, claimed_at=time.time(), fields=fields)
+        self._by_key[key] = flight
+        return flight
+
+    def start(self, flight: InFlight, fields: Fields) -> None:
+        """Run ``flight`` in a task of its own."""
         flight.task = asyncio.create_task(self._run(flight, fields))
 
     def start_deferred(self) -> None:
@@ -141,7 +171,7 @@ class Flights:
         while self._deferred and running < self.max_inflight:
             flight, fields = self._deferred.pop(0)
             if self.holds_entry(flight) and flight.task is None:
-                self._start(flight, fields)
+                self.start(flight, fields)
                 running += 1
 
     def release_slot(self, flight: InFlight) -> None:
@@ -165,7 +195,7 @@ class Flights:
         parked, self._parked = self._parked, []
         for flight, fields in parked:
             if self.holds_entry(flight):
-                self._start(flight, fields)
+                self.start(flight, fields)
 
     def done(self, flight: InFlight) -> None:
         """``flight``'s task ended (finished, dead-lettered, handed back); parked ones stay."""

@@ -151,8 +151,12 @@ class LaneClaimer:
                 ctx.stats.claimed += len(got)
                 await self._give_back([(s, i) for s, i, _, _ in got])
                 return
-            for stream, entry_id, fields, kind in got:
-                self._start(stream, entry_id, fields, kind)
+            kinds = ctx.stats.claims_by_kind
+            for _, _, _, kind in got:
+                kinds[kind] = kinds.get(kind, 0) + 1
+            ctx.stats.claimed += len(got)
+            flights.add_claimed([(stream, entry_id, ctx.flight_key(stream, entry_id), fields)
+                                 for stream, entry_id, fields, _ in got])
 
     async def _claim_from(self, part: Keys, budget: int) -> list[tuple[str, str, dict, str]]:
         ctx = self.ctx
@@ -164,10 +168,3 @@ class LaneClaimer:
             steal_depth=STEAL_DEPTH_FACTOR * self.flights.max_inflight)
         return [(stream, text(entry_id), script_fields(flat), kind)
                 for stream, kind, entries in got for entry_id, flat in entries]
-
-    def _start(self, stream: str, entry_id: str, fields: dict, kind: str) -> None:
-        ctx, flights = self.ctx, self.flights
-        ctx.stats.claimed += 1
-        ctx.stats.claims_by_kind[kind] = ctx.stats.claims_by_kind.get(kind, 0) + 1
-        defer = flights.claiming_paused or flights.generating >= flights.max_inflight
-        flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), 1, fields, defer=defer)

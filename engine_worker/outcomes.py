@@ -30,6 +30,7 @@ from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStat
 
 from .context import WorkerContext
 from .flights import Flights, InFlight
+from .publisher import Finish
 
 log = logging.getLogger("redroll.worker")
 
@@ -56,28 +57,51 @@ class Outcomes:
 
     # ------------------------------------------------------------ finish
 
-    async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
-        ctx = self.ctx
-        part = ctx.part_of[flight.stream]
+    def _publication(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> Finish:
+        part = self.ctx.part_of[flight.stream]
         reply_key = request.reply_to or part.results
-        cap = ctx.settings.results_max_len if reply_key == part.results else 0
         flight.publishing = True
-        rid_key = part.rid(request.request_id)
+        return Finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
+                      rid_key=part.rid(request.request_id), record=record,
+                      cap=self.ctx.settings.results_max_len if reply_key == part.results else 0,
+                      partial_key=part.partial(request.request_id) if request.resumable else None)
 
-        partial_key = part.partial(request.request_id) if request.resumable else None
-
-        def publish() -> Awaitable[bool]:
-            return ctx.publisher.finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
-                                        rid_key=rid_key, record=record, cap=cap, partial_key=partial_key)
-
+    async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
+        publication = self._publication(flight, request, record)
         try:
-            published = await self._write(flight, publish)
+            published = await self._write(flight, lambda: self.ctx.publisher.finish(publication))
         except StreamRefusedError as exc:  # a private reply stream that cannot take entries
             reason = f"reply stream {exc.key} refused the record: {exc.message}"
             await self.dead_letter(flight, flight.fields, reason, request=request, reply_refused=reason)
             return
         if published is None:
             return  # handed back (a drain) while Redis refused it: the fleet runs it again
+        await self._settled(flight, request, record, published)
+
+    async def finish_many(self, items: list[tuple[InFlight, GenerationRequest, CompletionRecord]]
+                          ) -> list[tuple[InFlight, Exception]]:
+        """The finishes of a claimed batch in one publisher call (one future for them all). Those
+        it did not settle (a refusal, a lost connection) go through :meth:`finish` each, with its
+        retries, holds and dead letters. Returns the entries whose finish still failed, and why."""
+        try:
+            outcomes: list = await self.ctx.publisher.finish_many(
+                [self._publication(flight, request, record) for flight, request, record in items])
+        except Exception:
+            outcomes = [None] * len(items)
+        again = []
+        for item, outcome in zip(items, outcomes):
+            if type(outcome) is bool:
+                await self._settled(*item, outcome)
+            else:
+                again.append(item)
+        if not again:
+            return []
+        results = await asyncio.gather(*(self.finish(*item) for item in again), return_exceptions=True)
+        return [(item[0], exc) for item, exc in zip(again, results) if isinstance(exc, Exception)]
+
+    async def _settled(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord,
+                       published: bool) -> None:
+        ctx = self.ctx
         stats = ctx.stats
         if published:
             stats.published += 1

@@ -23,18 +23,36 @@ from redroll.shared.types import CompletionRecord
 
 
 @dataclass
-class _Finish:
+class Finish:
+    """One fenced finish: publish ``record`` to ``reply_key`` if this worker still owns the entry."""
+
     stream: str
     entry_id: str
     reply_key: str
     rid_key: str
+    record: CompletionRecord
+    cap: int
+    """The reply stream's MAXLEN cap (0: none)."""
+    partial_key: str | None = None
+    """A resumable request's checkpoint key (deleted with the finish)."""
+
+
+Outcome = bool | Exception
+"""Of one finish: True published, False fenced (the entry is no longer this worker's), or the
+:class:`redroll.shared.refusals.StreamRefusedError` of a reply stream that refused the record."""
+
+
+@dataclass
+class _Queued:
+    finish: Finish
     encoded: dict
     """The record's stream fields (``encode_record``)."""
-    cap: int
-    partial_key: str | None = None
+    outcome: Outcome = False
 
 
-class Publisher(Coalescer[_Finish]):
+class Publisher(Coalescer[list[_Queued]]):
+    """Queued items are groups of finishes (one request's, or a whole batch's), each with one future."""
+
     def __init__(self, redis_client: Redis, scripts: Scripts, consumer: str, worker: str, max_batch: int = 256,
                  max_call_bytes: int = 1 << 20):
         super().__init__(max_batch)
@@ -43,34 +61,41 @@ class Publisher(Coalescer[_Finish]):
         self.consumer = consumer
         self.worker = worker
         self.max_call_bytes = max_call_bytes
+        self.max_call_items = max_batch
         self.flushes = 0
 
-    async def finish(self, *, stream: str, entry_id: str, reply_key: str, rid_key: str,
-                     record: CompletionRecord, cap: int, partial_key: str | None = None) -> bool:
-        """Publish ``record`` if this worker still owns the entry (True), else drop it (False).
+    async def finish(self, finish: Finish) -> bool:
+        """Publish the record if this worker still owns the entry (True), else drop it (False).
 
         Raises :class:`redroll.shared.refusals.StreamRefusedError` when the reply stream refused
         the record: nothing of it was written, and the entry is still this worker's."""
-        return bool(await self._enqueue(_Finish(stream, entry_id, reply_key, rid_key, encode_record(record), cap,
-                                                partial_key)))
+        (outcome,) = await self.finish_many([finish])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
-    def _calls(self, batch: list[tuple[_Finish, asyncio.Future]]) -> list[list[tuple[_Finish, asyncio.Future]]]:
-        """``batch`` as script calls: one request stream each, at most ``max_call_bytes`` of records
-        each (at least one record)."""
-        calls: list[list[tuple[_Finish, asyncio.Future]]] = []
-        open_call: dict[str, tuple[list[tuple[_Finish, asyncio.Future]], int]] = {}
-        for item in batch:
-            size = len(item[0].encoded["data"])
-            call, used = open_call.get(item[0].stream, (None, 0))
-            if call is None or used + size > self.max_call_bytes:
+    async def finish_many(self, finishes: list[Finish]) -> list[Outcome]:
+        """Many finishes behind one future (a claimed batch's records): one :data:`Outcome` each.
+        Raises what the round trip raised (a lost connection): then none of them is settled."""
+        return await self._enqueue([_Queued(f, encode_record(f.record)) for f in finishes])
+
+    def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:
+        """``items`` as script calls: one request stream each, at most ``max_call_items`` and
+        ``max_call_bytes`` of records each (at least one record)."""
+        calls: list[list[_Queued]] = []
+        open_call: dict[str, tuple[list[_Queued], int]] = {}
+        for item in items:
+            size = len(item.encoded["data"])
+            call, used = open_call.get(item.finish.stream, (None, 0))
+            if call is None or used + size > self.max_call_bytes or len(call) >= self.max_call_items:
                 call, used = [], 0
                 calls.append(call)
             call.append(item)
-            open_call[item[0].stream] = (call, used + size)
+            open_call[item.finish.stream] = (call, used + size)
         return calls
 
-    async def _flush(self, batch: list[tuple[_Finish, asyncio.Future]]) -> None:
-        calls = self._calls(batch)
+    async def _flush(self, batch: list[tuple[list[_Queued], asyncio.Future]]) -> None:
+        calls = self._calls([item for group, _ in batch for item in group])
         try:
             replies = await self._execute(calls)
         except Exception as exc:  # connection lost, ...: every caller retries its own finish
@@ -80,24 +105,23 @@ class Publisher(Coalescer[_Finish]):
             return
         self.flushes += 1
         for items, reply in zip(calls, replies):
-            for (item, fut), outcome in zip(items, reply):
-                if fut.done():
-                    continue
-                error = refusal(outcome, item.reply_key)  # this item's reply stream refused it
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(int(outcome))
+            for item, outcome in zip(items, reply):
+                # (a refusal of this item's reply stream, or 1 published / 0 fenced)
+                item.outcome = refusal(outcome, item.finish.reply_key) or bool(int(outcome))
+        for group, fut in batch:
+            if not fut.done():
+                fut.set_result([item.outcome for item in group])
 
-    async def _execute(self, calls: list[list[tuple[_Finish, asyncio.Future]]]) -> list:
+    async def _execute(self, calls: list[list[_Queued]]) -> list:
         """All of ``calls`` in one round trip (Redis serves other clients between them)."""
         for attempt in (1, 2):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for items in calls:
-                    self.scripts.finish_many_in(pipe, requests_key=items[0][0].stream, group=WORKERS_GROUP,
+                    self.scripts.finish_many_in(pipe, requests_key=items[0].finish.stream, group=WORKERS_GROUP,
                                                 consumer=self.consumer, worker=self.worker,
-                                                items=[(i.entry_id, i.reply_key, i.rid_key, i.encoded, i.cap,
-                                                        i.partial_key) for i, _ in items])
+                                                items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
+                                                        i.encoded, i.finish.cap, i.finish.partial_key)
+                                                       for i in items])
                 try:
                     return await pipe.execute()
                 except redis.exceptions.NoScriptError:

@@ -52,21 +52,22 @@ def build_record(
         ids = [[] for _ in range(n)]
         reasons = [None] * n
         logprobs = None
-    meta: dict[str, Any] = dict(request.meta_info)
-    meta.update(
-        prompt_tokens=output.prompt_tokens,
-        completion_tokens=sum(len(s.token_ids) for s in output.samples),
-        cached_tokens=output.cached_tokens,
-        weight_version=output.weight_version if output.weight_version is not None else info.weight_version,
-        worker=worker,
-        attempt=attempt,
-        queue_ms=round(queue_ms, 3),
-        engine_ms=round(engine_ms, 3),
-        eos_token_id=info.eos_token_id,
-        pad_token_id=info.pad_token_id,
-        logprob_mode=info.logprob_mode,
-    )
-    meta.update(output.extra)
+    meta: dict[str, Any] = {
+        **request.meta_info,
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": sum([len(s.token_ids) for s in output.samples]),
+        "cached_tokens": output.cached_tokens,
+        "weight_version": output.weight_version if output.weight_version is not None else info.weight_version,
+        "worker": worker,
+        "attempt": attempt,
+        "queue_ms": round(queue_ms, 3),
+        "engine_ms": round(engine_ms, 3),
+        "eos_token_id": info.eos_token_id,
+        "pad_token_id": info.pad_token_id,
+        "logprob_mode": info.logprob_mode,
+    }
+    if output.extra:
+        meta.update(output.extra)
     return CompletionRecord(
         request_id=request.request_id,
         status=status,

@@ -47,14 +47,87 @@ class RequestRunner:
             self.flights.park(flight, fields)  # leased, not running: it starts again on new weights
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # engine or redis failure: retry elsewhere, never a hung request
-            self.ctx.stats.engine_errors += 1
-            rid = flight.request.request_id if flight.request else "?"
-            log.exception("request %s (entry %s) failed: %s", rid, flight.entry_id, exc, extra=flight.context())
-            await self.outcomes.record_error(flight, f"{self.ctx.name}: {type(exc).__name__}: {exc}"[:500])
-            await self.outcomes.hand_back(flight)
+        except Exception as exc:
+            await self._failed(flight, exc)
         finally:
             self.flights.done(flight)
+
+    async def handle_batch(self, batch: list[tuple[InFlight, dict]]) -> None:
+        """The task of the entries one claim started, with an engine that makes an output at once
+        (``instant``): those that need nothing but the engine run here in one pass, without a task
+        each, and their records go out in one publisher call. Any other (one that does not decode
+        or is not served here, an aborted or expired one, one waiting for weights, a resumable one)
+        gets a task of its own, as from :meth:`handle`."""
+        inline: list[InFlight] = []
+        made: list[tuple[InFlight, GenerationRequest, CompletionRecord]] = []
+        try:
+            for flight, fields in batch:
+                try:
+                    request = self._runs_at_once(flight, fields)
+                except Exception:  # (its own task meets it again, and handles it as any failure)
+                    request = None
+                if request is None:
+                    self.flights.start(flight, fields)
+                    continue
+                inline.append(flight)
+                try:
+                    record = self._generate_now(flight, request)
+                except Exception as exc:
+                    await self._failed(flight, exc)
+                    continue
+                if record is not None:
+                    made.append((flight, request, record))
+            if made:
+                try:
+                    failures = await self.outcomes.finish_many(made)
+                except Exception as exc:
+                    failures = [(flight, exc) for flight, _, _ in made]
+                for flight, exc in failures:
+                    await self._failed(flight, exc)
+        finally:
+            for flight in inline:
+                self.flights.done(flight)
+
+    def _runs_at_once(self, flight: InFlight, fields: dict) -> GenerationRequest | None:
+        """The request of ``flight`` when it needs nothing but the engine, else None."""
+        ctx = self.ctx
+        if flight.deliveries > ctx.settings.max_deliveries or flight.stop_status is not None:
+            return None
+        try:
+            request = decode_request(fields, ctx.settings.limits)
+            self._check_served(request, ctx.part_of[flight.stream])
+            ctx.engine.validate(request)
+        except ValidationError:  # (decoded again in its own task, which says why)
+            return None
+        if (request in self.aborted or request.resumable
+                or (request.deadline is not None and request.deadline <= time.time())
+                or (request.min_weight_version is not None and not self.weights.serves(request.min_weight_version))):
+            return None
+        flight.request = request
+        return request
+
+    def _generate_now(self, flight: InFlight, request: GenerationRequest) -> CompletionRecord | None:
+        """Run ``request`` through the engine's immediate path: its record (None when the entry
+        was handed back meanwhile). No deadline timer: nothing waits, so none could fire."""
+        ctx = self.ctx
+        queue_ms = max(0.0, (flight.claimed_at - request.submitted_at) * 1000.0)
+        started = time.monotonic()
+        output = ctx.engine.generate_now(request)  # type: ignore[attr-defined]
+        engine_ms = (time.monotonic() - started) * 1000.0
+        self.flights.release_slot(flight)
+        if flight.handed_back:
+            return None
+        return self._record(flight, request, output, queue_ms, engine_ms)
+
+    async def _failed(self, flight: InFlight, exc: Exception) -> None:
+        """An engine or Redis failure: the entry goes back to the fleet to be retried elsewhere
+        (its error kept for whoever dead-letters it), never a hung request."""
+        self.ctx.stats.engine_errors += 1
+        rid = flight.request.request_id if flight.request else "?"
+        log.error("request %s (entry %s) failed: %s", rid, flight.entry_id, exc, exc_info=exc,
+                  extra=flight.context())
+        await self.outcomes.record_error(flight, f"{self.ctx.name}: {type(exc).__name__}: {exc}"[:500])
+        await self.outcomes.hand_back(flight)
 
     async def _process(self, flight: InFlight, fields: dict) -> None:
         ctx = self.ctx
@@ -122,15 +195,20 @@ class RequestRunner:
             return
         if resume is not None:
             output = stitch(resume, output, request, ctx.name)
-        # Labelled by what happened: a generation that ended on its own (stop, length) just as its
-        # abort or deadline arrived is finished, not aborted.
+        await self.outcomes.finish(flight, request, self._record(flight, request, output, queue_ms, engine_ms))
+
+    def _record(self, flight: InFlight, request: GenerationRequest, output: EngineOutput, queue_ms: float,
+                engine_ms: float) -> CompletionRecord:
+        """The record of a generation that ran. Labelled by what happened: one that ended on its
+        own (stop, length) just as its abort or deadline arrived is finished, not aborted."""
+        ctx = self.ctx
         status = (flight.stop_status or RecordStatus.ABORTED) if output.aborted else RecordStatus.FINISHED
         record = build_record(request, output, status=status, worker=ctx.name, info=ctx.engine.info,
                               attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
         if status is not RecordStatus.FINISHED:
             record.meta_info["abort_reason"] = flight.stop_reason or "engine"
         ctx.stats.tokens += record.meta_info.get("completion_tokens", 0)
-        await self.outcomes.finish(flight, request, record)
+        return record
 
     async def _generate(self, flight: InFlight, request: GenerationRequest, resume: Checkpoint | None,
                         saver: Saver | None) -> EngineOutput:

@@ -1,7 +1,8 @@
 """The engine worker: its lifecycle, and the loops it supervises.
 
 One asyncio task per claimed request, at most ``max_inflight`` generating at once, so the engine
-sees enough concurrent work to batch. The parts, one concern each:
+sees enough concurrent work to batch (an engine that makes its output at once, ``instant``, has
+each claim's entries run in one task instead). The parts, one concern each:
 
 * :mod:`.flights` — the in-flight entries (the only owner of that state) and when tasks start;
 * :mod:`.claim` — claiming new entries and reclaiming idle ones from dead workers;
@@ -94,7 +95,10 @@ class Worker:
         self.started = asyncio.Event()
         """Set once the engine runs and the worker claims (whoever owns the process's signal handlers
         installs them after this: an engine may replace them while it starts)."""
-        self.flights = Flights(max_inflight, self._run_request, self._stopping)
+        # An engine that makes an output at once (the synthetic one without per-token time) runs
+        # each claim's entries in one task; any other engine runs a task per request.
+        self.flights = Flights(max_inflight, self._run_request, self._stopping,
+                               run_batch=self._run_batch if getattr(engine, "instant", False) else None)
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
         self._outcomes: Outcomes | None = None
@@ -154,6 +158,10 @@ class Worker:
     async def _run_request(self, flight: InFlight, fields: dict) -> None:
         assert self._requests is not None
         await self._requests.handle(flight, fields)
+
+    async def _run_batch(self, batch: list[tuple[InFlight, dict]]) -> None:
+        assert self._requests is not None
+        await self._requests.handle_batch(batch)
 
     def abort_matching(self, request_ids: set[str], group_ids: set[str]) -> None:
         assert self._requests is not None

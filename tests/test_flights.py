@@ -115,3 +115,51 @@ async def test_a_stop_wakes_slot_waiters():
     fl.wake()
     await asyncio.wait_for(waiter, 1)
     gate.release.set()
+
+
+class BatchGate:
+    """A batch runner recording each batch it was given (its entries end when released)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = asyncio.Event()
+        self.flights: Flights | None = None
+
+    async def __call__(self, batch) -> None:
+        self.batches.append([flight.entry_id for flight, _ in batch])
+        try:
+            await self.release.wait()
+        finally:
+            for flight, _ in batch:
+                self.flights.done(flight)
+
+
+async def test_a_claims_entries_start_as_one_batch_and_the_surplus_waits_for_a_slot():
+    gate, batch = Gate(), BatchGate()
+    fl = gate.flights = batch.flights = Flights(2, gate, asyncio.Event(), run_batch=batch)
+    fl.add_claimed([("s", f"1-{i}", f"1-{i}", {"i": i}) for i in range(3)])
+    await asyncio.sleep(0)
+    assert batch.batches == [["1-0", "1-1"]] and gate.started == []
+    first, second, third = (fl.get(f"1-{i}") for i in range(3))
+    assert first.task is second.task and third.task is None and fl.occupied == 3
+    batch.release.set()
+    await asyncio.sleep(0.01)
+    assert gate.started == ["1-2"]  # (a deferred entry starts in a task of its own)
+    gate.release.set()
+    await asyncio.sleep(0.01)
+    assert len(fl) == 0
+
+
+async def test_without_a_batch_runner_each_claimed_entry_gets_its_task_and_a_hold_defers_them_all():
+    fl, gate, _ = make(max_inflight=4)
+    fl.add_claimed([("s", "1-0", "1-0", {}), ("s", "1-1", "1-1", {})])
+    await asyncio.sleep(0)
+    assert gate.started == ["1-0", "1-1"] and fl.get("1-0").task is not fl.get("1-1").task
+    fl.hold("weights")
+    fl.add_claimed([("s", "1-2", "1-2", {})])
+    await asyncio.sleep(0)
+    assert gate.started == ["1-0", "1-1"] and fl.get("1-2").deliveries == 1
+    fl.release("weights")
+    await asyncio.sleep(0)
+    assert gate.started == ["1-0", "1-1", "1-2"]
+    gate.release.set()

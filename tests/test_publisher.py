@@ -8,9 +8,10 @@ import asyncio
 
 import msgpack
 
-from redroll.engine_worker.publisher import Publisher
+from redroll.engine_worker.publisher import Finish, Publisher
 from redroll.shared.codec import decode_record, encode_record
 from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import Scripts
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
@@ -50,8 +51,9 @@ async def finish_all(publisher: Publisher, keys, entries: list[str], records: li
     """Finish every entry at once (one flush), then close the publisher."""
     try:
         return await asyncio.gather(*(
-            publisher.finish(stream=keys.requests, entry_id=e, reply_key=keys.results, rid_key=keys.rid(rec.request_id),
-                             record=rec, cap=0) for e, rec in zip(entries, records)))
+            publisher.finish(Finish(stream=keys.requests, entry_id=e, reply_key=keys.results,
+                                    rid_key=keys.rid(rec.request_id), record=rec, cap=0))
+            for e, rec in zip(entries, records)))
     finally:
         await publisher.close()
 
@@ -101,3 +103,29 @@ async def test_small_finishes_share_one_call(r, settings):
     published = await finish_all(publisher, keys, entries, records)
     assert published == [True] * 20
     assert scripts.calls == [20]
+
+
+async def test_a_group_of_finishes_has_one_future_and_each_its_own_outcome(r, settings):
+    # One finish_many group: entries of this worker publish, another worker's are fenced, and one
+    # whose reply stream is a key of another type gets that refusal; nothing else changes.
+    keys = settings.keys
+    records = [record(f"grp-{i}", 3) for i in range(4)]
+    mine = await claimed(r, keys, ["grp-0", "grp-2", "grp-3"], "w1")
+    theirs = await claimed(r, keys, ["grp-1"], "w2")
+    broken = keys.reply("broken")
+    await r.set(broken, "not a stream")
+    scripts = CountingScripts(r)
+    await scripts.load_all()
+    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_batch=2)  # two records a call
+    entries, replies = [mine[0], theirs[0], mine[1], mine[2]], [keys.results, keys.results, broken, keys.results]
+    try:
+        outcomes = await publisher.finish_many([
+            Finish(stream=keys.requests, entry_id=e, reply_key=reply, rid_key=keys.rid(rec.request_id), record=rec, cap=0)
+            for e, reply, rec in zip(entries, replies, records)])
+    finally:
+        await publisher.close()
+    assert outcomes[:2] == [True, False] and outcomes[3] is True
+    assert isinstance(outcomes[2], StreamRefusedError) and outcomes[2].key == broken and "WRONGTYPE" in str(outcomes[2])
+    assert publisher.flushes == 1 and scripts.calls == [2, 2]
+    assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"grp-0", b"grp-3"]
+    assert [e[0].decode() for e in await r.xrange(keys.requests)] == [mine[1], theirs[0]]  # (kept: not published)

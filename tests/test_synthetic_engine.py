@@ -86,3 +86,21 @@ def test_extras_it_cannot_produce_are_refused_naming_the_field(extra, field):
     with pytest.raises(ValidationError) as ei:
         SyntheticEngine().validate(GenerationRequest(request_id="x", input_ids=[1], **extra))
     assert ei.value.field == field and "synthetic" in ei.value.reason
+
+
+async def test_without_per_token_time_or_slots_it_is_instant_and_generate_now_gives_generates_output():
+    engine = SyntheticEngine()
+    assert engine.instant
+    assert not SyntheticEngine(token_ms=1).instant and not SyntheticEngine(slots=4).instant
+    req = make_request(request_id="now", input_ids=[1, 2], return_logprob=True,
+                       sampling_params={"max_new_tokens": 6, "n": 3})
+    now, later = engine.generate_now(req), await engine.generate(req, "h-now")
+    assert [(s.token_ids, s.logprobs, s.finish_reason) for s in now.samples] == \
+        [(s.token_ids, s.logprobs, s.finish_reason) for s in later.samples]
+    assert now.prompt_tokens == 2 and engine.tokens_decoded == 36
+
+
+def test_generate_now_raises_the_injected_failure():
+    engine = SyntheticEngine(raise_marker="BOOM")
+    with pytest.raises(RuntimeError, match="synthetic engine failure for b"):
+        engine.generate_now(make_request(request_id="b", prompt="a BOOM", sampling_params={"max_new_tokens": 2}))

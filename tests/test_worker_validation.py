@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import pytest
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
@@ -94,10 +95,12 @@ def cases(ns_reply: str) -> list[Case]:
     ]
 
 
-async def test_malformed_requests_are_dead_lettered_and_waiters_told(settings, r):
+@pytest.mark.parametrize("token_ms", [1, 0], ids=["task-per-request", "instant-engine-batches"])
+async def test_malformed_requests_are_dead_lettered_and_waiters_told(settings, r, token_ms):
+    # (with an instant engine a claim's entries run in one task, and these leave it for their own)
     settings = settings.with_(max_payload_bytes=4096)
     keys = settings.keys
-    worker = Worker(settings, SyntheticEngine(token_ms=1, vocab_size=1000), max_inflight=8, block_ms=200)
+    worker = Worker(settings, SyntheticEngine(token_ms=token_ms, vocab_size=1000), max_inflight=8, block_ms=200)
     task = asyncio.create_task(worker.run())
     try:
         async with Producer(settings, block_ms=200) as producer:

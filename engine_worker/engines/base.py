@@ -63,6 +63,11 @@ class Engine(Protocol):
     them as it sees fit. ``abort(handle)`` stops one generation (queued inside the engine or
     running): its ``generate`` then returns what was produced so far with finish reason "abort".
     Unknown handles are ignored.
+
+    Optional: an engine that can make an output without waiting (no model time: the synthetic
+    engine without per-token time) has ``instant`` true and a synchronous
+    ``generate_now(request) -> EngineOutput``; the worker then runs the entries of a claim in one
+    pass, without a task and a future per request.
     """
 
     info: EngineInfo

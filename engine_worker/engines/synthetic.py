@@ -23,17 +23,6 @@ from redroll.shared.types import GenerationRequest
 from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 
 
-class _NeverAborted:
-    """The abort event of a generation that cannot be aborted (it never waits)."""
-
-    @staticmethod
-    def is_set() -> bool:
-        return False
-
-
-_NEVER_ABORTED = _NeverAborted()
-
-
 class SyntheticEngine:
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
@@ -129,11 +118,21 @@ class SyntheticEngine:
             out.append(current)
         return out if len(set(out)) > 1 else None
 
+    @property
+    def instant(self) -> bool:
+        """True when an output is made without waiting (no per-token time, no slot limit): the
+        worker may then run a claimed batch through :meth:`generate_now` in one pass."""
+        return self._slots is None and not self.token_ms
+
+    def generate_now(self, request: GenerationRequest) -> EngineOutput:
+        """The output at once (only while :attr:`instant`): nothing waits, so no abort can arrive
+        in between (and none needs registering)."""
+        self._inject_faults(request)
+        return self._output(request, time.monotonic(), 0.0, self.info.weight_version, aborted=False)
+
     async def generate(self, request: GenerationRequest, handle: str) -> EngineOutput:
-        if self._slots is None and not self.token_ms:
-            # Nothing to wait for: generate runs to its end without yielding, so no abort can
-            # arrive in between (and none needs registering).
-            return await self._generate(request, _NEVER_ABORTED)
+        if self.instant:
+            return self.generate_now(request)
         abort_ev = asyncio.Event()  # registered first: an abort while waiting for a slot counts
         self._abort_events[handle] = abort_ev
         try:
@@ -156,23 +155,26 @@ class SyntheticEngine:
         produced = min(produced, len(ids))
         return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None, None)
 
-    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event | _NeverAborted,
-                        handle: str | None = None) -> EngineOutput:
+    async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event, handle: str) -> EngineOutput:
         self._inject_faults(request)
         weight_version = self.info.weight_version
-        sp = request.sampling_params
         token_ms = self._token_ms(request)
-        prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
         started = time.monotonic()
-        if handle is not None:
-            self._running[handle] = (request, started, token_ms)
-        budget = sp.max_new_tokens * token_ms / 1000.0
+        self._running[handle] = (request, started, token_ms)
+        budget = request.sampling_params.max_new_tokens * token_ms / 1000.0
         if budget > 0:
             try:
                 await asyncio.wait_for(abort_ev.wait(), timeout=budget)
             except asyncio.TimeoutError:
                 pass
-        aborted = abort_ev.is_set()
+        return self._output(request, started, token_ms, weight_version, aborted=abort_ev.is_set())
+
+    def _output(self, request: GenerationRequest, started: float, token_ms: float, weight_version: str | None, *,
+                aborted: bool) -> EngineOutput:
+        """What a generation that began at ``started`` made: all of it, or (``aborted``) the tokens
+        due by now."""
+        sp = request.sampling_params
+        prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
         produced = sp.max_new_tokens
         if aborted:
             elapsed_ms = (time.monotonic() - started) * 1000.0
