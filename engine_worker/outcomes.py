@@ -78,14 +78,20 @@ class Outcomes:
             return  # handed back (a drain) while Redis refused it: the fleet runs it again
         await self._settled(flight, request, record, published)
 
-    async def finish_many(self, items: list[tuple[InFlight, GenerationRequest, CompletionRecord]]
-                          ) -> list[tuple[InFlight, Exception]]:
-        """The finishes of a claimed batch in one publisher call (one future for them all). Those
-        it did not settle (a refusal, a lost connection) go through :meth:`finish` each, with its
-        retries, holds and dead letters. Returns the entries whose finish still failed, and why."""
+    def finish_many(self, items: list[tuple[InFlight, GenerationRequest, CompletionRecord]]
+                    ) -> Awaitable[list[tuple[InFlight, Exception]]]:
+        """Queue the finishes of many entries at once, in one publisher call (one future for them
+        all); awaiting what this returns settles them. Those the call did not settle (a refusal, a
+        lost connection) go through :meth:`finish` each, with its retries, holds and dead letters.
+        It gives the entries whose finish still failed, and why."""
+        published = self.ctx.publisher.finish_many(
+            [self._publication(flight, request, record) for flight, request, record in items])
+        return self._settle_many(items, published)
+
+    async def _settle_many(self, items: list[tuple[InFlight, GenerationRequest, CompletionRecord]],
+                           published: Awaitable[list]) -> list[tuple[InFlight, Exception]]:
         try:
-            outcomes: list = await self.ctx.publisher.finish_many(
-                [self._publication(flight, request, record) for flight, request, record in items])
+            outcomes: list = await published
         except Exception:
             outcomes = [None] * len(items)
         again = []

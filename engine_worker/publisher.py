@@ -74,10 +74,10 @@ class Publisher(Coalescer[list[_Queued]]):
             raise outcome
         return outcome
 
-    async def finish_many(self, finishes: list[Finish]) -> list[Outcome]:
-        """Many finishes behind one future (a claimed batch's records): one :data:`Outcome` each.
-        Raises what the round trip raised (a lost connection): then none of them is settled."""
-        return await self._enqueue([_Queued(f, encode_record(f.record)) for f in finishes])
+    def finish_many(self, finishes: list[Finish]) -> asyncio.Future:
+        """Many finishes (a claimed batch's records), queued at once behind one future: it gets one
+        :data:`Outcome` each, or what the round trip raised (a lost connection: none is settled)."""
+        return self._enqueue([_Queued(f, encode_record(f.record)) for f in finishes])
 
     def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:
         """``items`` as script calls: one request stream each, at most ``max_call_items`` and

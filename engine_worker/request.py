@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Awaitable
 
 from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
 from redroll.shared.keys import Keys
@@ -22,6 +23,10 @@ from .weights import WeightsGate
 log = logging.getLogger("redroll.worker")
 
 
+BATCH_CHUNK = 32
+"""Records of a batch published together (see :meth:`RequestRunner.handle_batch`)."""
+
+
 class _AwaitWeights(Exception):
     """Raised inside a request's task to park it until the worker's weights are new enough."""
 
@@ -35,6 +40,7 @@ class RequestRunner:
         self.weights = weights
         self.aborted = aborted
         self.checkpoints = Checkpoints(ctx)
+        self._batch_turn = asyncio.Lock()
         self._reply_keys_ok: set[tuple[str, str]] = set()
         """(partition tag, reply_to) pairs already checked to be this pipeline's streams."""
 
@@ -54,39 +60,55 @@ class RequestRunner:
 
     async def handle_batch(self, batch: list[tuple[InFlight, dict]]) -> None:
         """The task of the entries one claim started, with an engine that makes an output at once
-        (``instant``): those that need nothing but the engine run here in one pass, without a task
-        each, and their records go out in one publisher call. Any other (one that does not decode
-        or is not served here, an aborted or expired one, one waiting for weights, a resumable one)
-        gets a task of its own, as from :meth:`handle`."""
+        (``instant``): those that need nothing but the engine run here, without a task each. Any
+        other entry (one that does not decode or is not served here, an aborted or expired one, one
+        waiting for weights, a resumable one) gets a task of its own, as from :meth:`handle`."""
         inline: list[InFlight] = []
-        made: list[tuple[InFlight, GenerationRequest, CompletionRecord]] = []
+        settling: list[tuple[list, Awaitable[list[tuple[InFlight, Exception]]]]] = []
         try:
-            for flight, fields in batch:
+            async with self._batch_turn:
+                await self._run_inline(batch, inline, settling)
+        finally:
+            for made, settle in settling:
                 try:
-                    request = self._runs_at_once(flight, fields)
-                except Exception:  # (its own task meets it again, and handles it as any failure)
-                    request = None
-                if request is None:
-                    self.flights.start(flight, fields)
-                    continue
+                    failures = await settle
+                except Exception as exc:
+                    failures = [(flight, exc) for flight, _, _ in made]
+                for flight, exc in failures:
+                    await self._failed(flight, exc)
+            for flight in inline:
+                self.flights.done(flight)
+
+    async def _run_inline(self, batch: list[tuple[InFlight, dict]], inline: list[InFlight],
+                          settling: list[tuple[list, Awaitable[list[tuple[InFlight, Exception]]]]]) -> None:
+        """Run ``batch`` (one batch at a time: ``_batch_turn``), its records queued for publishing
+        :data:`BATCH_CHUNK` at a time, one publisher call each. After each chunk the task yields,
+        so that chunk's records are sent, and the next claim goes out, while it runs the next one;
+        with one batch running, each wait for the event loop is one chunk long."""
+        made: list[tuple[InFlight, GenerationRequest, CompletionRecord]] = []
+        for k, (flight, fields) in enumerate(batch, 1):
+            try:
+                request = self._runs_at_once(flight, fields)
+            except Exception:  # (its own task meets it again, and handles it as any failure)
+                request = None
+            if request is None:
+                self.flights.start(flight, fields)
+            else:
                 inline.append(flight)
                 try:
                     record = self._generate_now(flight, request)
                 except Exception as exc:
                     await self._failed(flight, exc)
-                    continue
+                    record = None
                 if record is not None:
                     made.append((flight, request, record))
-            if made:
+            if made and (len(made) >= BATCH_CHUNK or k == len(batch)):
                 try:
-                    failures = await self.outcomes.finish_many(made)
-                except Exception as exc:
-                    failures = [(flight, exc) for flight, _, _ in made]
-                for flight, exc in failures:
-                    await self._failed(flight, exc)
-        finally:
-            for flight in inline:
-                self.flights.done(flight)
+                    settling.append((made, self.outcomes.finish_many(made)))
+                except Exception as exc:  # (a record that could not be queued)
+                    settling.append((made, _raising(exc)))
+                made = []
+                await asyncio.sleep(0)
 
     def _runs_at_once(self, flight: InFlight, fields: dict) -> GenerationRequest | None:
         """The request of ``flight`` when it needs nothing but the engine, else None."""
@@ -292,3 +314,7 @@ class RequestRunner:
             return decode_request(fields, self.ctx.settings.limits)
         except ValidationError:
             return None
+
+
+async def _raising(exc: Exception) -> list:
+    raise exc

@@ -1,6 +1,7 @@
-"""engine_worker.request with an instant engine: a claim's entries run in one task and publish in one
-call; entries that need more than the engine leave it for a task of their own, each with the outcome
-it has on the per-request path; a finish round trip that fails is retried per entry."""
+"""engine_worker.request with an instant engine: a claim's entries run in one task, one batch at a
+time, their records queued for publishing a chunk at a time while the rest run; entries that need
+more than the engine leave it for a task of their own, each with the outcome it has on the
+per-request path; a finish round trip that fails is retried per entry."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import redis
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.request import BATCH_CHUNK
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import make_request, send
 from redroll.shared.codec import decode_record
@@ -42,7 +44,7 @@ async def stop(worker: Worker, task: asyncio.Task) -> None:
     await asyncio.wait_for(task, 15)
 
 
-async def test_a_claim_of_plain_requests_runs_in_one_pass_and_publishes_in_one_round_trip(settings, r):
+async def test_a_claim_of_plain_requests_runs_in_one_task_and_publishes_a_chunk_a_call(settings, r):
     engine = SyntheticEngine(vocab_size=1000)
     requests = [make_request(request_id=f"plain-{i}", input_ids=[1, 2, i], return_logprob=True,
                              meta_info={"i": i}, sampling_params={"max_new_tokens": 5, "n": 2}) for i in range(40)]
@@ -52,7 +54,8 @@ async def test_a_claim_of_plain_requests_runs_in_one_pass_and_publishes_in_one_r
     publisher = worker._outcomes.ctx.publisher  # type: ignore[union-attr]
     flushes = publisher.flushes
     await stop(worker, task)
-    assert flushes == 1 and worker.stats.claimed == 40 and worker.stats.published == 40
+    assert 1 <= flushes <= -(-40 // BATCH_CHUNK)  # (chunks queued during a flush go out with the next)
+    assert worker.stats.claimed == 40 and worker.stats.published == 40
     for req in requests:
         rec = got[req.request_id]
         assert rec.status is RecordStatus.FINISHED and rec.finish_reasons == ["length", "length"]
@@ -63,6 +66,43 @@ async def test_a_claim_of_plain_requests_runs_in_one_pass_and_publishes_in_one_r
         assert m["worker"] == worker.name and m["queue_ms"] >= 0 and m["engine_ms"] >= 0
     assert await r.xlen(settings.keys.requests) == 0
     assert not [k async for k in r.scan_iter(match=settings.keys.rid("*"))]  # every rid key released
+
+
+class CountingEngine(SyntheticEngine):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.made = 0
+
+    def generate_now(self, request):
+        self.made += 1
+        return super().generate_now(request)
+
+
+async def test_a_batchs_records_are_queued_a_chunk_at_a_time_while_the_rest_run(settings, r):
+    engine = CountingEngine()
+    await send(settings, r, [make_request(request_id=f"chunk-{i}", prompt="x", sampling_params={"max_new_tokens": 2})
+                             for i in range(100)])
+    worker = Worker(settings, engine, block_ms=200, max_inflight=128)
+    queued: list[tuple[int, int]] = []  # (records queued by this call, outputs made when it was called)
+    real_wire = worker._wire  # (the publisher exists once the worker is wired: wrapped then)
+
+    def wire():
+        wired = real_wire()
+        real = worker._outcomes.ctx.publisher.finish_many
+
+        def finish_many(finishes):
+            queued.append((len(finishes), engine.made))
+            return real(finishes)
+
+        worker._outcomes.ctx.publisher.finish_many = finish_many
+        return wired
+
+    worker._wire = wire
+    task = asyncio.create_task(worker.run())
+    await records(r, settings, 100)
+    await stop(worker, task)
+    assert [n for n, _ in queued] == [BATCH_CHUNK] * (100 // BATCH_CHUNK) + [100 % BATCH_CHUNK]
+    assert [made for _, made in queued] == [min(100, BATCH_CHUNK * (i + 1)) for i in range(len(queued))]
 
 
 async def test_entries_that_need_more_than_the_engine_get_their_own_outcome_beside_a_batch(settings, r):
