@@ -686,6 +686,23 @@ def test_property_record_like_maps(m, status):
     assert isinstance(rec.status, RecordStatus)
 
 
+@_PROP
+@given(m=_record_like(), status=st.sampled_from(list(RecordStatus)),
+       worker=st.one_of(st.none(), st.text(max_size=300)))
+def test_property_a_records_data_is_exactly_record_datas_encoding(m, status, worker):
+    # encode_record cuts the data map out of the whole record's encoding: the same bytes whatever
+    # the record holds and whoever the worker is (a nil one, a long or non-ASCII name)
+    try:
+        rec = decode_record({b"rid": b"r", b"status": status.value.encode(), b"data": pack(m)})
+    except ValidationError:
+        return
+    rec.worker = worker
+    fields = encode_record(rec)
+    assert fields["data"] == msgspec.msgpack.encode(rec.data())
+    assert fields["status"] == status.value.encode() and fields["worker"] == (worker or "").encode()
+    assert decode_record(fields) == rec if worker else decode_record(fields).worker is None
+
+
 # ---------------------------------------------------------------- per-request extras (trainers)
 
 

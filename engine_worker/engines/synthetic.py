@@ -64,19 +64,13 @@ class SyntheticEngine:
                    with_logprobs: bool = True) -> tuple[list[int], list[float]]:
         """The full (unaborted) output of one sample: ids and logprobs (empty without
         ``with_logprobs``; the ids are the same either way)."""
-        sp = request.sampling_params
+        return self._tokens(_hash_source(request), sample, request.sampling_params.max_new_tokens, with_logprobs)
+
+    def _tokens(self, source: bytes, sample: int, n: int, with_logprobs: bool) -> tuple[list[int], list[float]]:
         # An extendable-output hash of (input, seed, sample) gives 32 bits per token and per
-        # logprob in one C call, whatever the length.
-        if request.input_ids is not None:
-            source = b"ids:" + array("q", request.input_ids).tobytes()
-        else:
-            source = b"prompt:" + (request.prompt or "").encode()
-        seed = sp.sampling_seed if sp.sampling_seed is not None else request.request_id
-        n = sp.max_new_tokens
-        # (the first n words are the ids, the next n the logprobs: a shorter digest is its prefix)
-        digest = hashlib.shake_256(b"%s|seed:%s|%d" % (source, str(seed).encode(), sample)).digest(
-            (8 if with_logprobs else 4) * n)
-        words = array("I", digest)
+        # logprob in one C call, whatever the length (the first n words are the ids, the next n
+        # the logprobs: a shorter digest is its prefix).
+        words = array("I", hashlib.shake_256(b"%s|%d" % (source, sample)).digest((8 if with_logprobs else 4) * n))
         vocab = self.info.vocab_size or 32000
         ids = [x % vocab for x in words[:n]]
         logprobs = [x * (-4.0 / 4294967296.0) for x in words[n:]] if with_logprobs else []
@@ -107,8 +101,10 @@ class SyntheticEngine:
     def _versions_of(self, started: float, token_s: float, count: int, first: str) -> list[str] | None:
         """The version in effect when each of ``count`` tokens was made, one every ``token_s`` from
         ``started`` (None when one version made them all)."""
+        if token_s <= 0 or not self._version_changes:
+            return None
         changes = [(t, v) for t, v in self._version_changes if t > started]
-        if not changes or token_s <= 0:
+        if not changes:
             return None
         out, current, pending = [], first, list(changes)
         for i in range(count):
@@ -180,8 +176,10 @@ class SyntheticEngine:
             elapsed_ms = (time.monotonic() - started) * 1000.0
             produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
         samples = []
+        made = 0
+        source = _hash_source(request)
         for i in range(sp.n):
-            ids, lps = self.tokens_for(request, i, with_logprobs=request.return_logprob)
+            ids, lps = self._tokens(source, i, sp.max_new_tokens, request.return_logprob)
             reason = "length"
             if sp.stop_token_ids:
                 for j, t in enumerate(ids):
@@ -192,5 +190,16 @@ class SyntheticEngine:
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
                                         self._versions_of(started, token_ms / 1000.0, len(ids), weight_version)))
-        self.tokens_decoded += sum(len(s.token_ids) for s in samples)
+            made += len(ids)
+        self.tokens_decoded += made
         return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version)
+
+
+def _hash_source(request: GenerationRequest) -> bytes:
+    """What a request's tokens are hashed from: its input and its seed (its request_id without one)."""
+    if request.input_ids is not None:
+        source = b"ids:" + array("q", request.input_ids).tobytes()
+    else:
+        source = b"prompt:" + (request.prompt or "").encode()
+    seed = request.sampling_params.sampling_seed
+    return b"%s|seed:%s" % (source, str(seed if seed is not None else request.request_id).encode())
