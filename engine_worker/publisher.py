@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import Scripts, refusal
+from redroll.shared.scripts import Scripts, raising_first_error, refusal
 from redroll.shared.types import CompletionRecord
 
 
@@ -123,7 +123,7 @@ class Publisher(Coalescer[list[_Queued]]):
                                                         i.encoded, i.finish.cap, i.finish.partial_key)
                                                        for i in items])
                 try:
-                    return await pipe.execute()
+                    return raising_first_error(await pipe.execute(raise_on_error=False))
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:
                         raise

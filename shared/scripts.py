@@ -106,6 +106,16 @@ def refusal(reply: Any, key: str) -> StreamRefusedError | None:
     return None
 
 
+def raising_first_error(replies: list) -> list:
+    """A pipeline's replies, executed with ``raise_on_error=False``, or its first error raised as it
+    is. (redis-py's own raise writes the whole command into the message: for a script call of 500
+    requests that formats hundreds of kilobytes of text, about 80 ms, on every NOSCRIPT reply.)"""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

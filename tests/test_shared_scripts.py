@@ -6,10 +6,12 @@ import asyncio
 
 import msgpack
 import pytest
+import redis
 
+from redroll.producer.client import make_request, send
 from redroll.shared.codec import decode_record
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, DuplicateRequestError, Scripts
+from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, DuplicateRequestError, Scripts, raising_first_error
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 
@@ -532,3 +534,25 @@ async def test_claim_lanes_costs_an_idle_lane_one_xlen(r, namespace):
     stats = await r.info("commandstats")
     assert stats["cmdstat_xlen"]["calls"] == 15
     assert "cmdstat_xinfo|groups" not in stats and "cmdstat_xrange" not in stats
+
+
+async def test_a_pipelines_first_error_is_raised_as_the_server_gave_it(r, settings):
+    keys = settings.keys
+    await r.set(keys.rid("plain"), "x")
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.get(keys.rid("plain"))
+        pipe.xlen(keys.rid("plain"))  # WRONGTYPE: no stream there
+        pipe.evalsha("0" * 40, 0)  # NOSCRIPT
+        replies = await pipe.execute(raise_on_error=False)
+    with pytest.raises(redis.ResponseError) as ei:
+        raising_first_error(replies)
+    assert ei.value is replies[1] and str(ei.value).startswith("WRONGTYPE")  # (not rewritten with the command)
+    assert raising_first_error(replies[:1]) == [b"x"]
+    with pytest.raises(redis.exceptions.NoScriptError):
+        raising_first_error(replies[2:])
+
+
+async def test_a_send_to_a_server_without_the_script_loads_it_and_adds_each_request_once(r, settings):
+    await r.script_flush()
+    ids = await send(settings, r, [make_request(request_id=f"cold-{i}", prompt="x" * 400) for i in range(500)])
+    assert len(set(ids)) == 500 and await r.xlen(settings.keys.requests) == 500
