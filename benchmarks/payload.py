@@ -40,10 +40,11 @@ def request_id(step: int = 0) -> str:
 def make_requests(count: int, *, input_len: int = INPUT_LEN, max_new_tokens: int = MAX_NEW_TOKENS, n: int = 1,
                   logprob: bool = False, callback: str | None = "h", start: int = 0) -> Iterator[GenerationRequest]:
     from redroll.producer.client import make_request
+    from redroll.shared.codec import decode_sampling_params
 
-    sp = {"max_new_tokens": max_new_tokens}
-    if n != 1:
-        sp["n"] = n
+    # one validated (frozen) SamplingParams shared by every request, as Producer.submit_many shares
+    # it: validating the same map again per request would be the benchmark's own cost
+    sp = decode_sampling_params({"max_new_tokens": max_new_tokens, **({"n": n} if n != 1 else {})})
     for i in range(start, start + count):
         yield make_request(request_id=request_id(i % 7), input_ids=input_ids(i, input_len), sampling_params=sp,
                            callback=callback, return_logprob=logprob)
