@@ -35,6 +35,7 @@ from redroll.shared.streams import (
     data_size,
     ensure_group,
     read_count,
+    read_group,
     run_resilient,
     text,
     unique_consumer_name,
@@ -165,14 +166,11 @@ class ConsumerRunner:
         return read_loop
 
     async def _read_loop(self, streams: list[str]) -> None:
-        wanted = {s: ">" for s in streams}
         while not self._stopping.is_set():
-            resp = await self.redis.xreadgroup(self.group, self.name, wanted, count=self._count, block=self.block_ms)
-            for stream, entries in resp or []:
-                items = [_Item(text(i), f or {}, 1) for i, f in entries]
-                if items:
-                    self._count = read_count(entries, self.batch, self.apply_bytes)
-                    await self.process(items, text(stream))
+            resp = await read_group(self.redis, self.group, self.name, streams, count=self._count, block=self.block_ms)
+            for stream, entries in resp:
+                self._count = read_count(entries, self.batch, self.apply_bytes)
+                await self.process([_Item(i, f, 1) for i, f in entries], stream)
 
     async def _reclaim_loop(self) -> None:
         while not self._stopping.is_set():

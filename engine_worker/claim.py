@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
-from redroll.shared.streams import script_fields, text
+from redroll.shared.streams import read_group, script_fields, text
 
 from .context import WorkerContext
 from .flights import Flights, InFlight
@@ -55,11 +55,8 @@ class Claimer:
             claimed = [(stream, text(entry_id), script_fields(flat))
                        for stream, entries in got for entry_id, flat in entries]
             if not claimed and not refused:
-                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, {s: ">" for s in streams}, count=free,
-                                                  block=ctx.block_ms)
-                resp = sorted(resp or [], key=lambda item: text(item[0]) not in highs)
-                claimed = [(text(stream), text(entry_id), fields or {})
-                           for stream, entries in resp for entry_id, fields in entries]
+                resp = await read_group(ctx.redis, WORKERS_GROUP, ctx.name, streams, count=free, block=ctx.block_ms)
+                claimed = [(stream, entry_id, fields) for stream, entries in resp for entry_id, fields in entries]
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.

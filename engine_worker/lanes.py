@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import stream_backlog
-from redroll.shared.streams import script_fields, text
+from redroll.shared.streams import read_group, script_fields, text
 
 from .context import WorkerContext
 from .flights import Flights
@@ -141,12 +141,12 @@ class LaneClaimer:
             if not got:
                 # Nothing now: block on the streams this worker reads first (one entry each at most).
                 owned = self.table.owned
-                streams = {s: ">" for part in parts
-                           for s in (part.requests_high, *(part.lane(j) for j in owned), part.requests)}
+                streams = [s for part in parts for s in (part.requests_high, *(part.lane(j) for j in owned),
+                                                         part.requests)]
                 # (A read issued just before an ownership change may still take one entry from a
                 # lane that moved: at most one per block_ms after a change, costing only affinity.)
-                resp = await ctx.redis.xreadgroup(WORKERS_GROUP, ctx.name, streams, count=1, block=block_ms)
-                got = [(text(s), text(i), f or {}, "woken") for s, es in (resp or []) for i, f in es]
+                resp = await read_group(ctx.redis, WORKERS_GROUP, ctx.name, streams, count=1, block=block_ms)
+                got = [(s, i, f, "woken") for s, es in resp for i, f in es]
             if ctx.stopping.is_set():
                 ctx.stats.claimed += len(got)
                 await self._give_back([(s, i) for s, i, _, _ in got])

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+from redroll.consumer import runner as runner_module
 from redroll.consumer.runner import APPLY_BYTES, ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
@@ -254,13 +255,13 @@ async def test_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeyp
     await produce(settings, r, [f"big-{i}" for i in range(6)])
     size = len((await r.xrange(settings.keys.results, count=1))[0][1][b"data"])
     counts: list[int] = []
-    read = r.xreadgroup
+    read = runner_module.read_group
 
     async def counting(*args, **kwargs):
         counts.append(kwargs["count"])
         return await read(*args, **kwargs)
 
-    monkeypatch.setattr(r, "xreadgroup", counting)
+    monkeypatch.setattr(runner_module, "read_group", counting)
     # a budget of two and a half records of this size: the first read asks for a full batch (and
     # gets all 6), the next ones for 2
     runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: None}, block_ms=50, batch=64,

@@ -1,8 +1,12 @@
-"""The stream helpers' pure parts: how much the next read of a results or reply stream asks for."""
+"""The stream helpers: how much the next read of a results or reply stream asks for, and group reads
+as redis-py gives them (RESP3 and RESP2)."""
 
 from __future__ import annotations
 
-from redroll.shared.streams import READ_BYTES, data_size, read_count, script_fields
+import pytest
+import redis.asyncio
+
+from redroll.shared.streams import READ_BYTES, data_size, ensure_group, read_count, read_group, script_fields
 
 
 def entries(*sizes: int) -> list:
@@ -33,3 +37,22 @@ def test_entries_without_data_count_as_small():
 def test_script_fields_pairs_a_flat_field_list():
     assert script_fields([b"rid", b"a", b"data", b"\x01"]) == {b"rid": b"a", b"data": b"\x01"}
     assert script_fields([]) == {}
+
+
+@pytest.mark.parametrize("protocol", [3, 2])
+async def test_a_group_read_gives_each_streams_entries_in_the_order_asked(settings, protocol):
+    r = redis.asyncio.Redis.from_url(settings.redis_url, protocol=protocol)
+    first, second = settings.keys.requests_high, settings.keys.requests
+    try:
+        for stream in (first, second):
+            await ensure_group(r, stream, "g")
+        a = (await r.xadd(second, {"rid": "a", "data": b"\x00\xff"})).decode()
+        b = (await r.xadd(second, {"rid": "b"})).decode()
+        c = (await r.xadd(first, {"rid": "c"})).decode()
+        got = await read_group(r, "g", "c1", [first, second], count=10)
+        assert got == [(first, [(c, {b"rid": b"c"})]), (second, [(a, {b"rid": b"a", b"data": b"\x00\xff"}),
+                                                               (b, {b"rid": b"b"})])]
+        assert await read_group(r, "g", "c1", [first, second], count=10, block=10) == []  # (nothing new)
+        assert [p["message_id"].decode() for p in await r.xpending_range(second, "g", "-", "+", 10)] == [a, b]
+    finally:
+        await r.aclose()

@@ -230,20 +230,19 @@ async def test_entries_read_without_a_reply_are_reclaimed_in_bulk(settings, r, m
     redis-py does on a dropped connection): the entries sit in this worker's pending list unknown
     to it. Its reclaim pass takes them back after claim_idle, all at once (they never ran, so they
     are no suspects to run alone), and runs them."""
-    from redis.asyncio import Redis
+    from redroll.engine_worker import claim
 
-    original = Redis.xreadgroup
+    original = claim.read_group
     state = {"swallowed": 0}
 
-    async def retried_xreadgroup(self, groupname, consumername, streams, *a, **kw):
-        result = await original(self, groupname, consumername, streams, *a, **kw)
-        mine = groupname in (WORKERS_GROUP, WORKERS_GROUP.encode())
-        if mine and result and state["swallowed"] == 0:
+    async def retried_read(r, group, consumer, streams, **kw):
+        result = await original(r, group, consumer, streams, **kw)
+        if group == WORKERS_GROUP and result and state["swallowed"] == 0:
             state["swallowed"] += 1
-            return await original(self, groupname, consumername, streams, *a, **kw)  # the silent retry
+            return await original(r, group, consumer, streams, **kw)  # the silent retry
         return result
 
-    monkeypatch.setattr(Redis, "xreadgroup", retried_xreadgroup)
+    monkeypatch.setattr(claim, "read_group", retried_read)
     engine = _Counting(token_ms=50)
     worker = Worker(settings, engine, max_inflight=8, block_ms=200)
     task = asyncio.create_task(worker.run())
