@@ -36,7 +36,7 @@ from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts, raising_first_error
 from redroll.shared.settings import Settings
-from redroll.shared.streams import ensure_group, is_unblocked, read_count, text, unique_consumer_name
+from redroll.shared.streams import ensure_group, is_unblocked, read_count, read_group, text, unique_consumer_name
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 from . import dead_notices
@@ -462,9 +462,9 @@ class Producer:
                     last_ids[stream] = ">" if len(entries) < count else text(entries[-1][0])
                     batch = [(stream, e) for e in entries]
                 else:
-                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, last_ids, count=count,
-                                                       block=self.block_ms)
-                    batch = [(text(s), e) for s, es in (resp or []) for e in es]
+                    resp = await read_group(self.redis, PRODUCER_GROUP, self.name, streams, count=count,
+                                            block=self.block_ms)
+                    batch = [(s, e) for s, es in resp for e in es]
                 if batch:
                     count = read_count([e for _s, e in batch], self.read_count)
                 await self._deliver(batch)

@@ -181,23 +181,22 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
     # pending entries again, or the client retries the read by itself (redis-py does on a dropped
     # connection, its cluster client after a failover): the retried read finds nothing new, no
     # error reaches the reader, and its check of its own pending count finds them.
-    from redis.asyncio import Redis
+    from redroll.producer import client
 
-    original = Redis.xreadgroup
+    original = client.read_group  # (the reads of new records; paging its pending ones is xreadgroup)
     state = {"lost": 0}
 
-    async def lossy_xreadgroup(self, groupname, consumername, streams, *a, **kw):
-        result = await original(self, groupname, consumername, streams, *a, **kw)
-        mine = groupname in (PRODUCER_GROUP, PRODUCER_GROUP.encode())
-        if mine and result and state["lost"] == 0 and all(i == ">" for i in streams.values()):
+    async def lossy_read(r, group, consumer, streams, **kw):
+        result = await original(r, group, consumer, streams, **kw)
+        if group == PRODUCER_GROUP and result and state["lost"] == 0:
             state["lost"] += 1
             if after_the_lost_reply == "an error":
                 raise redis.ConnectionError("connection closed by server (simulated, after the read ran)")
-            return await original(self, groupname, consumername, streams, *a, **kw)  # the silent retry
+            return await original(r, group, consumer, streams, **kw)  # the silent retry
         return result
 
     async with Producer(settings, name="lossy", block_ms=100) as p:
-        monkeypatch.setattr(Redis, "xreadgroup", lossy_xreadgroup)
+        monkeypatch.setattr(client, "read_group", lossy_read)
         futures = await p.submit_many([make_request(request_id=f"lost-{i}", prompt="x", sampling_params=SP)
                                        for i in range(5)])
         async with running_worker(settings):
@@ -212,17 +211,24 @@ async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, m
     # not read_count (256), so that Redis never builds one reply of many megabytes.
     from redis.asyncio import Redis
 
+    from redroll.producer import client
     from redroll.shared.streams import READ_BYTES
 
-    original = Redis.xreadgroup
+    original_paging, original_reading = Redis.xreadgroup, client.read_group
     counts: list[int] = []
 
-    async def counting(self, groupname, consumername, streams, *a, **kw):
+    async def counting_paging(self, groupname, consumername, streams, *a, **kw):
         if groupname in (PRODUCER_GROUP, PRODUCER_GROUP.encode()):
             counts.append(kw["count"])
-        return await original(self, groupname, consumername, streams, *a, **kw)
+        return await original_paging(self, groupname, consumername, streams, *a, **kw)
 
-    monkeypatch.setattr(Redis, "xreadgroup", counting)
+    async def counting_reading(r, group, consumer, streams, **kw):
+        if group == PRODUCER_GROUP:
+            counts.append(kw["count"])
+        return await original_reading(r, group, consumer, streams, **kw)
+
+    monkeypatch.setattr(Redis, "xreadgroup", counting_paging)  # (its own pending records, at start)
+    monkeypatch.setattr(client, "read_group", counting_reading)  # (new records)
     async with Producer(settings, name="large", block_ms=100) as p:
         sp = {"max_new_tokens": 3000}
         futures = await p.submit_many([make_request(request_id=f"large-{i}", prompt="x", sampling_params=sp,
