@@ -23,7 +23,7 @@ import redis
 from redis.asyncio import Redis
 
 from redroll.shared.commands import Command, SyncWeights
-from redroll.shared.connection import connect, read_groups
+from redroll.shared.connection import connect, open_connections, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
@@ -43,6 +43,10 @@ from .weight_sync import STALE_WEIGHTS, SyncReceiver
 from .weights import AWAITING_PUSH, WeightsGate
 
 log = logging.getLogger("redroll.worker")
+
+WORKER_CONNECTIONS = 6
+"""Connections a worker opens at start: what its loops use at once (a claim read, the publisher's
+flush, the control stream's blocking read, leases, reclaim passes, dead letters)."""
 
 __all__ = ["InFlight", "Worker", "WorkerStats"]
 
@@ -210,6 +214,7 @@ class Worker:
             self._redis = connect(self.settings)
         ctx, claimer, control, liveness, outcomes = self._wire()
         await ctx.scripts.load_all()
+        await open_connections(self.redis, WORKER_CONNECTIONS)
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
         await self._ensure_groups(ctx)

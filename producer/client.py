@@ -28,7 +28,7 @@ from redroll.shared.codec import (
     decode_sampling_params,
     encode_request,
 )
-from redroll.shared.connection import connect, read_groups
+from redroll.shared.connection import connect, open_connections, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
 from redroll.shared.keys import PRODUCER_GROUP, Keys, lane_index
@@ -158,6 +158,7 @@ class Producer:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self._redis)
+        await open_connections(self._redis, 4)  # (its reply and dead-letter readers block; submits, acks)
         await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
         for stream in self.reply_streams:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)

@@ -102,3 +102,20 @@ async def test_reads_are_split_per_hash_tag_only_on_a_cluster():
     finally:
         await plain.aclose()
         await cluster.aclose()
+
+
+async def test_open_connections_opens_that_many_pooled_connections(settings, r):
+    from redroll.shared.connection import connect, open_connections
+
+    async def clients() -> int:
+        return int((await r.info("clients"))["connected_clients"])
+
+    client = connect(settings)
+    before = await clients()
+    try:
+        await open_connections(client, 5)
+        assert await clients() == before + 5
+        await open_connections(client, 3)  # (a pool that has them uses them again)
+        assert await clients() == before + 5
+    finally:
+        await client.aclose()
