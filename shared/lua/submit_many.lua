@@ -9,36 +9,44 @@
 -- All or nothing per item: its reads come first, its first write (the XADD) goes through pcall,
 -- and the SET that follows a successful XADD cannot fail. One item never changes another's fate.
 local out = {}
-local ttl = tonumber(ARGV[1])
+local ttl = ARGV[1]
+local stream = KEYS[1]
 for i = 1, #KEYS - 1 do
   local a = 1 + (i - 1) * 5
   local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local ridkey = KEYS[1 + i]
   local held = redis.pcall('GET', ridkey)
-  if type(held) == 'table' and held.err then
-    out[i] = {3, ridkey .. ': ' .. held.err}
-  elseif held then
-    local sep = string.find(held, ' ', 1, true)  -- '<token> <entry id>'; anything else is someone else's
-    if sep and string.sub(held, 1, sep - 1) == token then
-      out[i] = {2, string.sub(held, sep + 1)}
+  if held then
+    if type(held) == 'table' and held.err then
+      out[i] = {3, ridkey .. ': ' .. held.err}
     else
-      out[i] = {0, sep and string.sub(held, 1, sep - 1) or held}
+      local sep = string.find(held, ' ', 1, true)  -- '<token> <entry id>'; anything else is someone else's
+      if sep and string.sub(held, 1, sep - 1) == token then
+        out[i] = {2, string.sub(held, sep + 1)}
+      else
+        out[i] = {0, sep and string.sub(held, 1, sep - 1) or held}
+      end
     end
   else
-    local entry = {'XADD', KEYS[1], '*', 'rid', rid}
-    if reply ~= '' then
-      entry[#entry + 1] = 'reply_to'
-      entry[#entry + 1] = reply
+    local id
+    if ak == '' and reply ~= '' then  -- (the usual shape: no table to build)
+      id = redis.pcall('XADD', stream, '*', 'rid', rid, 'reply_to', reply, 'data', data)
+    else
+      local entry = {'XADD', stream, '*', 'rid', rid}
+      if reply ~= '' then
+        entry[#entry + 1] = 'reply_to'
+        entry[#entry + 1] = reply
+      end
+      if ak ~= '' then
+        entry[#entry + 1] = 'ak'
+        entry[#entry + 1] = ak
+      end
+      entry[#entry + 1] = 'data'
+      entry[#entry + 1] = data
+      id = redis.pcall(unpack(entry))
     end
-    if ak ~= '' then
-      entry[#entry + 1] = 'ak'
-      entry[#entry + 1] = ak
-    end
-    entry[#entry + 1] = 'data'
-    entry[#entry + 1] = data
-    local id = redis.pcall(unpack(entry))
     if type(id) == 'table' and id.err then
-      out[i] = {3, KEYS[1] .. ': ' .. id.err}
+      out[i] = {3, stream .. ': ' .. id.err}
     else
       redis.call('SET', ridkey, token .. ' ' .. id, 'EX', ttl)
       out[i] = {1, id}
