@@ -75,6 +75,7 @@ class Flights:
         self._by_key: dict[str, InFlight] = {}
         self._released = 0
         self._deferred: list[tuple[InFlight, Fields]] = []
+        self._held: list[tuple[InFlight, Fields]] = []
         self._parked: list[tuple[InFlight, Fields]] = []
         self.holds: set[str] = set()
         """Reasons claiming is paused (a weight update, released GPU memory, blocked publishing)."""
@@ -103,8 +104,9 @@ class Flights:
     @property
     def occupied(self) -> int:
         """Entries that hold an engine slot: claimed and not yet through the engine (publishing
-        ones have given theirs back, so the next claim overlaps the finish round trip)."""
-        return len(self._by_key) - self._released
+        ones have given theirs back, so the next claim overlaps the finish round trip; held-back
+        ones take none until they are released)."""
+        return len(self._by_key) - self._released - len(self._held)
 
     @property
     def generating(self) -> int:
@@ -152,6 +154,26 @@ class Flights:
             task = asyncio.create_task(self._run_batch(now))
             for flight, _ in now:
                 flight.task = task
+
+    def hold_back(self, entries: list[tuple[str, str, str, Fields]]) -> None:
+        """Entries a read brought beyond the free slots behind high-priority ones, as (stream,
+        entry id, key, fields): leased, but they take no slot and start only at
+        :meth:`release_held` (once a claim finds no high-priority entry), before what that claim
+        brought, so no normal entry runs ahead of a high-priority one queued meanwhile."""
+        for stream, entry_id, key, fields in entries:
+            self._held.append((self._new(stream, entry_id, key, 1, fields), fields))
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def release_held(self) -> None:
+        """The held-back entries wait for a slot from now on, ahead of those deferred since."""
+        if self._held:
+            self._deferred[:0] = self._held
+            self._held = []
+            self._signal()
+            self.start_deferred()
 
     def _new(self, stream: str, entry_id: str, key: str, deliveries: int, fields: Fields) -> InFlight:
         flight = InFlight(stream=stream, entry_id=entry_id, key=key, handle=f"{key}.{deliveries}",

@@ -163,3 +163,20 @@ async def test_without_a_batch_runner_each_claimed_entry_gets_its_task_and_a_hol
     await asyncio.sleep(0)
     assert gate.started == ["1-0", "1-1", "1-2"]
     gate.release.set()
+
+
+async def test_held_back_entries_take_no_slot_and_start_first_once_released():
+    fl, gate, _ = make(max_inflight=2)
+    fl.add_claimed([("h", "2-0", "h/2-0", {})])
+    fl.hold_back([("s", "1-5", "1-5", {}), ("s", "1-6", "1-6", {})])
+    await asyncio.sleep(0)
+    assert gate.started == ["2-0"] and len(fl) == 3 and fl.held == 2 and fl.occupied == 1
+    await asyncio.wait_for(fl.wait_for_slot(), 1)  # (held entries leave the slot to the next claim)
+    # the next claim found no high-priority entry: the held ones go first, then what it brought
+    fl.release_held()
+    fl.add_claimed([("s", "1-7", "1-7", {})])
+    await asyncio.sleep(0)
+    assert gate.started == ["2-0", "1-5"] and fl.held == 0 and fl.occupied == 4
+    gate.release.set()
+    await asyncio.sleep(0.01)
+    assert gate.started == ["2-0", "1-5", "1-6", "1-7"] and len(fl) == 0
