@@ -16,6 +16,12 @@ def _as_list(values: Any) -> list:
     return values if type(values) is list else list(values)
 
 
+def _ms(value: float) -> float:
+    """A non-negative duration in milliseconds, to three decimals (``round(value, 3)`` takes three
+    times as long, for no difference a reader of timings can see)."""
+    return int(value * 1000.0 + 0.5) / 1000.0
+
+
 def build_record(
     request: GenerationRequest,
     output: EngineOutput,
@@ -34,34 +40,40 @@ def build_record(
     logprobs of every sample.
     """
     keep_output = status is RecordStatus.FINISHED or request.collect_unfinished
-    n = max(len(output.samples), request.n)
+    samples = output.samples
     versions: list[list[str] | None] | None = None
     top: list[Any] | None = None
     routed: list[Any] | None = None
     if keep_output:
-        ids = [_as_list(s.token_ids) for s in output.samples]
-        reasons: list[str | None] = [s.finish_reason for s in output.samples]
-        logprobs = [_as_list(s.logprobs or []) for s in output.samples] if request.return_logprob else None
-        if any(s.weight_versions for s in output.samples):
-            versions = [list(s.weight_versions) if s.weight_versions else None for s in output.samples]
+        ids = [_as_list(s.token_ids) for s in samples]
+        reasons: list[str | None] = [s.finish_reason for s in samples]
+        logprobs = [_as_list(s.logprobs or []) for s in samples] if request.return_logprob else None
+        for s in samples:
+            if s.weight_versions:
+                versions = [list(s.weight_versions) if s.weight_versions else None for s in samples]
+                break
         if request.top_logprobs_num and request.return_logprob:
-            top = [[list(map(tuple, position)) for position in (s.top_logprobs or [])] for s in output.samples]
+            top = [[list(map(tuple, position)) for position in (s.top_logprobs or [])] for s in samples]
         if request.return_routed_experts:
-            routed = [s.routed_experts for s in output.samples]
+            routed = [s.routed_experts for s in samples]
     else:
+        n = max(len(samples), request.n)
         ids = [[] for _ in range(n)]
         reasons = [None] * n
         logprobs = None
+    completion_tokens = 0
+    for s in samples:
+        completion_tokens += len(s.token_ids)
     meta: dict[str, Any] = {
         **request.meta_info,
         "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": sum([len(s.token_ids) for s in output.samples]),
+        "completion_tokens": completion_tokens,
         "cached_tokens": output.cached_tokens,
         "weight_version": output.weight_version if output.weight_version is not None else info.weight_version,
         "worker": worker,
         "attempt": attempt,
-        "queue_ms": round(queue_ms, 3),
-        "engine_ms": round(engine_ms, 3),
+        "queue_ms": _ms(queue_ms),
+        "engine_ms": _ms(engine_ms),
         "eos_token_id": info.eos_token_id,
         "pad_token_id": info.pad_token_id,
         "logprob_mode": info.logprob_mode,
