@@ -214,10 +214,10 @@ class Worker:
             self._redis = connect(self.settings)
         ctx, claimer, control, liveness, outcomes = self._wire()
         await ctx.scripts.load_all()
-        await open_connections(self.redis, WORKER_CONNECTIONS)
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
         await self._ensure_groups(ctx)
+        await open_connections(self.redis, WORKER_CONNECTIONS)
         await control.start()
         assert self._weights is not None
         await self._weights.load_desired()

@@ -121,6 +121,7 @@ async def test_inflight_bound(settings, r):
     """max_inflight bounds what is in the engine; a slot is given back when generation ends, so the
     next claim overlaps the finish round trip (claimed-but-unacked can briefly reach twice that)."""
     worker, task = await start_worker(settings, token_ms=10, max_inflight=3)
+    await asyncio.wait_for(worker.started.wait(), 10)  # (its group exists: XPENDING below reads it)
     peak_engine = peak_pending = 0
     async with Producer(settings) as p:
         futs = await p.submit_many([dict(prompt=str(i), sampling_params={"max_new_tokens": 10}) for i in range(15)])
