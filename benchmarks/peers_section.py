@@ -9,7 +9,9 @@ into redroll's own environment.
 Flow per peer, one process per role, same host, same redis-server (emptied before each run):
 producer process → job worker process (makes the 8-token result) → callback worker process
 (counts; the last callback writes the done file). redroll runs the same count the same way
-(``send`` → ``redroll worker --engine synthetic`` → ``redroll consume``) for the side-by-side row.
+(``send`` → ``redroll worker --engine synthetic`` → ``redroll consume``) for the side-by-side row,
+handing over 100 requests a ``send`` as the peers' producers hand over 100 jobs at a time
+(``peers.common.CHUNK``); the same run with 500 a send (the ceiling section's) is shown beside it.
 
 The whole comparison repeats ``cfg.peer_runs`` times (``--peer-runs``; 5, or 1 with ``--quick``),
 every peer and redroll once a round, interleaved so that load drift hits them all. The figures are
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ROOT, BenchError, Procs, Server, new_run_dir, read_json, wait_for
+from benchmarks.peers.common import CHUNK
 from benchmarks.results import SectionResult
 from benchmarks.runs import queue_run
 
@@ -189,7 +192,8 @@ def peers(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
             print(f"  peers: skipping {peer}: {exc}", file=sys.stderr, flush=True)
             continue
         res.details[peer] = {"versions": _versions(pys[peer], dists), "runs": []}
-    res.details["redroll"] = {"requests": n, "runs": []}
+    res.details["redroll"] = {"requests": n, "per_send": CHUNK, "runs": []}
+    res.details["redroll_500"] = {"requests": n, "per_send": 500, "runs": []}
     per_round: list[dict[str, float]] = []
     for k in range(1, rounds + 1):
         rates: dict[str, float] = {}
@@ -203,23 +207,28 @@ def peers(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
                 continue
             res.details[peer]["runs"].append(out)
             rates[peer] = out["rate"]
-        # redroll, same count, same shape of run
-        run_dir = new_run_dir(base, f"peer-redroll-{k}")
-        run = queue_run(server, run_dir, n)
-        res.details["redroll"]["runs"].append({"rate": run.rate, "elapsed_s": round(run.elapsed, 3),
-                                               "cpu_us_per_request": run.cpu_us_per_item()})
-        rates["redroll"] = run.rate
+        # redroll, same count, same shape of run: CHUNK requests a send, as every peer's producer;
+        # then (shown beside it, not compared) the ceiling section's 500 a send
+        for name, chunk in (("redroll", CHUNK), ("redroll_500", 500)):
+            run = queue_run(server, new_run_dir(base, f"peer-{name}-{k}"), n, chunk=chunk)
+            res.details[name]["runs"].append({"rate": run.rate, "elapsed_s": round(run.elapsed, 3),
+                                              "cpu_us_per_request": run.cpu_us_per_item()})
+            rates[name] = run.rate
         per_round.append(rates)
         print(f"  peers: run {k}/{rounds}: " + ", ".join(f"{p} {r:,.0f}/s" for p, r in rates.items()),
               file=sys.stderr, flush=True)
     compared = [*pys, "redroll"]  # the peers that completed every round
     c = compare([{p: r[p] for p in compared} for r in per_round])
+    rates_500 = [r["redroll_500"] for r in per_round]
     res.details["runs"] = rounds
     res.details["rates_per_run"] = per_round
     for peer in pys:
         res.fig(f"{peer}_rps", c["median"][peer], "jobs/s", note=_spread(c, peer, rounds))
     res.fig("redroll_rps", c["median"]["redroll"], "req/s",
-            note=f"{n} requests, same flow as the peers; {_spread(c, 'redroll', rounds)}")
+            note=f"{n} requests, same flow as the peers, {CHUNK} a send; {_spread(c, 'redroll', rounds)}")
+    res.fig("redroll_500_rps", statistics.median(rates_500), "req/s",
+            note=f"the same with 500 requests a send (the ceiling section's), not compared; "
+                 f"min {min(rates_500):,.0f}, max {max(rates_500):,.0f}")
     if pys:
         best = c["best_peer"]
         res.fig("best_peer_rps", c["median"][best], "jobs/s", note=f"{best} (the fastest peer by median)")
@@ -251,4 +260,6 @@ def peers(server: Server, cfg: Any, base: Path, res: SectionResult) -> None:
         "(reads each event's JSON returnvalue) from id 0, events stream capped at 100,000 (default "
         "10,000). Jobs are JSON (arq: pickle) of the same fields as a redroll request. Each run runs "
         "every peer then redroll; figures are medians over the runs, the ratios per run vs that run's "
-        "fastest peer.")
+        "fastest peer. Every producer hands over 100 jobs at a time (peers.common.CHUNK): a gather of 100 "
+        "enqueues (taskiq, arq), one addBulk (BullMQ), one send (redroll); Celery's apply_async sends one at a "
+        "time. redroll with 500 a send (the ceiling section's) is shown beside it, not compared.")

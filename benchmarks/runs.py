@@ -146,9 +146,9 @@ def pipeline_run(server: Server, run_dir: Path, *, count: int, workers: Sequence
                      cpu_s={k: round(v, 3) for k, v in cpu.items()}, redis_cpu_s=rcpu1 - rcpu0, extra=extra or {})
 
 
-def queue_run(server: Server, run_dir: Path, count: int, **kwargs: Any) -> RunResult:
-    """The queue at its ceiling: a producer process sending ``count`` requests (500 per round trip),
-    one ``redroll worker --engine synthetic --token-ms 0 --max-inflight 256``, one consumer."""
+def queue_run(server: Server, run_dir: Path, count: int, *, chunk: int = 500, **kwargs: Any) -> RunResult:
+    """The queue at its ceiling: a producer process sending ``count`` requests (``chunk`` per round
+    trip), one ``redroll worker --engine synthetic --token-ms 0 --max-inflight 256``, one consumer."""
     return pipeline_run(server, run_dir, count=count, workers=[redroll_worker_argv(token_ms=0, max_inflight=256)],
-                        producer=producer_argv(count, run_dir / "producer.json", chunk=500),
+                        producer=producer_argv(count, run_dir / "producer.json", chunk=chunk),
                         timeout=max(120, count / 50), **kwargs)

@@ -47,7 +47,7 @@ def read_requests(lines: Iterable[str], settings: Settings, source: str = "input
             raise InputError(f"{source}:{n}: not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
             raise InputError(f"{source}:{n}: each line must be a JSON object")
-        unknown = set(obj) - ACCEPTED_FIELDS
+        unknown = obj.keys() - ACCEPTED_FIELDS
         if unknown:
             raise InputError(f"{source}:{n}: unknown field(s) {', '.join(sorted(unknown))}")
         if not obj.get("request_id"):

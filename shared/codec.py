@@ -16,6 +16,7 @@ e.g. ``input_ids[3]``) and the rule. Decoding never raises anything else, whatev
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass
@@ -123,7 +124,7 @@ def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
     raw = _field(fields, name)
     if isinstance(raw, (bytes, bytearray)):
         try:
-            return bytes(raw).decode("utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError:
             return None
     return raw if isinstance(raw, str) else None
@@ -196,6 +197,9 @@ def _without_nils(obj: Any) -> tuple[Any, bool]:
     for an optional key), and whether anything was dropped."""
     if not isinstance(obj, dict):
         return obj, False
+    sampling = obj.get("sampling_params")
+    if None not in obj.values() and not (isinstance(sampling, dict) and None in sampling.values()):
+        return obj, False  # (the usual line: nothing to drop, no copy)
     out = {k: v for k, v in obj.items() if v is not None}
     dropped = len(out) != len(obj)
     sampling = out.get("sampling_params")
@@ -354,7 +358,8 @@ def _map_header(count: int) -> bytes:
 # A CompletionRecord encodes as RecordData's map followed by two more pairs, ``status`` and
 # ``worker`` (a subclass's fields follow its parent's): what _decode_with_plain_fields appends.
 _DATA_HEADER = _map_header(len(_DATA_NAMES))
-_RECORD_HEADER_LEN = len(_map_header(len(_DATA_NAMES) + 2))
+_RECORD_HEADER = _map_header(len(_DATA_NAMES) + 2)
+_RECORD_HEADER_LEN = len(_RECORD_HEADER)
 
 
 def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
@@ -376,16 +381,18 @@ def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
 
 _STATUS_BY_FIELD: dict[Any, RecordStatus] = {
     **{s.value.encode(): s for s in RecordStatus}, **{s.value: s for s in RecordStatus}}
+_STATUS_PAIR_BY_FIELD: dict[Any, bytes] = {k: _STATUS_PAIR[s] for k, s in _STATUS_BY_FIELD.items()}
 
 
 def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     """Decode and validate a result entry. Raises only :class:`ValidationError`."""
-    status = _STATUS_BY_FIELD.get(_field(fields, "status"))
+    raw_status = _field(fields, "status")
+    status = _STATUS_BY_FIELD.get(raw_status)
     if status is None:
         raise ValidationError("status", f"unknown status {_field_str(fields, 'status')!r}")
     data = _data(fields)
     worker = _field_str(fields, "worker") or None
-    rec = _decode_with_plain_fields(data, status, worker)
+    rec = _decode_with_plain_fields(data, _STATUS_PAIR_BY_FIELD[raw_status], _worker_pair(worker))
     if rec is None:  # the canonical path: the data map alone, then the record built from it
         try:
             wire = _RECORD_DECODER.decode(data)
@@ -419,30 +426,39 @@ _RECORD_FIELDS = msgspec.structs.fields(RecordData)
 _COMPLETION_DECODER = msgspec.msgpack.Decoder(CompletionRecord)
 
 
-def _decode_with_plain_fields(data: Any, status: RecordStatus, worker: str | None) -> CompletionRecord | None:
+def _decode_with_plain_fields(data: Any, status_pair: bytes, worker_pair: bytes) -> CompletionRecord | None:
     """The record in one decode: the data map's header counts two more pairs, the entry's plain
     ``status`` and ``worker``, appended after its own (a later key wins, so a data map's own
     ``status`` or ``worker`` key changes nothing). None when that does not decode (not a map,
     trailing bytes, a bad value anywhere): then the canonical path decodes it and says why."""
     data = bytes(data)
-    head = data[:1]
-    if not head:
-        return None
-    if 0x80 <= head[0] <= 0x8F:
-        count, body = head[0] & 0x0F, 1
-    elif head[0] == 0xDE:
-        count, body = int.from_bytes(data[1:3], "big"), 3
-    elif head[0] == 0xDF:
-        count, body = int.from_bytes(data[1:5], "big"), 5
+    if data.startswith(_DATA_HEADER):  # (a map of RecordData's fields, as encode_record writes it)
+        header, body = _RECORD_HEADER, len(_DATA_HEADER)
     else:
-        return None
-    count += 2
-    header = b"\xde" + count.to_bytes(2, "big") if count < 0x10000 else b"\xdf" + count.to_bytes(4, "big")
+        head = data[:1]
+        if not head:
+            return None
+        if 0x80 <= head[0] <= 0x8F:
+            count, body = head[0] & 0x0F, 1
+        elif head[0] == 0xDE:
+            count, body = int.from_bytes(data[1:3], "big"), 3
+        elif head[0] == 0xDF:
+            count, body = int.from_bytes(data[1:5], "big"), 5
+        else:
+            return None
+        count += 2
+        header = b"\xde" + count.to_bytes(2, "big") if count < 0x10000 else b"\xdf" + count.to_bytes(4, "big")
     try:
-        return _COMPLETION_DECODER.decode(b"".join((header, memoryview(data)[body:], _STATUS_PAIR[status],
-                                                   _WORKER_KEY, _ENCODER.encode(worker))))
+        return _COMPLETION_DECODER.decode(b"".join((header, memoryview(data)[body:], status_pair, worker_pair)))
     except msgspec.DecodeError:
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _worker_pair(worker: str | None) -> bytes:
+    """The ``worker`` pair appended to a data map (a consumer reads the records of a few workers:
+    built once per worker)."""
+    return _WORKER_KEY + _ENCODER.encode(worker)
 
 
 def _check_extras(data: RecordData) -> None:

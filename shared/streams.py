@@ -60,7 +60,8 @@ async def read_group(r: Any, group: str, consumer: str, streams: Sequence[str], 
 
 def script_fields(flat: list) -> dict:
     """An entry's fields as a Lua script hands them back (a flat list), as the dict XREADGROUP gives."""
-    return dict(zip(flat[0::2], flat[1::2]))
+    pairs = iter(flat)
+    return dict(zip(pairs, pairs))
 
 
 READ_BYTES = 1 << 20

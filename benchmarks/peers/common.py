@@ -25,6 +25,10 @@ REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 _state = {"n": 0, "first": 0.0, "written": False}
 
 
+CHUNK = 100
+"""Jobs a producer hands over at a time, the same for every peer and for redroll's side-by-side
+run (one ``gather`` of enqueues, one ``addBulk``, one ``send``)."""
+
 _ID_PREFIX = uuid.uuid4().hex[:24]  # (each peer process is started fresh, never forked)
 
 
@@ -98,7 +102,7 @@ def report(out: str, t_first: float, count: int, cpu0: float) -> None:
                  "job_bytes": job_bytes()})
 
 
-async def produce_in_chunks(count: int, out: str, enqueue: Callable[[dict], Awaitable[Any]], chunk: int = 100) -> None:
+async def produce_in_chunks(count: int, out: str, enqueue: Callable[[dict], Awaitable[Any]], chunk: int = CHUNK) -> None:
     """The asyncio peers' producer: ``chunk`` enqueues at once, ``count`` jobs in all, then the report."""
     cpu0 = time.process_time()
     t_first = time.time()

@@ -58,7 +58,7 @@ class ResultWorker:
     on_startup = _consumer_up
 
 
-async def produce(count: int, out: str, chunk: int = 100) -> None:
+async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
     pool = await create_pool(REDIS, default_queue_name=JOBS)
     await common.produce_in_chunks(count, out, lambda payload: pool.enqueue_job("job", payload), chunk)
     await pool.aclose()

@@ -4,7 +4,7 @@ Worker:   python -m benchmarks.peers.peer_bullmq worker
 Consumer: python -m benchmarks.peers.peer_bullmq consumer
 Producer: python -m benchmarks.peers.peer_bullmq producer --count N --out FILE
 
-The producer adds the jobs with ``Queue.addBulk``, 100 a call (one MULTI of ``addStandardJob``
+The producer adds the jobs with ``Queue.addBulk``, 100 a call (``common.CHUNK``) (one MULTI of ``addStandardJob``
 scripts). The worker's processor returns the record-shaped result; BullMQ stores it as the job's
 ``returnvalue`` and publishes it in the queue's ``completed`` event, which ``QueueEvents`` (BullMQ's
 way to get results) reads and JSON-decodes for the collector: the callback hop.
@@ -63,7 +63,7 @@ async def collect() -> None:
     await events.run()
 
 
-async def produce(count: int, out: str, chunk: int = 100) -> None:
+async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
     queue = Queue(JOBS, {**CONNECTION, "defaultJobOptions": {"removeOnComplete": True}})
     await queue.client.hset(queue.keys["meta"], "opts.maxLenEvents", MAX_EVENTS)  # (connects before timing)
     cpu0 = time.process_time()

@@ -46,7 +46,7 @@ async def _result_worker_up(state: TaskiqState) -> None:
     common.ready("consumer")
 
 
-async def produce(count: int, out: str, chunk: int = 100) -> None:
+async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
     await job_broker.startup()
     await common.produce_in_chunks(count, out, job.kiq, chunk)
     await job_broker.shutdown()
