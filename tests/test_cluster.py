@@ -186,10 +186,16 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
                     for i in range(n)]
         await send(s, rc, requests[: n // 2])
 
-        async def first_worker_busy() -> bool:  # (the workers may finish the first half quickly)
-            return bool(applied_lines()) and await _pending_of(rc, s, workers[0].pid) > 0
+        async def first_worker_stopped_holding_entries() -> bool:  # (the workers may finish quickly)
+            if not applied_lines() or await _pending_of(rc, s, workers[0].pid) == 0:
+                return False
+            workers[0].send_signal(signal.SIGSTOP)  # (then it cannot finish them before the kill)
+            if await _pending_of(rc, s, workers[0].pid) > 0:
+                return True
+            workers[0].send_signal(signal.SIGCONT)
+            return False
 
-        await wait_until(first_worker_busy, timeout=60, interval=0.01)
+        await wait_until(first_worker_stopped_holding_entries, timeout=60, interval=0.01)
         workers[0].send_signal(signal.SIGKILL)  # its leased entries must be reclaimed, not lost
         workers[0].wait(10)
         workers.append(start_worker())
