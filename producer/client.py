@@ -261,11 +261,12 @@ class Producer:
     async def _submit_chunk(self, requests: list, callback: Callback | None,
                             validated: bool = False) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
-        for item in requests:
+        token_base = f"{self.name}:{secrets.token_hex(8)}"  # (one random part per chunk, then its index)
+        for i, item in enumerate(requests):
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
             fields = encode_request(req, self.settings.limits, check=not validated)
-            prepared.append((req, fields, f"{self.name}:{secrets.token_hex(8)}"))
+            prepared.append((req, fields, f"{token_base}:{i}"))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
         for req, _, _ in prepared:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import uuid
 from typing import IO, Iterable
@@ -69,6 +70,7 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
     fh: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
     with fh:
         requests = read_requests(fh, settings, source=path)
+    gc.freeze()  # (the requests live until the command ends: no collection needs to walk them)
     if not requests:
         print(f"{path}: no requests", file=sys.stderr)
         return 1
