@@ -657,7 +657,7 @@ async def submit_until_accepted(submit: Any, items: list, what: str) -> list:
             replies[i] = reply
 
 
-SUBMIT_CHUNK = int(__import__("os").environ.get("SUBMIT_CHUNK", "500"))
+SUBMIT_CHUNK = 500
 """Requests per submit_many script call (a script blocks the server while it runs)."""
 
 
