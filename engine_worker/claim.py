@@ -55,8 +55,7 @@ class Claimer:
                 # high-priority ones arrived since the last claim found none; those wait, held
                 # back (below). claim.lua moves every entry it reads through Lua and back (about 7
                 # µs of Redis's CPU an entry) for a budget only high-priority traffic needs.
-                read = await read_group(ctx.redis, WORKERS_GROUP, ctx.name, streams, count=free)
-                claimed = [(stream, entry_id, fields) for stream, entries in read for entry_id, fields in entries]
+                claimed = await self._read(streams, free)
             else:
                 # One round trip while there is work (claim.lua): high priority first, then the
                 # request streams, nothing read beyond the free slots.
@@ -68,8 +67,7 @@ class Claimer:
             # answers it first and the worker runs the next batch while Redis stores those records.
             # With nothing there, block on every request stream.
             if not claimed and not refused:
-                read = await read_group(ctx.redis, WORKERS_GROUP, ctx.name, streams, count=free, block=ctx.block_ms)
-                claimed = [(stream, entry_id, fields) for stream, entries in read for entry_id, fields in entries]
+                claimed = await self._read(streams, free, block=ctx.block_ms)
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.
@@ -89,6 +87,11 @@ class Claimer:
             plain = len(parts) == 1 and not high and not refused
             if refused:  # (after the entries read: those run) NOGROUP makes the caller recreate the groups
                 raise redis.ResponseError("claim: " + "; ".join(refused))
+
+    async def _read(self, streams: list[str], count: int, block: int | None = None) -> list[tuple[str, str, Any]]:
+        """One XREADGROUP of new entries as (stream, entry id, fields)."""
+        read = await read_group(self.ctx.redis, WORKERS_GROUP, self.ctx.name, streams, count=count, block=block)
+        return [(stream, entry_id, fields) for stream, entries in read for entry_id, fields in entries]
 
     async def _give_back(self, entries: list[tuple[str, str]]) -> None:
         """Hand entries claimed after the stop began straight back (owner-checked, JUSTID: their

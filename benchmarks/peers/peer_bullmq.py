@@ -4,10 +4,11 @@ Worker:   python -m benchmarks.peers.peer_bullmq worker
 Consumer: python -m benchmarks.peers.peer_bullmq consumer
 Producer: python -m benchmarks.peers.peer_bullmq producer --count N --out FILE
 
-The producer adds the jobs with ``Queue.addBulk``, 100 a call (``common.CHUNK``) (one MULTI of ``addStandardJob``
-scripts). The worker's processor returns the record-shaped result; BullMQ stores it as the job's
-``returnvalue`` and publishes it in the queue's ``completed`` event, which ``QueueEvents`` (BullMQ's
-way to get results) reads and JSON-decodes for the collector: the callback hop.
+The producer adds the jobs with ``Queue.addBulk``, ``common.CHUNK`` (100) a call, each call one
+MULTI of ``addStandardJob`` scripts. The worker's processor returns the record-shaped result;
+BullMQ stores it as the job's ``returnvalue`` and publishes it in the queue's ``completed`` event,
+which ``QueueEvents`` (BullMQ's way to get results) reads and JSON-decodes for the collector: the
+callback hop.
 
 Tuned for throughput: ``Worker`` concurrency 100 (default 1); ``removeOnComplete`` on every job (the
 result travels in the event, nothing reads the job afterwards, so neither job hashes nor the completed
