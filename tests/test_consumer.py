@@ -271,6 +271,51 @@ async def test_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeyp
     assert counts[0] == 64 and set(counts[1:]) == {2}
 
 
+async def test_the_next_read_is_asked_for_before_a_batch_is_applied(settings, r, monkeypatch):
+    await produce(settings, r, [f"pre-{i}" for i in range(4)])
+    events: list[str] = []
+    read = runner_module.read_group
+
+    async def logged(*args, **kwargs):
+        events.append("read")
+        return await read(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "read_group", logged)
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: events.append(rec.request_id)},
+                            block_ms=50, batch=2, redis_client=r)
+    async with running(runner):
+        await wait_until(lambda: runner.stats.applied == 4, timeout=5)
+    # each batch of two is applied while the read of the next one is out
+    assert events[:7] == ["read", "read", "pre-0", "pre-1", "read", "pre-2", "pre-3"]
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+async def test_what_the_read_out_at_a_stop_delivers_is_applied(settings, r):
+    """A stop while a batch is applied: the read already asked for is awaited and what it brings is
+    applied and acked before the runner ends (nothing is left pending for claim_idle)."""
+    await produce(settings, r, ["first"])
+    entered, release = asyncio.Event(), asyncio.Event()
+    applied: list[str] = []
+
+    async def h(rec):
+        applied.append(rec.request_id)
+        if rec.request_id == "first":
+            entered.set()
+            await release.wait()
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": h}, block_ms=2000, redis_client=r)
+    task = asyncio.create_task(runner.run())
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.sleep(0.1)  # the next read is out, blocked on the empty stream
+    runner.request_stop()
+    await produce(settings, r, ["late"])  # it arrives after the stop: that read delivers it
+    release.set()
+    await asyncio.wait_for(task, 10)
+    assert applied == ["first", "late"]
+    assert runner.stats.applied == 2
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
 # ---------------------------------------------------------------- recovery and sharing
 
 
