@@ -33,6 +33,7 @@ from redroll.shared.settings import Settings
 from redroll.shared.streams import (
     READ_BYTES,
     data_size,
+    drop_read,
     ensure_group,
     read_count,
     read_group,
@@ -62,12 +63,6 @@ class ConsumerStats:
     trimmed: int = 0
     refusals: int = 0
     """Times Redis refused this consumer's markers or dead letters (out of memory, ...)."""
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Take a dropped task's outcome, so that asyncio does not log it as never retrieved."""
-    if not task.cancelled():
-        task.exception()
 
 
 @dataclass
@@ -187,9 +182,7 @@ class ConsumerRunner:
                 for stream, entries in resp:
                     await self.process([_Item(i, f, 1) for i, f in entries], stream)
         finally:
-            if reading is not None:  # (an error: what it reads stays pending here, reclaimed after claim_idle)
-                reading.cancel()
-                reading.add_done_callback(_retrieve)
+            drop_read(reading)  # (an error: what it read stays pending here, reclaimed after claim_idle)
 
     async def _read(self, streams: list[str]) -> list[tuple[str, list[tuple[str, dict]]]]:
         return await read_group(self.redis, self.group, self.name, streams, count=self._count, block=self.block_ms)

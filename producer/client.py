@@ -36,7 +36,15 @@ from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts, raising_first_error
 from redroll.shared.settings import Settings
-from redroll.shared.streams import ensure_group, is_unblocked, read_count, read_group, text, unique_consumer_name
+from redroll.shared.streams import (
+    drop_read,
+    ensure_group,
+    is_unblocked,
+    read_count,
+    read_group,
+    text,
+    unique_consumer_name,
+)
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 from . import dead_notices
@@ -449,47 +457,60 @@ class Producer:
         recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
         next_check = time.monotonic() + recheck_s
         count = self.read_count  # (fewer after large records: see read_count)
-        while not self._closed:
-            try:
-                paging = {s: i for s, i in last_ids.items() if i != ">"}
-                if not paging and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + recheck_s
-                    if await self._lost_reads(streams):
-                        last_ids = {stream: "0" for stream in streams}
+        # The next new-entries read, asked for before a batch is delivered (Redis builds its reply
+        # meanwhile). None while paging, and none once the lost-reads check is due: the check counts
+        # this reader's pending entries, which an outstanding read adds to.
+        ahead: asyncio.Task | None = None
+        try:
+            while not self._closed:
+                try:
+                    paging = {s: i for s, i in last_ids.items() if i != ">"}
+                    if not paging and ahead is None and time.monotonic() >= next_check:
+                        next_check = time.monotonic() + recheck_s
+                        if await self._lost_reads(streams):
+                            last_ids = {stream: "0" for stream in streams}
+                            continue
+                    if paging:
+                        stream, last_id = next(iter(paging.items()))
+                        resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
+                        entries = [e for _s, es in (resp or []) for e in es]
+                        last_ids[stream] = ">" if len(entries) < count else text(entries[-1][0])
+                        batch = [(stream, e) for e in entries]
+                    else:
+                        reading, ahead = ahead or self._read_new(streams, count), None
+                        batch = [(s, e) for s, es in await reading for e in es]
+                    if batch:
+                        count = read_count([e for _s, e in batch], self.read_count)
+                    if not paging and not self._closed and time.monotonic() < next_check:
+                        ahead = self._read_new(streams, count)
+                    await self._deliver(batch)
+                    await self._refresh_ttl()
+                    delay = 0.1
+                except asyncio.CancelledError:
+                    raise
+                except redis.ResponseError as exc:  # (a read asked for ahead stays: the next turn awaits it)
+                    if "NOGROUP" in str(exc):
+                        for stream in streams:
+                            await ensure_group(self.redis, stream, PRODUCER_GROUP)
                         continue
-                if paging:
-                    stream, last_id = next(iter(paging.items()))
-                    resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
-                    entries = [e for _s, es in (resp or []) for e in es]
-                    last_ids[stream] = ">" if len(entries) < count else text(entries[-1][0])
-                    batch = [(stream, e) for e in entries]
-                else:
-                    resp = await read_group(self.redis, PRODUCER_GROUP, self.name, streams, count=count,
-                                            block=self.block_ms)
-                    batch = [(s, e) for s, es in resp for e in es]
-                if batch:
-                    count = read_count([e for _s, e in batch], self.read_count)
-                await self._deliver(batch)
-                await self._refresh_ttl()
-                delay = 0.1
-            except asyncio.CancelledError:
-                raise
-            except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    for stream in streams:
-                        await ensure_group(self.redis, stream, PRODUCER_GROUP)
-                    continue
-                if is_unblocked(exc):
-                    continue
-                log.exception("reply reader failed")
-                await asyncio.sleep(delay)
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
-                # A read the server ran before the connection dropped left its entries pending here,
-                # with no reply to deliver them: page this reader's own pending entries again.
-                last_ids = {stream: "0" for stream in streams}
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                    if is_unblocked(exc):
+                        continue
+                    log.exception("reply reader failed")
+                    await asyncio.sleep(delay)
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    ahead = drop_read(ahead)
+                    log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
+                    # A read the server ran before the connection dropped left its entries pending here,
+                    # with no reply to deliver them: page this reader's own pending entries again.
+                    last_ids = {stream: "0" for stream in streams}
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            drop_read(ahead)
+
+    def _read_new(self, streams: list[str], count: int) -> asyncio.Task:
+        return asyncio.ensure_future(read_group(self.redis, PRODUCER_GROUP, self.name, streams, count=count,
+                                                block=self.block_ms))
 
     async def _lost_reads(self, streams: list[str]) -> bool:
         """True when this reader has entries pending that it neither holds for :meth:`unclaimed`

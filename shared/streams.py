@@ -91,6 +91,20 @@ def read_count(entries: list, most: int, budget: int = READ_BYTES) -> int:
     return max(1, min(most, int(budget // size))) if size else most
 
 
+def drop_read(read: asyncio.Task | None) -> None:
+    """Drop a read asked for ahead and not awaited (an error, a stop): cancel it, and take its
+    outcome once it ends, so that asyncio does not log it as never retrieved. Entries the server
+    delivered to it stay pending for this reader. Returns None (``ahead = drop_read(ahead)``)."""
+    if read is not None:
+        read.cancel()
+        read.add_done_callback(_take_outcome)
+
+
+def _take_outcome(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def id_tuple(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)

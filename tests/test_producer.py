@@ -241,6 +241,37 @@ async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, m
     assert abs(counts[-1] - READ_BYTES // size) <= 2
 
 
+async def test_the_next_reply_read_is_asked_for_before_a_batch_is_delivered(settings, r, monkeypatch):
+    from redroll.producer import client
+
+    original = client.read_group
+    events: list[str] = []
+
+    def asked(r, group, consumer, streams, **kw):  # (called when the read is asked for)
+        if group == PRODUCER_GROUP:
+            events.append("read")
+        return original(r, group, consumer, streams, **kw)
+
+    monkeypatch.setattr(client, "read_group", asked)
+    async with Producer(settings, name="ahead", block_ms=100) as p:
+        deliver = p._deliver
+
+        async def delivering(batch):
+            if batch:
+                events.append(f"deliver {len(batch)}")
+            await deliver(batch)
+
+        p._deliver = delivering  # type: ignore[method-assign]
+        futures = await p.submit_many([make_request(request_id=f"ahead-{i}", prompt="x", sampling_params=SP)
+                                       for i in range(5)])
+        async with running_worker(settings):
+            records = await asyncio.wait_for(asyncio.gather(*futures), 15)
+        assert sorted(x.request_id for x in records) == [f"ahead-{i}" for i in range(5)]
+        await wait_until(lambda: _pending_is(r, "ahead", settings, 0), timeout=5)
+    first = next(i for i, e in enumerate(events) if e.startswith("deliver"))
+    assert events[first - 2:first] == ["read", "read"]  # the read that brought it, then the next one
+
+
 async def test_a_held_record_handed_out_and_read_again_is_not_a_later_record(settings, r):
     # unclaimed() hands a held record out; the same entry read again (its ack lost) is skipped,
     # and result() knows the record was delivered instead of waiting for it or handing it out twice.
