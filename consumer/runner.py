@@ -169,9 +169,9 @@ class ConsumerRunner:
 
     async def _read_loop(self, streams: list[str]) -> None:
         """Read a batch, ask for the next one, then apply this one: Redis builds and sends the next
-        reply while this process decodes and applies (a large record's reply costs Redis about as
-        long as its decode costs here). What a read delivered is always applied, also after a stop;
-        no read is asked for once stopping."""
+        reply while this process decodes and applies, instead of while it waits (about 0.12 ms of
+        Redis a 393 kB record). What a read delivered is always applied, also after a stop; no read
+        is asked for once stopping."""
         reading: asyncio.Task | None = asyncio.ensure_future(self._read(streams))
         try:
             while reading is not None:
