@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for every record (through a private reply stream)")
     p.add_argument("--out", default=None, help="with --wait: write records here as JSONL (default stdout)")
     p.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="with --wait: no progress on stderr (a bar on a terminal; elsewhere a line every 10 s "
+                        "and one at the end)")
 
     p = sub.add_parser("status", help="depth, pending, lag, workers, dead letters")
     _common(p)

@@ -151,28 +151,57 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
 
 
 class _progress:
-    """A rich progress bar with rate and ETA on stderr (silent when disabled)."""
+    """Progress on stderr: a rich bar with rate and ETA on a terminal; elsewhere (a log file, a
+    pipe) a plain line every ``every_s`` seconds and one at the end, written as records arrive (no
+    terminal codes, no refresh thread, rich not imported). Silent when disabled."""
 
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool = True, *, stream: IO[str] | None = None, every_s: float = 10.0):
         self._p = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self._plain: IO[str] | None = None
+        self._total, self._done = total, 0
+        if not enabled:
+            return
+        stream = sys.stderr if stream is None else stream
+        self._t0 = asyncio.get_running_loop().time()
+        if not _is_terminal(stream):
+            self._plain, self._every_s, self._next_line = stream, every_s, self._t0 + every_s
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._p = Progress(TextColumn("records"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("{task.fields[rate]:>8.1f}/s"), TimeRemainingColumn(),
-                               console=Console(stderr=True), transient=False)
-            self._p.start()
-            self._task = self._p.add_task("records", total=total, rate=0.0)
-            self._t0 = asyncio.get_running_loop().time()
-            self._done = 0
+        self._p = Progress(TextColumn("records"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[rate]:>8.1f}/s"), TimeRemainingColumn(),
+                           console=Console(file=stream), transient=False)
+        self._p.start()
+        self._task = self._p.add_task("records", total=total, rate=0.0)
 
     def advance(self, count: int = 1) -> None:
+        if self._p is None and self._plain is None:
+            return
+        self._done += count
+        now = asyncio.get_running_loop().time()
+        elapsed = max(1e-6, now - self._t0)
         if self._p is not None:
-            self._done += count
-            elapsed = max(1e-6, asyncio.get_running_loop().time() - self._t0)
             self._p.update(self._task, advance=count, rate=self._done / elapsed)
+        elif now >= self._next_line:
+            self._next_line = now + self._every_s
+            self._line(elapsed)
+
+    def _line(self, elapsed: float) -> None:
+        assert self._plain is not None
+        self._plain.write(f"records {self._done}/{self._total} {self._done / elapsed:,.1f}/s "
+                          f"elapsed {elapsed:.1f} s\n")
+        self._plain.flush()
 
     def close(self) -> None:
         if self._p is not None:
             self._p.stop()
+        elif self._plain is not None:
+            self._line(max(1e-6, asyncio.get_running_loop().time() - self._t0))
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # (no isatty, or closed)
+        return False

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import re
 
 import msgspec
 import pytest
@@ -12,7 +15,7 @@ from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord
-from redroll.submit import InputError, read_requests, submit_file
+from redroll.submit import InputError, _progress, read_requests, submit_file
 from tests.conftest import running
 
 
@@ -86,3 +89,55 @@ def test_read_requests_names_the_line_and_the_reason(line, reason):
 def test_read_requests_refuses_a_request_id_twice():
     with pytest.raises(InputError, match="in.jsonl:3: request_id 'a' appears twice"):
         _read(*(json.dumps({"request_id": rid, "prompt": "x"}) for rid in ("a", "b", "a")))
+
+
+async def test_progress_off_a_terminal_is_plain_lines_with_a_last_one(settings, tmp_path, capsys):
+    """stderr that is not a terminal (capsys: a log file, a pipe) gets plain lines, the last one
+    with every record counted, and no terminal codes."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"request_id": f"p{i}", "input_ids": [i + 1]}) + "\n" for i in range(40)))
+    async with running(Worker(settings, SyntheticEngine(), max_inflight=16)):
+        code = await submit_file(settings, str(src), wait=True, out=str(out), progress=True, timeout=30)
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "\x1b" not in err
+    assert re.fullmatch(r"records 40/40 [\d,.]+/s elapsed \d+\.\d s", err.strip().splitlines()[-1])
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+async def test_plain_progress_writes_a_line_each_interval_and_at_close():
+    stream = _Stream(tty=False)
+    bar = _progress(10, stream=stream, every_s=0.05)
+    bar.advance(3)  # before the first interval: nothing yet
+    assert stream.getvalue() == ""
+    await asyncio.sleep(0.06)
+    bar.advance(2)
+    bar.advance(1)  # (the next line is an interval away)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["5/10", "6/10"]
+
+
+async def test_progress_on_a_terminal_is_a_rich_bar():
+    stream = _Stream(tty=True)
+    bar = _progress(4, stream=stream)
+    bar.advance(4)
+    bar.close()
+    text = stream.getvalue()
+    assert "4/4" in text and "\x1b" in text  # drawn with terminal codes
+
+
+async def test_no_progress_writes_nothing():
+    stream = _Stream(tty=False)
+    bar = _progress(4, enabled=False, stream=stream)
+    bar.advance(4)
+    bar.close()
+    assert stream.getvalue() == ""
