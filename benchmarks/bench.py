@@ -22,7 +22,7 @@ from typing import Callable
 
 from benchmarks import sections
 from benchmarks.fleet import fleet
-from benchmarks.harness import BenchError, Server, machine_info, make_base_dir
+from benchmarks.harness import BenchError, Server, compile_checkout, machine_info, make_base_dir
 from benchmarks.results import SectionResult
 
 SECTION_ORDER = ("ceiling", "latency", "utilisation", "large", "peers", "memory", "fleet")
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    compile_checkout()
     base = make_base_dir()
     load_start = [round(x, 2) for x in os.getloadavg()]
     started = time.time()
@@ -133,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         TimeRemainingColumn,
     )
 
+    # Redrawn at each section's start and end only: a refresh thread would draw (and take the GIL)
+    # ten times a second in this process while the sections measure the CPU.
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("sections"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+                        TextColumn("sections"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                        auto_refresh=False)
     bar = progress.add_task("bench", total=len(selected))
     progress.start()
     try:
         for name in selected:
-            progress.update(bar, description=name)
+            progress.update(bar, description=name, refresh=True)
             res = SectionResult(name)
             res.details["_context"] = context  # lets peers read the ceiling figure of this run
             console.print(f"[bold]{name}[/bold] ...")
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"[bold]{name}[/bold] done in {res.wall_s:.1f}s")
             results.append(res)
             progress.advance(bar)
+            progress.refresh()
         redis_version = server.version()
     finally:
         progress.stop()

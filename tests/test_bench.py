@@ -71,6 +71,23 @@ def test_quick_bench_reports_every_figure(tmp_path: Path) -> None:
             assert section["units"][key], f"{name}.{key} has no unit"
 
 
+def test_the_checkout_is_byte_compiled_also_where_python_writes_no_bytecode(tmp_path: Path, monkeypatch) -> None:
+    """``compile_checkout`` writes the ``.pyc`` files pip writes at install, also under
+    ``PYTHONDONTWRITEBYTECODE`` (where importing writes none), so processes the bench starts do
+    not compile every module again."""
+    import importlib.util
+
+    from benchmarks.harness import compile_checkout
+
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for module in ("pkg/__init__.py", "pkg/mod.py", "pkg/sub/__init__.py"):
+        (tmp_path / module).write_text("X = 1\n")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    compile_checkout(tmp_path, ("pkg",))
+    for module in ("pkg/__init__.py", "pkg/mod.py", "pkg/sub/__init__.py"):
+        assert Path(importlib.util.cache_from_source(str(tmp_path / module))).is_file(), module
+
+
 def test_ratio_bound_from_the_raw_runs() -> None:
     """The bound: raw asyncio clients' CPU plus redroll's redis-server CPU per request, at the
     raw sync flow's core use (here 1.5 cores: 30 us x 10,000 requests in 0.2 s)."""
