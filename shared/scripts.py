@@ -325,5 +325,5 @@ class Scripts:
         """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost."""
         if not entry_ids:
             return []
-        lost = await _run(self._renew, [stream], [group, consumer, idle_ms, *entry_ids], self.redis)
+        lost = await _run(self._renew, [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
         return [_s(x) for x in lost]

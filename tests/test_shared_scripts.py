@@ -99,6 +99,23 @@ async def test_submit_without_reply_to_and_in_pipeline(r, settings):
     assert b"reply_to" not in entries[0][1]
 
 
+async def test_submit_entry_fields_in_every_shape(r, settings):
+    # with and without a reply stream, with and without an affinity key: each shape has its own XADD
+    keys, scripts = settings.keys, Scripts(r)
+    shapes = {"none": (None, None), "reply": (keys.results, None), "ak": (None, "s1"), "both": (keys.results, "s2")}
+    items = [(keys.rid(rid), "t", rid, reply_to, data_for(rid), ak) for rid, (reply_to, ak) in shapes.items()]
+    out = await scripts.submit_many_in(r, requests_key=keys.requests, rid_ttl_s=60, items=items)
+    assert [code for code, _ in out] == [1, 1, 1, 1]
+    fields = {e[1][b"rid"].decode(): list(e[1].items()) for e in await r.xrange(keys.requests)}
+    reply = keys.results.encode()
+    assert fields == {
+        "none": [(b"rid", b"none"), (b"data", data_for("none"))],
+        "reply": [(b"rid", b"reply"), (b"reply_to", reply), (b"data", data_for("reply"))],
+        "ak": [(b"rid", b"ak"), (b"ak", b"s1"), (b"data", data_for("ak"))],
+        "both": [(b"rid", b"both"), (b"reply_to", reply), (b"ak", b"s2"), (b"data", data_for("both"))],
+    }
+
+
 async def test_finish_releases_rid_so_it_can_be_reused(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     await ensure_group(r, keys.requests, G)

@@ -2,7 +2,7 @@
 -- KEYS[1] request stream, then per item i (1-based): KEYS[3i-1] reply stream, KEYS[3i] rid key,
 -- KEYS[3i+1] checkpoint key ({tag}:partial:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
--- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap (0 = none),
+-- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
 -- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
 -- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry, or the
 -- entry came earlier in this call), or the error the reply stream answered (a string: nothing of
@@ -38,7 +38,7 @@ end
 local owned = {}
 local start = lo
 while n > 0 do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], start, hi, 1000, ARGV[2])
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], start, hi, '1000', ARGV[2])
   for _, e in ipairs(p) do owned[e[1]] = true end
   if #p < 1000 then break end
   start = '(' .. p[#p][1]
@@ -53,9 +53,11 @@ for i = 1, n do
     owned[entry] = nil  -- (an entry listed twice is published once)
     local reply, ridkey, partial = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
-    local cap = tonumber(ARGV[a + 5])
+    -- The cap goes to XADD as the string it came as: a Lua number would be formatted back with
+    -- printf for every item.
+    local cap = ARGV[a + 5]
     local added
-    if cap > 0 then
+    if cap ~= '0' then
       added = redis.pcall('XADD', reply, 'MAXLEN', '~', cap, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3],
                           'worker', ARGV[3], 'data', ARGV[a + 4])
     else

@@ -4,14 +4,15 @@
 -- KEYS[1] stream   ARGV[1] group  ARGV[2] consumer  ARGV[3] idle ms to set (0 = renew now)
 -- ARGV[4..] entry ids
 -- Returns the ids this consumer no longer owns.
+-- (Numbers are passed to redis.call as strings: a Lua number is formatted back with printf.)
 local lost = {}
 for i = 4, #ARGV do
   local id = ARGV[i]
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, '1')
   if #p == 0 or p[1][2] ~= ARGV[2] then
     table.insert(lost, id)
   else
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', tonumber(ARGV[3]), 'JUSTID')
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], '0', id, 'IDLE', ARGV[3], 'JUSTID')
   end
 end
 return lost

@@ -29,8 +29,11 @@ for i = 1, #KEYS - 1 do
     end
   else
     local id
-    if ak == '' and reply ~= '' then  -- (the usual shape: no table to build)
+    -- The usual shapes (a reply stream or none, no affinity key) build no table.
+    if ak == '' and reply ~= '' then
       id = redis.pcall('XADD', stream, '*', 'rid', rid, 'reply_to', reply, 'data', data)
+    elseif ak == '' then
+      id = redis.pcall('XADD', stream, '*', 'rid', rid, 'data', data)
     else
       local entry = {'XADD', stream, '*', 'rid', rid}
       if reply ~= '' then
