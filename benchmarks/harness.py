@@ -197,8 +197,8 @@ def compile_checkout(root: Path = ROOT, names: tuple[str, ...] = PACKAGE_DIRS) -
 class Server:
     """The suite's private redis-server and a sync client on it."""
 
-    def __init__(self) -> None:
-        self.server: RedisServer = start_redis_server("--loglevel", "warning")
+    def __init__(self, executable: str | None = None) -> None:
+        self.server: RedisServer = start_redis_server("--loglevel", "warning", executable=executable)
         self.url = self.server.url
         self.r = redis.Redis.from_url(self.url)
 
