@@ -124,10 +124,11 @@ def profile(server: Server, requests: int, base: Path, frequency: int = 4000) ->
     data = base / "perf.data"
     recording: list[subprocess.Popen] = []
     cpu: list[float] = []
+    log = open(base / "perf-record.log", "wb")
 
     def start() -> None:
         recording.append(subprocess.Popen([perf, "record", "-F", str(frequency), "-g", "-o", str(data), "-p",
-                                           str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                           str(pid)], stdout=log, stderr=subprocess.STDOUT))
         time.sleep(0.5)  # (perf attaches before the producer starts)
         cpu.append(server.cpu_s())
 
@@ -136,7 +137,11 @@ def profile(server: Server, requests: int, base: Path, frequency: int = 4000) ->
         recording[0].send_signal(signal.SIGINT)
         recording[0].wait(60)
 
-    run = queue_run(server, new_run_dir(base, "ceiling"), requests, on_ready=start, after_done=stop)
+    with log:
+        run = queue_run(server, new_run_dir(base, "ceiling"), requests, on_ready=start, after_done=stop)
+    if not data.exists():  # (perf_event_paranoid, a container without the capability, ...)
+        raise SystemExit("redis_profile: perf record wrote nothing: "
+                         + (base / "perf-record.log").read_text(errors="replace").strip()[-500:])
     text = subprocess.run([perf, "script", "-i", str(data), "-F", "tid,ip,sym"], capture_output=True, text=True,
                           check=True).stdout
     out = split(samples(text), round((cpu[1] - cpu[0]) * 1e6 / requests, 2))
