@@ -49,6 +49,8 @@ class Outcomes:
         self._refusing: dict[InFlight, StreamRefusedError] = {}
         """Entries whose record or dead letter Redis refuses, and what it answered last."""
         self.retry_max_s = 2.0
+        self._results_cap = max(0, ctx.settings.results_max_len)
+        """The results stream's MAXLEN safety cap (0 or less in the settings: none)."""
 
     @property
     def blocked(self) -> dict[str, str]:
@@ -63,7 +65,7 @@ class Outcomes:
         flight.publishing = True
         return Finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
                       rid_key=part.rid(request.request_id), record=record,
-                      cap=self.ctx.settings.results_max_len if reply_key == part.results else 0,
+                      cap=self._results_cap if reply_key == part.results else 0,
                       partial_key=part.partial(request.request_id) if request.resumable else None)
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:

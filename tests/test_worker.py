@@ -277,3 +277,20 @@ async def test_a_previous_runs_entries_under_the_same_name_are_still_suspects(se
     finally:
         await stop(worker, task)
     assert worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2])
+async def test_records_to_the_results_stream_under_any_cap_setting(settings, r, cap):
+    # 0 or less: no MAXLEN; above: an approximate one. A cap setting never makes a record refused.
+    s = settings.with_(results_max_len=cap)
+    worker, task = await start_worker(s)
+    await send(s, r, [make_request(request_id=f"capped-{i}", prompt="x") for i in range(5)])
+
+    async def published() -> bool:
+        return await r.xlen(s.keys.results) == 5
+
+    await wait_until(published, timeout=10)
+    await stop(worker, task)
+    rids = sorted(f[b"rid"].decode() for _, f in await r.xrange(s.keys.results))
+    assert rids == [f"capped-{i}" for i in range(5)]  # (~ trims whole nodes only: 5 entries stay)
+    assert await r.xlen(s.keys.dead) == 0
