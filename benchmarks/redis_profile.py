@@ -71,8 +71,8 @@ def _command_under(stack: list[str], start: int) -> str:
     name = below[0]
     for suffix in ("GenericCommand", "Command"):
         if name.endswith(suffix):
-            return {"XREAD": "XREAD/XREADGROUP", "EXEC": "MULTI/EXEC"}.get(name[:-len(suffix)].upper(),
-                                                                          name[:-len(suffix)].upper())
+            command = name[:-len(suffix)].upper()
+            return {"XREAD": "XREAD/XREADGROUP", "EXEC": "MULTI/EXEC"}.get(command, command)
     return "(call's own bookkeeping)"
 
 
