@@ -10,6 +10,12 @@
 ``--mode sync`` uses ``redis.Redis``; ``--mode async`` uses ``redis.asyncio.Redis`` (one
 coroutine, same batching). Each role stops after ``--count`` entries and writes a JSON file with
 its first and last timestamps.
+
+``--rate R`` (async only): the latency floor of the same three hops. The producer sends one entry
+per round trip, paced at R per second on an absolute schedule, each stamped (field ``t``) with
+``time.time()`` just before its ``XADD``; the worker copies ``t`` into the result entry; the
+consumer's report adds ``samples_ms``: its read time minus ``t`` for each entry. Every role runs on
+the event loop redroll's own processes use (:func:`redroll.runtime.run`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import redis.asyncio
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import sample_record_fields, sample_request_fields
+from redroll.runtime import run as run_on_redroll_loop
 from redroll.shared.keys import Keys
 
 GROUP_W = "workers"
@@ -38,6 +45,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--chunk", type=int, default=500)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rate", type=float, default=0.0)
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -99,7 +107,20 @@ async def run_async(a: argparse.Namespace) -> dict:
     name = f"{a.role}-raw"
     done = 0
     t_first = None
-    if a.role == "producer":
+    samples: list[float] = []
+    if a.role == "producer" and a.rate > 0:
+        f = sample_request_fields(a.namespace)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        t_first = time.time()
+        while done < a.count:
+            delay = start + done / a.rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await r.xadd(keys.requests, {"rid": f"{done:032x}_0", "reply_to": f["reply_to"], "data": f["data"],
+                                         "t": repr(time.time())})
+            done += 1
+    elif a.role == "producer":
         f = sample_request_fields(a.namespace)
         t_first = time.time()
         while done < a.count:
@@ -120,8 +141,10 @@ async def run_async(a: argparse.Namespace) -> dict:
                 t_first = time.time()
             async with r.pipeline(transaction=False) as pipe:
                 for _eid, fields in entries:
-                    pipe.xadd(keys.results, {"rid": fields[b"rid"], "status": rec["status"],
-                                             "worker": rec["worker"], "data": rec["data"]})
+                    out = {"rid": fields[b"rid"], "status": rec["status"], "worker": rec["worker"], "data": rec["data"]}
+                    if b"t" in fields:
+                        out["t"] = fields[b"t"]
+                    pipe.xadd(keys.results, out)
                 pipe.xack(keys.requests, GROUP_W, *[eid for eid, _ in entries])
                 await pipe.execute()
             done += len(entries)
@@ -131,18 +154,29 @@ async def run_async(a: argparse.Namespace) -> dict:
             entries = [e for _s, es in resp or [] for e in es]
             if not entries:
                 continue
+            now = time.time()
             if t_first is None:
-                t_first = time.time()
+                t_first = now
+            samples.extend((now - float(fields[b"t"])) * 1000.0 for _eid, fields in entries if b"t" in fields)
             await r.xack(keys.results, GROUP_C, *[eid for eid, _ in entries])
             done += len(entries)
     out = {"t_first": t_first, "t_last": time.time(), "count": done, "cpu_s": time.process_time() - cpu0}
+    if samples:
+        out["samples_ms"] = [round(x, 4) for x in samples]
     await r.aclose()
     return out
 
 
 def main() -> None:
     a = _parse()
-    out = run_sync(a) if a.mode == "sync" else asyncio.run(run_async(a))
+    if a.rate > 0 and a.mode != "async":
+        raise SystemExit("--rate needs --mode async")
+    if a.mode == "sync":
+        out = run_sync(a)
+    elif a.rate > 0:
+        out = run_on_redroll_loop(run_async(a))
+    else:
+        out = asyncio.run(run_async(a))
     write_json_atomic(a.out, out)
 
 

@@ -217,7 +217,9 @@ def ratio_bound(details: dict[str, Any], best_raw: float, n: int) -> dict[str, A
                    "flow's core use; a zero-cost redroll client could not beat this"}
 
 
-def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str, Any]:
+def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str, rate: float = 0.0) -> dict[str, Any]:
+    """The bare redis-py three hops (``benchmarks.proc_raw``): flat out, or with ``rate`` > 0 paced
+    one entry per round trip, which adds the consumer's ``samples_ms`` (the path's latency floor)."""
     server.fresh()
     ns = "raw"
     server.r.xgroup_create("{raw}:requests", "workers", id="0", mkstream=True)
@@ -226,7 +228,7 @@ def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str,
 
     def argv(role: str) -> list[str]:
         return [PY, "-m", "benchmarks.proc_raw", "--role", role, "--mode", mode, "--url", server.url,
-                "--namespace", ns, "--count", str(n), "--out", str(outs[role])]
+                "--namespace", ns, "--count", str(n), "--rate", str(rate), "--out", str(outs[role])]
 
     env = redroll_env(server, ns)
     roles = ("producer", "worker", "consumer")
@@ -238,7 +240,8 @@ def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str,
         server.r.config_resetstat()
         r0 = server.cpu_s()
         procs.spawn("producer", argv("producer"), env)
-        wait_for(lambda: all(o.exists() for o in outs.values()), max(60, n / 200), f"the raw {mode} run",
+        wait_for(lambda: all(o.exists() for o in outs.values()), max(60, n / 200, 3 * n / rate if rate else 0),
+                 f"the raw {mode} run",
                  procs=procs, allow_exited=roles)
         r1 = server.cpu_s()
         commands = server_commands(server, n)
@@ -246,7 +249,8 @@ def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str) -> dict[str,
     elapsed = rep["consumer"]["t_last"] - rep["producer"]["t_first"]
     cpu = {role: round(rep[role]["cpu_s"] * 1e6 / n, 1) for role in roles}
     cpu["redis-server"] = round((r1 - r0) * 1e6 / n, 1)
-    return {"rate": n / elapsed, "elapsed": elapsed, "cpu_us": cpu, "commands": commands}
+    return {"rate": n / elapsed, "elapsed": elapsed, "cpu_us": cpu, "commands": commands,
+            "samples_ms": rep["consumer"].get("samples_ms") or []}
 
 
 # ====================================================================== 2. latency
@@ -289,6 +293,22 @@ def latency(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
         raise BenchError("the latency handler recorded no samples")
     res.fig("consumer_p50_added_ms", percentile(added_c, 50), "ms", target="< 2", check=lambda v: v < 2)
     res.fig("consumer_p99_added_ms", percentile(added_c, 99), "ms", target="< 10", check=lambda v: v < 10)
+    # (c) the machine's floor for the consumer path's hops: bare redis-py, same rate and bytes
+    floor = raw_three_hop(server, new_run_dir(base, "latency-floor"), n, "async", rate=rate)["samples_ms"][warm:]
+    if not floor:
+        raise BenchError("the raw paced run recorded no samples")
+    res.fig("raw_floor_p50_ms", percentile(floor, 50), "ms",
+            note="bare redis-py three hops at the same rate: producer -> worker -> consumer, no redroll")
+    res.fig("raw_floor_p99_ms", percentile(floor, 99), "ms")
+    res.details["raw_floor"] = {
+        "ms": _stats_ms(floor),
+        "consumer_added_over_floor_p50_ms": round(percentile(added_c, 50) - percentile(floor, 50), 3),
+        "how": f"benchmarks.proc_raw --mode async --rate {rate:g}: the producer XADDs one request entry (the same "
+               f"bytes) per round trip, stamped with time.time() just before; the worker (XREADGROUP BLOCK) XADDs "
+               f"a result entry of a record's size carrying the stamp, and XACKs; the consumer (XREADGROUP BLOCK) "
+               f"takes its read time minus the stamp. No decoding, de-duplication, Lua or engine: what waking "
+               f"three processes and Redis costs on this machine at this rate, under the consumer path's figure",
+    }
     res.details["consumer_path"] = {
         "added_ms": _stats_ms(added_c),
         "queue_ms": _stats_ms([q for _t, _e, q in rows[warm:]]),

@@ -25,7 +25,7 @@ EXPECTED = {
                 "redroll_server_us_per_request", "raw_sync_server_us_per_request", "redroll_clients_us_per_request",
                 "raw_sync_clients_us_per_request", "submit_wait_rps", "submit_wait_vs_api", "redroll_worker_cores_busy"},
     "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
-                "consumer_p99_added_ms"},
+                "consumer_p99_added_ms", "raw_floor_p50_ms", "raw_floor_p99_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
                     "ratio_4w_inflight_eq_slots"},
     "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps", "longest_redis_command_ms"},
@@ -104,6 +104,26 @@ def test_ratio_bound_from_the_raw_runs() -> None:
     assert bound["floor_cpu_us_per_request"] == 60.0  # 15 + 20 + 5 (raw asyncio clients) + 20 (redroll's server)
     assert bound["cores_busy_in_raw_sync"] == 1.5
     assert bound["rate"] == 25_000 and bound["ratio"] == 0.5
+
+
+@pytest.mark.timeout(120)
+def test_paced_raw_run_times_every_entry_through_the_three_hops(tmp_path: Path) -> None:
+    """``proc_raw --rate``: one stamped entry per round trip; the consumer's report has one latency
+    sample per entry, each the time from the producer's stamp to the consumer's read."""
+    from benchmarks.harness import Server
+    from benchmarks.sections import raw_three_hop
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (the benchmark starts its own)")
+    server = Server()
+    try:
+        out = raw_three_hop(server, tmp_path, 40, "async", rate=200.0)
+    finally:
+        server.stop()
+    samples = out["samples_ms"]
+    assert len(samples) == 40
+    assert all(0 < x < 5000 for x in samples)
+    assert out["elapsed"] >= 39 / 200.0  # paced: 40 entries at 200/s take at least 195 ms
 
 
 def test_packed_arrays_cost_reports_sizes_and_times() -> None:
