@@ -42,10 +42,8 @@ end
 -- `aligned_only`, a lane whose head continues the key its owner took last (a group it is part way
 -- through) yields nothing: such lanes are stolen from only after the others.
 -- Returns the count, and true when only `aligned_only` held it back (the lane is worth a second
--- look). An empty lane costs one XLEN: an idle fleet's scans stay cheap.
-local function stealable(key, cutoff_ms, n, depth, aligned_only)
-  local length = redis.pcall('XLEN', key)
-  if type(length) ~= 'number' or length == 0 then return 0 end
+-- look). `length` is the lane's XLEN (more than 0: the caller skips empty lanes).
+local function stealable(key, length, cutoff_ms, n, depth, aligned_only)
   local groups = redis.pcall('XINFO', 'GROUPS', key)
   if type(groups) ~= 'table' or groups.err then return 0 end
   local last, pending
@@ -107,13 +105,20 @@ if budget > 0 and #KEYS > 2 + own then
   local held_back = {}  -- lanes whose head continues their owner's key: looked at again after the others
   for i = 3 + own, #KEYS do
     if budget <= 0 then break end
-    local count, aligned = stealable(KEYS[i], cutoff, budget, depth, true)
-    if aligned then held_back[#held_back + 1] = KEYS[i] end
-    budget = budget - take(KEYS[i], count, 'stolen')
+    -- An empty lane costs one XLEN and nothing more (not even a Lua function call: a third of
+    -- an idle fleet's scan was those calls), so an idle fleet's scans stay cheap.
+    local key = KEYS[i]
+    local length = redis.pcall('XLEN', key)
+    if type(length) == 'number' and length > 0 then
+      local count, aligned = stealable(key, length, cutoff, budget, depth, true)
+      if aligned then held_back[#held_back + 1] = {key, length} end
+      budget = budget - take(key, count, 'stolen')
+    end
   end
-  for _, key in ipairs(held_back) do
+  for _, lane in ipairs(held_back) do
     if budget <= 0 then break end
-    budget = budget - take(key, stealable(key, cutoff, budget, depth, false), 'stolen')
+    local key, length = lane[1], lane[2]
+    budget = budget - take(key, stealable(key, length, cutoff, budget, depth, false), 'stolen')
   end
 end
 return out
