@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -20,10 +20,13 @@ log = logging.getLogger("redroll.worker")
 
 
 class Claimer:
-    def __init__(self, ctx: WorkerContext, flights: Flights, *, reclaim_interval_s: float):
+    def __init__(self, ctx: WorkerContext, flights: Flights, *, reclaim_interval_s: float,
+                 reclaim_streams: Callable[[], list[str]] | None = None):
         self.ctx = ctx
         self.flights = flights
         self.reclaim_interval_s = reclaim_interval_s
+        self.reclaim_streams = reclaim_streams or (lambda: ctx.request_streams)
+        """The request streams a reclaim pass looks at (with affinity lanes: ``LaneTable.reclaim_streams``)."""
 
 
     # ------------------------------------------------------------ new entries
@@ -144,12 +147,13 @@ class Claimer:
         # slots to empty, so a busy worker still takes over a dead one's work. One round trip for
         # every request stream (with affinity lanes there are hundreds, mostly empty).
         count = max(flights.max_inflight - flights.occupied, 16) * 4
+        streams = self.reclaim_streams()
         async with ctx.redis.pipeline(transaction=False) as pipe:
-            for stream in ctx.request_streams:
+            for stream in streams:
                 pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
                                     idle=ctx.settings.claim_idle_ms)
             pending = await pipe.execute()
-        for stream, idle in zip(ctx.request_streams, pending):  # high priority first
+        for stream, idle in zip(streams, pending):  # high priority first
             idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
             if not idle:
                 continue

@@ -13,6 +13,18 @@ A worker claims, in one atomic script (``claim_lanes.lua``), the high-priority s
 lanes, the shared stream, and then entries of other lanes that have waited longer than
 ``steal_after_ms`` or lie deep in a lane, in whole runs of one key where it can (see the script),
 so an owner that is busy, slow or just dead costs a queued entry about twice that wait at most.
+
+Which other lanes a worker's steal scans look at (:attr:`LaneTable.scanned`): every lane whose
+owner had no free slot at its last heartbeat (or whose beat does not say), and, of the lanes whose
+owner had room, only those it watches: each lane's first :data:`WATCHERS` workers after its owner
+in the lane's rendezvous order. An owner with room takes its own lanes' entries at once (it blocks
+on them), so those lanes need only a few lookers in case it stops or fills up between two beats;
+with every worker scanning every lane, an idle fleet's scans grew with workers x lanes.
+
+For the same reason a worker's reclaim passes (``XPENDING … IDLE``) look at the lanes it owns or
+watches, not at all of them (:meth:`LaneTable.reclaim_streams`): every lane still has its owner and
+its watchers among the claiming workers, and a dead one drops out of every lane's plan within a
+few heartbeats, long before an entry it held is ``claim_idle`` old.
 """
 
 from __future__ import annotations
@@ -40,25 +52,48 @@ STEAL_DEPTH_FACTOR = 2
 key), without waiting ``steal_after_ms``; a steal ends at the end of one key's run where it can."""
 """Heartbeat states of a worker that owns lanes."""
 
+WATCHERS = 3
+"""Besides its owner, the workers whose steal scans look at a lane while its owner has free slots:
+the first ``WATCHERS`` others in the lane's rendezvous order (all the others in a smaller fleet)."""
+
 
 def _score(worker: str, lane: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{worker}|{lane}".encode(), digest_size=8).digest(), "big")
 
 
-def lane_owners(workers: Iterable[str], lanes: int) -> list[str | None]:
-    """The owner of each lane: capped rendezvous hashing (each lane goes to its highest-scoring
-    worker that holds fewer than ceil(L / W) lanes), the same on every worker given the same set."""
+def lane_plan(workers: Iterable[str], lanes: int,
+              watchers: int = WATCHERS) -> tuple[list[str | None], list[list[str]]]:
+    """The owner and the watchers of each lane, the same on every worker given the same set.
+
+    Owners: capped rendezvous hashing (each lane goes to its highest-scoring worker that holds
+    fewer than ceil(L / W) lanes). Watchers: the lane's first ``watchers`` other workers by score."""
     names = sorted(set(workers))
     if not names:
-        return [None] * lanes
+        return [None] * lanes, [[] for _ in range(lanes)]
     cap = -(-lanes // len(names))
     load = dict.fromkeys(names, 0)
     owners: list[str | None] = []
+    watching: list[list[str]] = []
     for lane in range(lanes):
-        owner = next(w for w in sorted(names, key=lambda w: _score(w, lane), reverse=True) if load[w] < cap)
+        order = sorted(names, key=lambda w: _score(w, lane), reverse=True)
+        owner = next(w for w in order if load[w] < cap)
         load[owner] += 1
         owners.append(owner)
-    return owners
+        watching.append([w for w in order if w != owner][:watchers])
+    return owners, watching
+
+
+def lane_owners(workers: Iterable[str], lanes: int) -> list[str | None]:
+    """The owner of each lane (see :func:`lane_plan`)."""
+    return lane_plan(workers, lanes)[0]
+
+
+def has_room(beat: dict[str, Any] | None) -> bool:
+    """Whether a worker's heartbeat says it had a free slot (False when it does not say)."""
+    try:
+        return int(beat["inflight"]) < int(beat["max_inflight"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def claiming_workers(beats: dict[str, dict[str, Any]], now: float, stale_after_s: float) -> list[str]:
@@ -74,6 +109,11 @@ class LaneTable:
         self.ctx = ctx
         self.lanes = ctx.settings.affinity_lanes
         self.owners: list[str | None] = [None] * self.lanes
+        self.scanned: list[int] = list(range(self.lanes))
+        """The other lanes this worker's steal scans look at (see the module's docstring)."""
+        self.reclaimed: list[int] = list(range(self.lanes))
+        """The lanes this worker's reclaim passes look at: those it owns or watches, and any lane
+        with no owner (every lane until the first refresh)."""
         self.stale_after_s = max(3 * ctx.settings.heartbeat_s, 1.0)
 
     @property
@@ -93,11 +133,23 @@ class LaneTable:
         (claiming.add if my_state in CLAIMING_STATES else claiming.discard)(self.ctx.name)
         if self.ctx.metrics is not None:
             self.ctx.stats.queued = await self.queued()
-        owners = lane_owners(claiming, self.lanes)
+        owners, watchers = lane_plan(claiming, self.lanes)
         if owners != self.owners:
             mine = [j for j, o in enumerate(owners) if o == self.ctx.name]
             log.info("affinity lanes: %d worker(s) claiming; this one owns %s", len(claiming), mine or "none")
         self.owners = owners
+        me = self.ctx.name
+        with_room = {name for name in claiming if name != me and has_room(beats.get(name))}
+        self.scanned = [j for j, owner in enumerate(owners)
+                        if owner != me and (owner not in with_room or me in watchers[j])]
+        self.reclaimed = [j for j, owner in enumerate(owners) if owner in (None, me) or me in watchers[j]]
+
+    def reclaim_streams(self) -> list[str]:
+        """The request streams a reclaim pass looks at, in claiming order: every partition's
+        high-priority stream, the lanes in :attr:`reclaimed`, every partition's shared stream."""
+        parts = self.ctx.parts
+        return ([k.requests_high for k in parts] + [k.lane(j) for k in parts for j in self.reclaimed]
+                + [k.requests for k in parts])
 
 
     async def queued(self) -> int:
@@ -125,9 +177,9 @@ class LaneClaimer:
 
     async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
         ctx, flights = self.ctx, self.flights
-        # Wake for a new entry in a stream this worker reads first; other lanes are looked at again
-        # at least once per steal wait, so an entry there is stolen within about twice that wait,
-        # and an idle fleet scans each lane once per worker and steal wait.
+        # Wake for a new entry in a stream this worker reads first; the lanes it scans are looked
+        # at again at least once per steal wait, so an entry there is stolen within about twice
+        # that wait, and an idle fleet scans each lane about WATCHERS times per steal wait.
         block_ms = max(1, min(ctx.block_ms, ctx.settings.steal_after_ms))
         while not ctx.stopping.is_set():
             await flights.wait_for_slot()
@@ -160,10 +212,9 @@ class LaneClaimer:
 
     async def _claim_from(self, part: Keys, budget: int) -> list[tuple[str, str, dict, str]]:
         ctx = self.ctx
-        owned = set(self.table.owned)
         got = await ctx.scripts.claim_lanes(
-            high=part.requests_high, own=[part.lane(j) for j in sorted(owned)], shared=part.requests,
-            others=[part.lane(j) for j in range(part.lanes) if j not in owned], group=WORKERS_GROUP,
+            high=part.requests_high, own=[part.lane(j) for j in self.table.owned], shared=part.requests,
+            others=[part.lane(j) for j in self.table.scanned], group=WORKERS_GROUP,
             consumer=ctx.name, budget=budget, steal_after_ms=ctx.settings.steal_after_ms,
             steal_depth=STEAL_DEPTH_FACTOR * self.flights.max_inflight)
         return [(stream, text(entry_id), script_fields(flat), kind)

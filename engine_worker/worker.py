@@ -201,7 +201,8 @@ class Worker:
         self._sync = SyncReceiver(ctx, self.flights, self._weights)
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)
         control = ControlListener(self.redis, self.keys, self.name, self, aborted, self.block_ms)
-        claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s)
+        claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s,
+                          reclaim_streams=self.lanes.reclaim_streams if self.lanes is not None else None)
         if self.lanes is not None:
             self._lane_claimer = LaneClaimer(ctx, self.flights, self.lanes, claimer._give_back)
         return ctx, claimer, control, liveness, outcomes

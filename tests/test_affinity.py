@@ -19,7 +19,7 @@ import pytest
 
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
-from redroll.engine_worker.lanes import claiming_workers, lane_owners
+from redroll.engine_worker.lanes import WATCHERS, LaneTable, claiming_workers, has_room, lane_owners, lane_plan
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
@@ -65,6 +65,53 @@ def test_lane_owners_are_capped_and_move_little():
     after = lane_owners(["a", "b"], 8)  # c died: only what c held (and the cap) moves
     assert sum(x != y for x, y in zip(owners, after)) <= 5
     assert lane_owners([], 3) == [None, None, None]
+
+
+def test_each_lane_has_watchers_besides_its_owner():
+    names = [f"w{i}" for i in range(8)]
+    owners, watchers = lane_plan(names, 32)
+    assert owners == lane_owners(names, 32)
+    for owner, watching in zip(owners, watchers):
+        assert len(watching) == WATCHERS and len(set(watching)) == WATCHERS and owner not in watching
+    assert lane_plan(list(reversed(names)), 32) == (owners, watchers)  # the same on every worker
+    # In a fleet no larger than WATCHERS + 1, every other worker watches every lane.
+    owners, watchers = lane_plan(["a", "b"], 4)
+    assert all(w == [{"a": "b", "b": "a"}[o]] for o, w in zip(owners, watchers))
+    assert lane_plan([], 2) == ([None, None], [[], []])
+
+
+def test_a_beat_has_room_only_when_it_says_so():
+    assert has_room({"inflight": 3, "max_inflight": 8})
+    assert not has_room({"inflight": 8, "max_inflight": 8})
+    assert not has_room({"state": "running"}) and not has_room(None) and not has_room({"inflight": "x"})
+
+
+async def test_steal_scans_look_at_busy_owners_lanes_and_at_watched_ones(settings, r):
+    """A worker scans every lane of an owner that had no free slot (or did not say) at its last
+    beat, and of the lanes of owners with room only those it watches."""
+    from types import SimpleNamespace
+
+    s = settings.with_(affinity_lanes=64)
+    now = time.time()
+    beats = {"me": {"state": "running", "seen": now},
+             "busy": {"state": "running", "seen": now, "inflight": 8, "max_inflight": 8},
+             "quiet": {"state": "running", "seen": now}}
+    beats.update({f"idle{i}": {"state": "running", "seen": now, "inflight": 0, "max_inflight": 8} for i in range(5)})
+    await r.hset(s.keys.workers, mapping={k: json.dumps(v) for k, v in beats.items()})
+    table = LaneTable(SimpleNamespace(settings=s, redis=r, keys=s.keys, name="me", metrics=None))
+    assert table.scanned == list(range(64))  # before its first refresh: every lane
+    await table.refresh("running")
+    owners, watchers = lane_plan(beats, 64)
+    assert table.owners == owners
+    expected = [j for j, o in enumerate(owners) if o in ("busy", "quiet") or (o != "me" and "me" in watchers[j])]
+    assert table.scanned == expected
+    assert {owners[j] for j in expected} >= {"busy", "quiet"}
+    assert len(expected) < 64 - len(table.owned)  # not every idle owner's lane
+    # Reclaim passes: the lanes it owns or watches, between the high-priority and the shared stream.
+    reclaimed = [j for j, o in enumerate(owners) if o == "me" or "me" in watchers[j]]
+    assert table.reclaimed == reclaimed and 0 < len(reclaimed) < 64
+    table.ctx.parts = [s.keys]
+    assert table.reclaim_streams() == [s.keys.requests_high, *(s.keys.lane(j) for j in reclaimed), s.keys.requests]
 
 
 async def test_placement_by_key_group_and_priority(settings, r):
@@ -134,18 +181,20 @@ async def test_two_workers_split_the_lanes_and_keep_groups_together(settings, r)
     assert sum(w.stats.claims_by_kind.get("stolen", 0) for w in workers) == 0
 
 
-async def beat_forever(r, keys, name: str, stop: asyncio.Event) -> None:
+async def beat_forever(r, keys, name: str, stop: asyncio.Event, **extra) -> None:
     """A worker that says it is claiming and never claims (hung, or its loop is stuck)."""
     while not stop.is_set():
-        await r.hset(keys.workers, name, json.dumps({"state": "running", "seen": time.time(), "pid": 0}))
+        await r.hset(keys.workers, name, json.dumps({"state": "running", "seen": time.time(), "pid": 0, **extra}))
         await asyncio.sleep(0.2)
 
 
-async def test_entries_on_a_silent_owners_lanes_are_stolen_after_the_wait(settings, r):
+@pytest.mark.parametrize("ghost_beat", [{}, {"inflight": 0, "max_inflight": 8}], ids=["says-nothing", "says-it-has-room"])
+async def test_entries_on_a_silent_owners_lanes_are_stolen_after_the_wait(settings, r, ghost_beat):
+    # A beat that says the owner has room leaves its lanes to their watchers (here the only other worker).
     s = lanes_settings(settings, steal_after_ms=400)
     worker = Worker(s, SyntheticEngine(token_ms=1), max_inflight=8, block_ms=100, name="real")
     stop = asyncio.Event()
-    ghost = asyncio.create_task(beat_forever(r, s.keys, "ghost", stop))
+    ghost = asyncio.create_task(beat_forever(r, s.keys, "ghost", stop, **ghost_beat))
     try:
         async with running(worker), Producer(s) as p:
             await wait_until(lambda: len(worker.lanes.owned) == 2, 10)
