@@ -33,7 +33,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import stream_backlog
@@ -61,25 +61,33 @@ def _score(worker: str, lane: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{worker}|{lane}".encode(), digest_size=8).digest(), "big")
 
 
-def lane_plan(workers: Iterable[str], lanes: int,
-              watchers: int = WATCHERS) -> tuple[list[str | None], list[list[str]]]:
+def lane_scores(worker: str, lanes: int) -> list[int]:
+    """``worker``'s rendezvous score for each lane (fixed for a name: :class:`LaneTable` keeps them)."""
+    return [_score(worker, lane) for lane in range(lanes)]
+
+
+def lane_plan(workers: Iterable[str], lanes: int, watchers: int = WATCHERS,
+              scores: Callable[[str], list[int]] | None = None) -> tuple[list[str | None], list[list[str]]]:
     """The owner and the watchers of each lane, the same on every worker given the same set.
 
     Owners: capped rendezvous hashing (each lane goes to its highest-scoring worker that holds
-    fewer than ceil(L / W) lanes). Watchers: the lane's first ``watchers`` other workers by score."""
+    fewer than ceil(L / W) lanes). Watchers: the lane's first ``watchers`` other workers by score.
+    ``scores`` gives a worker's :func:`lane_scores` (kept between calls, so that a refresh of a
+    fleet of hundreds hashes only its new names)."""
     names = sorted(set(workers))
     if not names:
         return [None] * lanes, [[] for _ in range(lanes)]
+    rows = [scores(w) if scores is not None else lane_scores(w, lanes) for w in names]
     cap = -(-lanes // len(names))
-    load = dict.fromkeys(names, 0)
+    load = [0] * len(names)
     owners: list[str | None] = []
     watching: list[list[str]] = []
-    for lane in range(lanes):
-        order = sorted(names, key=lambda w: _score(w, lane), reverse=True)
-        owner = next(w for w in order if load[w] < cap)
+    for column in zip(*rows):  # one lane: each worker's score
+        order = sorted(range(len(names)), key=column.__getitem__, reverse=True)
+        owner = next(i for i in order if load[i] < cap)
         load[owner] += 1
-        owners.append(owner)
-        watching.append([w for w in order if w != owner][:watchers])
+        owners.append(names[owner])
+        watching.append([names[i] for i in order[:watchers + 1] if i != owner][:watchers])
     return owners, watching
 
 
@@ -114,6 +122,8 @@ class LaneTable:
         self.reclaimed: list[int] = list(range(self.lanes))
         """The lanes this worker's reclaim passes look at: those it owns or watches, and any lane
         with no owner (every lane until the first refresh)."""
+        self._scores: dict[str, list[int]] = {}
+        """Each claiming worker's :func:`lane_scores` (a name's never change)."""
         self.stale_after_s = max(3 * ctx.settings.heartbeat_s, 1.0)
 
     @property
@@ -133,7 +143,8 @@ class LaneTable:
         (claiming.add if my_state in CLAIMING_STATES else claiming.discard)(self.ctx.name)
         if self.ctx.metrics is not None:
             self.ctx.stats.queued = await self.queued()
-        owners, watchers = lane_plan(claiming, self.lanes)
+        self._scores = {name: self._scores.get(name) or lane_scores(name, self.lanes) for name in claiming}
+        owners, watchers = lane_plan(claiming, self.lanes, scores=self._scores.__getitem__)
         if owners != self.owners:
             mine = [j for j, o in enumerate(owners) if o == self.ctx.name]
             log.info("affinity lanes: %d worker(s) claiming; this one owns %s", len(claiming), mine or "none")

@@ -19,7 +19,15 @@ import pytest
 
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
-from redroll.engine_worker.lanes import WATCHERS, LaneTable, claiming_workers, has_room, lane_owners, lane_plan
+from redroll.engine_worker.lanes import (
+    WATCHERS,
+    LaneTable,
+    claiming_workers,
+    has_room,
+    lane_owners,
+    lane_plan,
+    lane_scores,
+)
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
@@ -74,6 +82,8 @@ def test_each_lane_has_watchers_besides_its_owner():
     for owner, watching in zip(owners, watchers):
         assert len(watching) == WATCHERS and len(set(watching)) == WATCHERS and owner not in watching
     assert lane_plan(list(reversed(names)), 32) == (owners, watchers)  # the same on every worker
+    kept = {n: lane_scores(n, 32) for n in names}
+    assert lane_plan(names, 32, scores=kept.__getitem__) == (owners, watchers)
     # In a fleet no larger than WATCHERS + 1, every other worker watches every lane.
     owners, watchers = lane_plan(["a", "b"], 4)
     assert all(w == [{"a": "b", "b": "a"}[o]] for o, w in zip(owners, watchers))
@@ -112,6 +122,11 @@ async def test_steal_scans_look_at_busy_owners_lanes_and_at_watched_ones(setting
     assert table.reclaimed == reclaimed and 0 < len(reclaimed) < 64
     table.ctx.parts = [s.keys]
     assert table.reclaim_streams() == [s.keys.requests_high, *(s.keys.lane(j) for j in reclaimed), s.keys.requests]
+    # The scores it keeps are those of the workers claiming now.
+    assert set(table._scores) == set(beats)
+    await r.hdel(s.keys.workers, "busy")
+    await table.refresh("running")
+    assert set(table._scores) == set(beats) - {"busy"}
 
 
 async def test_placement_by_key_group_and_priority(settings, r):
