@@ -105,7 +105,7 @@ if budget > 0 and #KEYS > 2 + own then
   local held_back = {}  -- lanes whose head continues their owner's key: looked at again after the others
   for i = 3 + own, #KEYS do
     if budget <= 0 then break end
-    -- An empty lane costs one XLEN and nothing more (not even a Lua function call: a third of
+    -- An empty lane costs one XLEN and nothing more (not even a Lua function call: about a quarter of
     -- an idle fleet's scan was those calls), so an idle fleet's scans stay cheap.
     local key = KEYS[i]
     local length = redis.pcall('XLEN', key)
