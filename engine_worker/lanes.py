@@ -91,11 +91,6 @@ def lane_plan(workers: Iterable[str], lanes: int, watchers: int = WATCHERS,
     return owners, watching
 
 
-def lane_owners(workers: Iterable[str], lanes: int) -> list[str | None]:
-    """The owner of each lane (see :func:`lane_plan`)."""
-    return lane_plan(workers, lanes)[0]
-
-
 def has_room(beat: dict[str, Any] | None) -> bool:
     """Whether a worker's heartbeat says it had a free slot (False when it does not say)."""
     try:
