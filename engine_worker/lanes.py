@@ -151,11 +151,11 @@ class LaneTable:
         self.reclaimed = [j for j, owner in enumerate(owners) if owner in (None, me) or me in watchers[j]]
 
     def reclaim_streams(self) -> list[str]:
-        """The request streams a reclaim pass looks at, in claiming order: every partition's
-        high-priority stream, the lanes in :attr:`reclaimed`, every partition's shared stream."""
-        parts = self.ctx.parts
-        return ([k.requests_high for k in parts] + [k.lane(j) for k in parts for j in self.reclaimed]
-                + [k.requests for k in parts])
+        """The request streams a reclaim pass looks at: the worker's request streams, in their
+        claiming order, less the lanes that are not in :attr:`reclaimed`."""
+        reclaimed = set(self.reclaimed)
+        skipped = {s for k in self.ctx.parts for j, s in enumerate(k.lane_streams) if j not in reclaimed}
+        return [s for s in self.ctx.request_streams if s not in skipped]
 
 
     async def queued(self) -> int:

@@ -118,7 +118,7 @@ async def test_steal_scans_look_at_busy_owners_lanes_and_at_watched_ones(setting
     # Reclaim passes: the lanes it owns or watches, between the high-priority and the shared stream.
     reclaimed = [j for j, o in enumerate(owners) if o == "me" or "me" in watchers[j]]
     assert table.reclaimed == reclaimed and 0 < len(reclaimed) < 64
-    table.ctx.parts = [s.keys]
+    table.ctx.parts, table.ctx.request_streams = [s.keys], s.keys.request_streams
     assert table.reclaim_streams() == [s.keys.requests_high, *(s.keys.lane(j) for j in reclaimed), s.keys.requests]
     # The scores it keeps are those of the workers claiming now.
     assert set(table._scores) == set(beats)
