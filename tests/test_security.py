@@ -476,7 +476,6 @@ class TlsServer:
 
 @pytest.fixture(scope="module")
 def certs() -> Iterator[dict[str, str]]:
-    pytest.importorskip("cryptography")
     directory = Path(tempfile.mkdtemp(prefix="redroll-certs-"))
     yield _certificates(directory)
     shutil.rmtree(directory, ignore_errors=True)
