@@ -11,7 +11,7 @@ from typing import IO, Iterable
 import msgspec
 
 from redroll.producer.client import Producer, send
-from redroll.shared.codec import ValidationError, request_from_values
+from redroll.shared.codec import Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError
@@ -34,29 +34,25 @@ _parse_line = msgspec.json.Decoder().decode
 JSON: ``NaN``, ``Infinity`` and lone surrogates (which ``json.dumps`` can write) are refused here,
 where they would otherwise fail later or travel as values no JSON reader takes."""
 
+_only_accepted_fields = msgspec.json.Decoder(msgspec.defstruct(
+    "_AcceptedFields", [(name, msgspec.Raw, msgspec.Raw()) for name in sorted(ACCEPTED_FIELDS)],
+    forbid_unknown_fields=True)).decode
+"""Refuses a line that is not an object of accepted fields, without building any value (0.5 us)."""
+_typed_request = msgspec.json.Decoder(GenerationRequest).decode
+
 
 def read_requests(lines: Iterable[str], settings: Settings, source: str = "input") -> list[GenerationRequest]:
     """Parse and validate every line before anything is sent: a bad file sends nothing."""
     out: list[GenerationRequest] = []
     seen: set[str] = set()
+    limits = settings.limits
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = _parse_line(line)
-        except msgspec.DecodeError as exc:
-            raise InputError(f"{source}:{n}: not valid JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{source}:{n}: each line must be a JSON object")
-        unknown = obj.keys() - ACCEPTED_FIELDS
-        if unknown:
-            raise InputError(f"{source}:{n}: unknown field(s) {', '.join(sorted(unknown))}")
-        if not obj.get("request_id"):
-            obj["request_id"] = uuid.uuid4().hex  # (as make_request names a request without one)
-        try:
-            req = request_from_values(obj, settings.limits)
-        except ValidationError as exc:
-            raise InputError(f"{source}:{n}: {exc.reason}") from None
+            req = request_from_line(line, limits)
+        except InputError as exc:
+            raise InputError(f"{source}:{n}: {exc}") from None
         if req.request_id in seen:
             raise InputError(f"{source}:{n}: request_id {req.request_id!r} appears twice")
         seen.add(req.request_id)
@@ -64,13 +60,57 @@ def read_requests(lines: Iterable[str], settings: Settings, source: str = "input
     return out
 
 
+def request_from_line(line: str | bytes, limits: Limits) -> GenerationRequest:
+    """One JSON line to a request checked as it will be sent (:class:`InputError` says why not).
+
+    The usual line (accepted fields only, a ``request_id``, no nil where a value is required) is
+    decoded straight into the Struct in C, 2.2 us where the plain values' path takes 8 or more;
+    any other line takes that path, which names a missing ``request_id`` and drops nils as the
+    wire does, and has the exact reason for a refusal. A property test holds the two paths to
+    the same request or the same reason."""
+    try:
+        _only_accepted_fields(line)
+        req = _typed_request(line)
+    except msgspec.DecodeError:  # (msgspec.ValidationError is one too)
+        return request_from_plain_values(line, limits)
+    try:
+        return check_unsent(req, limits)
+    except ValidationError as exc:
+        raise InputError(exc.reason) from None
+
+
+def request_from_plain_values(line: str | bytes, limits: Limits) -> GenerationRequest:
+    """:func:`request_from_line` by way of the line's plain values: every line's meaning, and the reasons."""
+    try:
+        obj = _parse_line(line)
+    except msgspec.DecodeError as exc:
+        raise InputError(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InputError("each line must be a JSON object")
+    unknown = obj.keys() - ACCEPTED_FIELDS
+    if unknown:
+        raise InputError(f"unknown field(s) {', '.join(sorted(unknown))}")
+    if not obj.get("request_id"):
+        obj["request_id"] = uuid.uuid4().hex  # (as make_request names a request without one)
+    try:
+        return request_from_values(obj, limits)
+    except ValidationError as exc:
+        raise InputError(exc.reason) from None
+
+
 async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | None,
                       window: int = 1024, progress: bool = True, timeout: float | None = None) -> int:
     """Submit every request of ``path``; with ``wait``, write one record per line. Returns an exit code."""
     fh: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    with fh:
-        requests = read_requests(fh, settings, source=path)
-    gc.freeze()  # (the requests live until the command ends: no collection needs to walk them)
+    # Reading makes no reference cycles: a collection would only walk the growing list of requests
+    # (about 0.4 us a line). They live until the command ends, so none needs to walk them later.
+    gc.disable()
+    try:
+        with fh:
+            requests = read_requests(fh, settings, source=path)
+    finally:
+        gc.freeze()
+        gc.enable()
     if not requests:
         print(f"{path}: no requests", file=sys.stderr)
         return 1

@@ -280,12 +280,19 @@ def request_from_values(values: dict[str, Any], limits: Limits = DEFAULT_LIMITS)
         req = msgspec.convert(stripped, GenerationRequest)
     except msgspec.ValidationError as exc:
         raise _from_msgspec(exc) from None
-    # Checked as it will be sent: a ``v`` or ``submitted_at`` the values leave out is stamped at
-    # the submit (as encode_request does), so it is only stood in for here.
+    return check_unsent(req, limits, stamp_v="v" not in stripped, stamp_at="submitted_at" not in stripped)
+
+
+def check_unsent(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, stamp_v: bool = True,
+                 stamp_at: bool = True) -> GenerationRequest:
+    """Check a request that msgspec built from plain values (or a JSON line) as it will be sent:
+    the cross-field rules, the limits and the payload limit on the bytes the producer will write.
+    A ``v`` or ``submitted_at`` the values left out (``stamp_v``, ``stamp_at``) is stamped at the
+    submit, as encode_request does, so it is only stood in for here. Returns ``req`` unchanged."""
     v, at = req.v, req.submitted_at
-    if "v" not in stripped:
+    if stamp_v:
         req.v = SCHEMA_VERSION
-    if "submitted_at" not in stripped:
+    if stamp_at:
         req.submitted_at = time.time()
     try:
         _check_request(req, limits)

@@ -7,8 +7,6 @@ say — limits from settings, cross-field rules, the newer-``v`` hand-back — i
 :mod:`.codec`, small and explicit.
 """
 
-from __future__ import annotations
-
 import enum
 from typing import Annotated, Any, Literal, Optional, Union
 

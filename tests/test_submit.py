@@ -9,13 +9,25 @@ import re
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
+from redroll.shared.codec import Limits
 from redroll.shared.settings import Settings
-from redroll.shared.types import CompletionRecord
-from redroll.submit import InputError, _progress, read_requests, submit_file
+from redroll.shared.types import CompletionRecord, SamplingParams
+from redroll.submit import (
+    ACCEPTED_FIELDS,
+    InputError,
+    _progress,
+    read_requests,
+    request_from_line,
+    request_from_plain_values,
+    submit_file,
+)
 from tests.conftest import running
 
 
@@ -89,6 +101,74 @@ def test_read_requests_names_the_line_and_the_reason(line, reason):
 def test_read_requests_refuses_a_request_id_twice():
     with pytest.raises(InputError, match="in.jsonl:3: request_id 'a' appears twice"):
         _read(*(json.dumps({"request_id": rid, "prompt": "x"}) for rid in ("a", "b", "a")))
+
+
+def test_the_usual_line_is_decoded_straight_into_the_request(monkeypatch):
+    def plain_values(line, limits):
+        raise AssertionError(f"took the plain values' path: {line}")
+
+    monkeypatch.setattr("redroll.submit.request_from_plain_values", plain_values)
+    line = json.dumps({"request_id": "a", "input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 2,
+                       "sampling_params": {"max_new_tokens": 3, "stop": ["x"], "sampling_seed": None},
+                       "meta_info": {"k": [1, None]}, "callback": "h", "group_id": "g", "priority": 1,
+                       "deadline": 2e9, "resumable": True, "prompt": None})
+    req = request_from_line(line, Settings().limits)
+    assert (req.request_id, req.input_ids, req.top_logprobs_num, req.priority) == ("a", [5, 6], 2, 1)
+    assert req.sampling_params.stop == ("x",) and req.meta_info == {"k": [1, None]}
+    assert (req.v, req.submitted_at) == (0, None)  # (stamped at the submit, as for any request)
+    with pytest.raises(InputError, match="invalid sampling_params.max_new_tokens"):
+        request_from_line('{"request_id": "a", "prompt": "x", "sampling_params": {"max_new_tokens": 10000000}}',
+                          Settings().limits)
+
+
+_json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**65), max_value=2**65)
+                 | st.floats(allow_nan=False) | st.text(max_size=12) | st.sampled_from(["a", "x", "", "k-1"]))
+_json_values = st.recursive(
+    _json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+_line_keys = st.sampled_from(sorted(ACCEPTED_FIELDS) + ["v", "reply_to", "submitted_at", "requeued", "promt"])
+_sampling_keys = st.sampled_from(sorted(SamplingParams.__struct_fields__) + ["unknown"])
+_good = {"prompt": "hi", "return_logprob": True, "collect_unfinished": True, "meta_info": {"k": [1, 2.5, None]},
+         "callback": "h", "group_id": "g", "affinity_key": "s", "deadline": 2e9, "lora_path": "l", "model": "m",
+         "priority": 1, "min_weight_version": 3, "top_logprobs_num": 2, "logprob_start_len": 1,
+         "return_routed_experts": True, "resumable": True}
+
+
+@st.composite
+def _lines(draw):
+    line: dict = {"request_id": "r1", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+    for key in draw(st.lists(st.sampled_from(sorted(_good)), max_size=6)):
+        line[key] = _good[key]
+    for key, value in draw(st.dictionaries(_line_keys, _json_values, max_size=3)).items():
+        line[key] = value
+    if draw(st.booleans()):
+        line["sampling_params"] = draw(st.dictionaries(_sampling_keys, _json_values, max_size=3))
+    for key in draw(st.lists(_line_keys, max_size=2)):
+        line.pop(key, None)
+    return json.dumps(line, allow_nan=True)
+
+
+def _outcome(read, line: str, limits: Limits):
+    try:
+        req = read(line, limits)
+    except InputError as exc:
+        return str(exc)
+    if "request_id" not in json.loads(line) or not json.loads(line)["request_id"]:
+        assert len(req.request_id) == 32  # (named by uuid4 on either path)
+        req = msgspec.structs.replace(req, request_id="named")
+    return msgspec.json.encode(req)
+
+
+@hsettings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(line=_lines())
+def test_property_both_paths_read_a_line_alike(line):
+    # the typed decode takes a line only where the plain values' path reads the same request;
+    # every other line gets that path's reason
+    for limits in (Settings().limits, Limits(max_payload_bytes=300, max_meta_bytes=16, max_input_tokens=2,
+                                             max_new_tokens=100, max_n=4)):
+        assert _outcome(request_from_line, line, limits) == _outcome(request_from_plain_values, line, limits)
 
 
 async def test_progress_off_a_terminal_is_plain_lines_with_a_last_one(settings, tmp_path, capsys):
