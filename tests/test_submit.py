@@ -155,7 +155,7 @@ def _outcome(read, line: str, limits: Limits):
         req = read(line, limits)
     except InputError as exc:
         return str(exc)
-    if "request_id" not in json.loads(line) or not json.loads(line)["request_id"]:
+    if not json.loads(line).get("request_id"):
         assert len(req.request_id) == 32  # (named by uuid4 on either path)
         req = msgspec.structs.replace(req, request_id="named")
     return msgspec.json.encode(req)
