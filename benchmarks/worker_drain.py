@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import os
 import shutil
 import statistics
@@ -59,8 +60,6 @@ setup(name="redroll-compiled", script_args=sys.argv[1:], ext_modules=cythonize(
 def package_tree(dest: Path) -> Path:
     """A copy of the installed redroll packages under ``dest`` in the installed layout
     (``dest/redroll/shared/…``): put first on ``PYTHONPATH``, it is the redroll a process imports."""
-    import importlib
-
     for name in PACKAGES:
         source = Path(importlib.import_module(name).__path__[0])
         target = dest.joinpath(*name.split("."))
@@ -88,12 +87,21 @@ def build_compiled(dest: Path, modules: tuple[str, ...] = HOT_MODULES) -> Path:
                               cwd=dest, stdout=fh, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise BenchError(f"building the compiled modules failed:\n{log.read_text(errors='replace')[-3000:]}")
-    check = f"import importlib; print(*(importlib.import_module(m).__file__ for m in {list(modules)!r}))"
-    loaded = subprocess.run([sys.executable, "-c", check], cwd=dest, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(dest)}).stdout.split()
+    loaded = imported_files(dest, modules)
     if len(loaded) != len(modules) or not all(path.endswith(".so") for path in loaded):
         raise BenchError(f"the compiled modules are not the ones imported: {loaded}")
     return dest
+
+
+def imported_files(tree: Path, modules: tuple[str, ...]) -> list[str]:
+    """The files ``modules`` come from in a process started in ``tree`` as :func:`drain` starts
+    its worker there."""
+    code = f"import importlib; print(*(importlib.import_module(m).__file__ for m in {list(modules)!r}))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tree)})
+    if done.returncode != 0:
+        raise BenchError(f"importing redroll from {tree} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.split()
 
 
 async def _queue(settings: Any, n: int) -> None:
