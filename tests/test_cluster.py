@@ -169,7 +169,9 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
     flags = ("--cluster", "--partitions", "6")
 
     def start_worker():
-        return spawn(s, "worker", *flags, "--engine", "synthetic", "--token-ms", "1", "--max-inflight", "32", log=logs)
+        # 20 ms a token: each worker holds entries for about a second of the first half, so a
+        # loaded machine's slow polls (twelve XPENDING calls each) still find the first worker holding some.
+        return spawn(s, "worker", *flags, "--engine", "synthetic", "--token-ms", "20", "--max-inflight", "32", log=logs)
 
     workers = [start_worker() for _ in range(3)]
     consumers = [spawn(s, "consume", *flags, "--group", GROUP, "--handler", "apply=tests.handlers:append_to_file",
@@ -186,9 +188,7 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
                     for i in range(n)]
         await send(s, rc, requests[: n // 2])
 
-        async def first_worker_stopped_holding_entries() -> bool:
-            # As soon as it holds entries: the first half may be done within a tenth of a second,
-            # so waiting for a callback first could miss the window (it did on a loaded machine).
+        async def first_worker_stopped_holding_entries() -> bool:  # (as soon as it holds entries)
             if await _pending_of(rc, s, workers[0].pid) == 0:
                 return False
             workers[0].send_signal(signal.SIGSTOP)  # (then it cannot finish them before the kill)
@@ -206,6 +206,10 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
         await asyncio.sleep(1.0)  # let any duplicate show up before counting
         lines = applied_lines()
     finally:
+        if workers[0].poll() is None:  # (the test failed before the kill: it may be stopped too)
+            workers[0].send_signal(signal.SIGCONT)
+            workers[0].kill()
+            workers[0].wait(10)
         codes = [stop_process(p) for p in workers[1:] + consumers]
     if any(codes):
         print(logs.read_text()[-5000:])
