@@ -3,7 +3,7 @@
     python -m benchmarks.worker_drain [--requests 60000] [--pairs 4] [--compiled] [--json-out FILE]
 
 In the ceiling section four processes share two cores, so the worker's own cost per request is
-mixed with everyone else's. Here the requests are queued first (``send``, 500 a call), then one
+mixed with everyone else's. Here the requests are queued first (the ceiling's producer process), then one
 worker as the ceiling runs it (``redroll worker --engine synthetic --token-ms 0 --max-inflight
 256``) drains them with nothing else running; the figures are taken from its first record to the
 last ``--tail`` (its start and its drain at exit are left out).
@@ -19,7 +19,6 @@ compiler with Python's headers.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import os
 import shutil
@@ -32,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import ROOT, BenchError, Procs, Server, emit_json, redroll_env, wait_for
-from benchmarks.runs import NAMESPACE, redroll_worker_argv
+from benchmarks.runs import NAMESPACE, producer_argv, redroll_worker_argv
+from redroll.shared.keys import Keys
 
 HOT_MODULES = (
     "redroll.engine_worker.worker", "redroll.engine_worker.claim", "redroll.engine_worker.flights",
@@ -104,33 +104,20 @@ def imported_files(tree: Path, modules: tuple[str, ...]) -> list[str]:
     return done.stdout.split()
 
 
-async def _queue(settings: Any, n: int) -> None:
-    from benchmarks.payload import make_requests
-    from redroll.producer.client import send
-    from redroll.shared.connection import connect
-
-    r = connect(settings)
-    try:
-        for start in range(0, n, 500):
-            await send(settings, r, list(make_requests(min(500, n - start), start=start, callback="h")))
-    finally:
-        await r.aclose()
-
-
 def drain(server: Server, run_dir: Path, n: int, tail: int, python_path: Path | None = None) -> dict[str, float]:
-    """Queue ``n`` requests, then let one worker drain them alone (``python_path``: a package tree
-    its process imports redroll from)."""
-    from redroll.shared.settings import Settings
-
+    """Queue ``n`` requests (the ceiling's producer process, 500 a call), then let one worker drain
+    them alone (``python_path``: a package tree its process imports redroll from)."""
     server.fresh()
     env = redroll_env(server, NAMESPACE)
+    results, measured = Keys(NAMESPACE).results, n - tail
+    with Procs(run_dir) as procs:
+        producer = procs.spawn("producer", producer_argv(n, run_dir / "producer.json"), env)
+        if producer.popen.wait() != 0:
+            raise BenchError(f"the producer exited with code {producer.popen.returncode}:\n{producer.tail()}")
     cwd = ROOT
     if python_path is not None:  # (``python -m`` puts its folder ahead of PYTHONPATH: start it there)
         env["PYTHONPATH"] = f"{python_path}{os.pathsep}{env['PYTHONPATH']}"
         cwd = python_path
-    settings = Settings.from_env(env)
-    asyncio.run(_queue(settings, n))
-    results, measured = settings.keys.results, n - tail
     with Procs(run_dir) as procs:
         worker = procs.spawn("worker", redroll_worker_argv(token_ms=0, max_inflight=256), env, cwd=cwd)
         wait_for(lambda: server.r.xlen(results) > 0, 60, "the worker's first record", procs=procs, interval=0.001)
