@@ -11,7 +11,7 @@ from typing import IO, Iterable
 import msgspec
 
 from redroll.producer.client import Producer, send
-from redroll.shared.codec import Limits, ValidationError, check_unsent, request_from_values
+from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError
@@ -69,14 +69,16 @@ def request_from_line(line: str | bytes, limits: Limits) -> GenerationRequest:
     wire does, and has the exact reason for a refusal. A property test holds the two paths to
     the same request or the same reason."""
     try:
-        _only_accepted_fields(line)
-        req = _typed_request(line)
-    except msgspec.DecodeError:  # (msgspec.ValidationError is one too)
-        return request_from_plain_values(line, limits)
-    try:
+        try:
+            _only_accepted_fields(line)
+            req = _typed_request(line)
+        except msgspec.DecodeError:  # (msgspec.ValidationError is one too)
+            return request_from_plain_values(line, limits)
         return check_unsent(req, limits)
     except ValidationError as exc:
         raise InputError(exc.reason) from None
+    except RecursionError:  # (msgspec's JSON decoders recurse in C, as its MessagePack ones)
+        raise InputError(f"invalid data: {TOO_DEEP}") from None
 
 
 def request_from_plain_values(line: str | bytes, limits: Limits) -> GenerationRequest:
@@ -90,7 +92,7 @@ def request_from_plain_values(line: str | bytes, limits: Limits) -> GenerationRe
     unknown = obj.keys() - ACCEPTED_FIELDS
     if unknown:
         raise InputError(f"unknown field(s) {', '.join(sorted(unknown))}")
-    if not obj.get("request_id"):
+    if obj.get("request_id") is None:  # (missing or null; an empty or non-string one is refused below)
         obj["request_id"] = uuid.uuid4().hex  # (as make_request names a request without one)
     try:
         return request_from_values(obj, limits)

@@ -78,6 +78,20 @@ _REQUEST_DECODER = msgspec.msgpack.Decoder(GenerationRequest)
 _RECORD_DECODER = msgspec.msgpack.Decoder(RecordData)
 _ANY_DECODER = msgspec.msgpack.Decoder()
 
+TOO_DEEP = "maps or lists nested too deeply"
+"""The rule a payload breaks when msgspec's decoders, which recurse in C, hit Python's recursion
+limit (about 1,000 levels): a poison payload, refused like any other invalid one."""
+
+
+def _encode_value(obj: Any, field: str) -> bytes:
+    """``obj`` encoded; a value MessagePack cannot hold is a :class:`ValidationError` naming ``field``."""
+    try:
+        return _ENCODER.encode(obj)
+    except OverflowError:  # (an int from JSON or Python beyond 64 bits)
+        raise ValidationError(field, "holds an integer outside MessagePack's 64-bit range") from None
+    except RecursionError:
+        raise ValidationError(field, TOO_DEEP) from None
+
 # ---------------------------------------------------------------- msgspec errors → ValidationError
 
 _AT = re.compile(r" - at `\$\.?(.*)`$")
@@ -184,7 +198,7 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if req.resumable and (req.sampling_params.n != 1 or req.input_ids is None):
             raise ValidationError("resumable", "needs a single-sample request (n = 1) with input_ids (a resumed "
                                                "request continues from prompt + saved token ids)")
-        if req.meta_info and len(_ENCODER.encode(req.meta_info)) > limits.max_meta_bytes:
+        if req.meta_info and len(_encode_value(req.meta_info, "meta_info")) > limits.max_meta_bytes:
             raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     except ValidationError as exc:
         exc.request_id, exc.reply_to, exc.callback = req.request_id, req.reply_to, req.callback
@@ -226,7 +240,7 @@ def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, c
         req.v = SCHEMA_VERSION
     if req.submitted_at is None:
         req.submitted_at = time.time()
-    data = _ENCODER.encode(req)
+    data = _encode_value(req, "data")
     if check:
         decode_request_data(data, limits)
     fields = {"rid": req.request_id.encode()}
@@ -255,15 +269,22 @@ def decode_request_data(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Generat
     if len(data) > limits.max_payload_bytes:
         raise ValidationError("data", f"payload of {len(data)} bytes exceeds the limit of {limits.max_payload_bytes}")
     try:
-        req = _REQUEST_DECODER.decode(data)
-    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-        req = _decode_leniently(data, exc)
-    except msgspec.DecodeError as exc:
-        raise ValidationError("data", f"not valid msgpack ({exc})") from None
+        req = _decode_request_struct(data)
+    except RecursionError:  # (see TOO_DEEP)
+        raise ValidationError("data", TOO_DEEP) from None
     if req.v > SCHEMA_VERSION:
         raise NewerSchemaError("v", f"schema version {req.v} is newer than {SCHEMA_VERSION}",
                                request_id=req.request_id)
     return _check_request(req, limits)
+
+
+def _decode_request_struct(data: bytes) -> GenerationRequest:
+    try:
+        return _REQUEST_DECODER.decode(data)
+    except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
+        return _decode_leniently(data, exc)
+    except msgspec.DecodeError as exc:
+        raise ValidationError("data", f"not valid msgpack ({exc})") from None
 
 
 def request_from_values(values: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> GenerationRequest:
@@ -296,7 +317,7 @@ def check_unsent(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, sta
         req.submitted_at = time.time()
     try:
         _check_request(req, limits)
-        size = len(_ENCODER.encode(req))
+        size = len(_encode_value(req, "data"))
     finally:
         req.v, req.submitted_at = v, at
     if size > limits.max_payload_bytes:
@@ -393,6 +414,13 @@ _STATUS_PAIR_BY_FIELD: dict[Any, bytes] = {k: _STATUS_PAIR[s] for k, s in _STATU
 
 def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     """Decode and validate a result entry. Raises only :class:`ValidationError`."""
+    try:
+        return _decode_record(fields)
+    except RecursionError:  # (see TOO_DEEP)
+        raise ValidationError("data", TOO_DEEP) from None
+
+
+def _decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     raw_status = _field(fields, "status")
     status = _STATUS_BY_FIELD.get(raw_status)
     if status is None:
@@ -454,6 +482,8 @@ def _decode_with_plain_fields(data: Any, status_pair: bytes, worker_pair: bytes)
         else:
             return None
         count += 2
+        if count > 0xFFFFFFFF:  # (not a map this header could count: the canonical path says why)
+            return None
         header = b"\xde" + count.to_bytes(2, "big") if count < 0x10000 else b"\xdf" + count.to_bytes(4, "big")
     try:
         return _COMPLETION_DECODER.decode(b"".join((header, memoryview(data)[body:], status_pair, worker_pair)))
@@ -495,6 +525,7 @@ __all__ = [
     "Limits",
     "NewerSchemaError",
     "SCHEMA_VERSION",
+    "TOO_DEEP",
     "ValidationError",
     "check_request_id",
     "check_sampling_params",

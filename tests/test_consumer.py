@@ -137,6 +137,29 @@ async def test_unregistered_handler_is_dead_lettered_and_nothing_imported(settin
     assert await group_pending(r, settings.keys.results, "g") == 0
 
 
+async def test_undecodable_records_are_dead_lettered_and_the_rest_applied(settings, r):
+    poison = {
+        "not-msgpack": b"\xc1\xff",
+        "deeply-nested": b"\x81\xa9meta_info\x81\xa1k" + b"\x91" * 2_000 + b"\xc0",  # (2,000 lists deep)
+        "map32-full": b"\xdf\xff\xff\xff\xff",  # (a header counting 2**32 - 1 pairs)
+    }
+    for rid, data in poison.items():
+        await r.xadd(settings.keys.results, {"rid": rid, "status": "finished", "worker": "w", "data": data})
+    await produce(settings, r, ["good-1"])
+    applied = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 3), timeout=5)
+        await wait_until(lambda: applied == ["good-1"], timeout=5)
+    reasons = {d["rid"].decode(): d["reason"].decode() for d in await dead_entries(r, settings)}
+    assert set(reasons) == set(poison)
+    assert reasons["deeply-nested"] == "invalid data: maps or lists nested too deeply"
+    assert "msgpack" in reasons["not-msgpack"] and "msgpack" in reasons["map32-full"]
+    assert runner.stats.dead_lettered == 3
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
 async def test_failing_callback_retried_then_dead_lettered(settings, r):
     settings = fast(settings)
     await produce(settings, r, ["fail-1"])

@@ -402,11 +402,17 @@ async def test_undecodable_reply_is_dead_lettered(settings, r):
     async with Producer(settings, block_ms=100) as p:
         await r.xadd(p.reply_to, {"rid": "junk", "status": "finished", "worker": "w", "data": b"\xc1\xff"})
         await r.xadd(p.reply_to, {"rid": "junk2", "status": "bogus", "data": b"\x80"})
-        await wait_until(lambda: _xlen_is(r, settings.keys.dead, 2), timeout=5)
+        # a map nested 2,000 lists deep, and a map32 header counting 2**32 - 1 pairs
+        await r.xadd(p.reply_to, {"rid": "junk3", "status": "finished", "worker": "w",
+                                  "data": b"\x81\xa9meta_info\x81\xa1k" + b"\x91" * 2_000 + b"\xc0"})
+        await r.xadd(p.reply_to, {"rid": "junk4", "status": "finished", "worker": "w", "data": b"\xdf\xff\xff\xff\xff"})
+        await wait_until(lambda: _xlen_is(r, settings.keys.dead, 4), timeout=5)
         dead = await r.xrange(settings.keys.dead)
         assert all(f[b"source"] == b"producer" for _i, f in dead)
         assert b"data" in dead[0][1][b"reason"]
         assert b"status" in dead[1][1][b"reason"]
+        assert dead[2][1][b"reason"] == b"invalid data: maps or lists nested too deeply"
+        assert b"msgpack" in dead[3][1][b"reason"]
         async with running_worker(settings):
             rec = await asyncio.wait_for(await p.submit(prompt="after", sampling_params=SP), 10)
         assert rec.status is RecordStatus.FINISHED

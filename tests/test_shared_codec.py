@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from redroll.shared.codec import (
     DEFAULT_LIMITS,
+    TOO_DEEP,
     Limits,
     NewerSchemaError,
     ValidationError,
@@ -562,6 +563,71 @@ def test_record_data_with_trailing_bytes_is_refused():
         with pytest.raises(ValidationError) as ei:
             decode_record({b"rid": b"r", b"status": b"finished", b"data": pack(valid_record_map()) + tail})
         assert ei.value.field == "data" and "msgpack" in ei.value.rule
+
+
+def deeply_nested(depth: int) -> bytes:
+    """MessagePack of a one-element list in a list, ``depth`` deep: a few kB that take a recursive
+    decoder past Python's recursion limit."""
+    return b"\x91" * depth + b"\xc0"
+
+
+def map_with_raw_value(m: dict[str, Any], key: str, raw: bytes) -> bytes:
+    """MessagePack of ``m`` plus one more pair whose value is the bytes ``raw`` as they are."""
+    packer = msgpack.Packer(use_bin_type=True)
+    return (packer.pack_map_header(len(m) + 1) + b"".join(pack(k) + pack(v) for k, v in m.items())
+            + pack(key) + raw)
+
+
+@pytest.mark.parametrize("depth", [2_000, 200_000])
+def test_deeply_nested_payloads_are_refused_not_raised(depth):
+    # (a poison entry: before, RecursionError escaped the decoder, and a worker retried the entry forever)
+    deep = deeply_nested(depth)
+    for data in (deep, map_with_raw_value(valid_map(meta_info=_DROP), "meta_info", b"\x81\xa1k" + deep)):
+        with pytest.raises(ValidationError) as ei:
+            decode_request({b"rid": b"rid-1", b"reply_to": b"{ns}:results", b"data": data}, Limits(max_payload_bytes=10**6))
+        assert (ei.value.field, ei.value.rule) == ("data", TOO_DEEP)
+        assert (ei.value.request_id, ei.value.reply_to) == ("rid-1", "{ns}:results")  # (its waiter is told)
+    for data in (deep, map_with_raw_value(valid_record_map(meta_info=_DROP), "meta_info", b"\x81\xa1k" + deep)):
+        for worker in (b"w", None):
+            fields = {b"rid": b"r", b"status": b"finished", b"data": data}
+            if worker:
+                fields[b"worker"] = worker
+            with pytest.raises(ValidationError) as ei:
+                decode_record(fields)
+            assert ei.value.field == "data"
+            # (a bare list is refused as not a map before its depth is seen)
+            assert ei.value.rule == (TOO_DEEP if data is not deep else "Expected `object`, got `array`")
+
+
+def test_record_map_header_counting_past_its_size_is_refused_not_raised():
+    # (the record's one-decode path adds two pairs to the data map's count: a map32 at its largest
+    # count has no header that can say so)
+    for head in (b"\xdf\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xfe", b"\xdf\xff\xff\xff\xfd"):
+        with pytest.raises(ValidationError) as ei:
+            decode_record({b"rid": b"r", b"status": b"finished", b"worker": b"w", b"data": head + b"\xa1a\x01"})
+        assert ei.value.field == "data" and "msgpack" in ei.value.rule
+
+
+def test_values_messagepack_cannot_hold_are_refused_by_name():
+    nested: Any = None
+    for _ in range(5_000):
+        nested = [nested]
+    for meta, rule in (({"step": 2**64}, "64-bit range"), ({"step": -(2**63) - 1}, "64-bit range"),
+                       ({"k": nested}, TOO_DEEP)):
+        with pytest.raises(ValidationError) as ei:
+            encode_request(GenerationRequest(request_id="big-1", input_ids=[1], meta_info=meta))
+        assert ei.value.field == "data" and rule in ei.value.rule
+        with pytest.raises(ValidationError) as ei:
+            request_from_values({"request_id": "big-1", "input_ids": [1], "meta_info": meta})
+        assert ei.value.field in ("data", "meta_info") and rule in ei.value.rule
+    with pytest.raises(ValidationError) as ei:
+        request_from_values({"request_id": "big-2", "input_ids": [1],
+                             "sampling_params": {"custom_params": {"x": 2**70}}})
+    assert "64-bit range" in ei.value.rule
+    # the largest values that fit still pass
+    req = decode_request(encode_request(GenerationRequest(request_id="fit-1", input_ids=[1],
+                                                          meta_info={"a": 2**64 - 1, "b": -(2**63)})))
+    assert req.meta_info == {"a": 2**64 - 1, "b": -(2**63)}
 
 
 def test_record_accepts_nil_logprobs_and_nil_finish_reason():

@@ -91,6 +91,17 @@ def test_read_requests_takes_valid_lines_and_skips_blank_ones():
     ('["a", "x"]', "each line must be a JSON object"),
     ('{"request_id": "a", "prompt": "x", "promt": 1}', "unknown field(s) promt"),
     ('{"request_id": "a", "prompt": "x", "sampling_params": {"temperature": -1}}', "temperature"),
+    # poison lines: a clear reason, never a traceback
+    ('{"request_id": "a", "prompt": "x", "meta_info": {"k": ' + "[" * 5000 + "]" * 5000 + "}}",
+     "invalid data: maps or lists nested too deeply"),
+    ('{"prompt": "x", "meta_info": {"k": ' + "[" * 5000 + "]" * 5000 + "}}", "nested too deeply"),
+    ('{"request_id": "a", "prompt": "x", "meta_info": {"k": 18446744073709551616}}', "64-bit range"),
+    ('{"request_id": "a", "prompt": "x", "sampling_params": {"custom_params": {"k": -9223372036854775809}}}',
+     "64-bit range"),
+    # an empty or non-string request_id is refused, not replaced (only a missing or null one is named)
+    ('{"request_id": "", "prompt": "x"}', "invalid request_id"),
+    ('{"request_id": 0, "prompt": "x"}', "invalid request_id"),
+    ('{"request_id": false, "prompt": "x"}', "invalid request_id"),
 ])
 def test_read_requests_names_the_line_and_the_reason(line, reason):
     with pytest.raises(InputError) as err:

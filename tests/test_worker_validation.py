@@ -42,6 +42,14 @@ def request_map(rid: str, reply_to: str, **over: Any) -> dict[str, Any]:
     return m
 
 
+def nested_request(rid: str, reply_to: str) -> bytes:
+    """A request whose meta_info nests 2,000 lists deep (2 kB): past a recursive decoder's limit."""
+    m = request_map(rid, reply_to)
+    return (msgpack.Packer(use_bin_type=True).pack_map_header(len(m) + 1)
+            + b"".join(pack(k) + pack(v) for k, v in m.items()) + pack("meta_info") + b"\x81\xa1k"
+            + b"\x91" * 2_000 + b"\xc0")
+
+
 @dataclass
 class Case:
     name: str
@@ -92,6 +100,7 @@ def cases(ns_reply: str) -> list[Case]:
         c("meta-not-map", ("meta_info",), meta_info=[1, 2]),
         c("deadline-str", ("deadline",), deadline="tomorrow"),
         c("negative-token", ("input_ids",), input_ids=[1, -1]),
+        c("deeply-nested", ("data", "nested too deeply"), raw=nested_request("bad-deeply-nested", ns_reply)),
     ]
 
 
