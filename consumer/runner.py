@@ -306,7 +306,7 @@ class ConsumerRunner:
             started = time.perf_counter()
             try:
                 res = fn(item.record)  # type: ignore[misc]
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:  # (a sync call is never this task's cancel)
                 results[n] = exc
                 continue
             if inspect.isawaitable(res):
@@ -316,7 +316,9 @@ class ConsumerRunner:
         if pending:
             outcomes = await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
             for (n, _), outcome in zip(pending, outcomes):
-                if isinstance(outcome, Exception):
+                # A handler that ended in CancelledError (it awaited something cancelled) did not
+                # complete: a failure, retried. (This task's own cancellation raises from gather.)
+                if isinstance(outcome, BaseException):
                     results[n] = outcome
         return results
 
@@ -342,7 +344,9 @@ class ConsumerRunner:
     async def _ack_until_accepted(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
         """Mark and ack a batch whose callbacks ran. Refused (out of memory, a replica) or cut off,
         it is retried, with the entries kept leased meanwhile: the callbacks must not run again."""
-        delay, renewed = 0.1, time.monotonic()
+        # The entries have been idle since they were read, the callbacks' time included: renewed at
+        # the first refusal, then every claim_idle / 3, so that no reclaim takes them meanwhile.
+        delay, renewed = 0.1, float("-inf")
         while True:
             try:
                 await self._ack(part, stream, applied, skipped)
@@ -357,14 +361,14 @@ class ConsumerRunner:
                     log.error("consumer %s: Redis refuses the applied markers (%s): holding %d ack(s) and "
                               "reading nothing until it accepts them", self.name, exc, len(applied) + len(skipped))
                 self.blocked = str(exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
             if time.monotonic() - renewed > self.settings.claim_idle_ms / 3000.0:
                 renewed = time.monotonic()
                 try:
                     await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i in applied + skipped])
                 except (redis.ConnectionError, redis.TimeoutError, OSError):
                     pass
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
         if self.blocked is not None:
             log.info("consumer %s: Redis accepts the markers again", self.name)
             self.blocked = None

@@ -206,6 +206,35 @@ async def test_handler_failing_once_then_succeeding_is_applied_once(settings, r)
     assert runner.stats.reclaimed == 1
 
 
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_handler_ending_in_cancelled_error_did_not_complete_and_is_retried(settings, r, kind):
+    # (a handler that awaited something another task cancelled: CancelledError is no Exception,
+    # and its entry was once acked as applied, never run to completion)
+    settings = fast(settings)
+    await produce(settings, r, ["cancelled-1", "fine-1"])
+    attempts: Counter = Counter()
+    applied: Counter = Counter()
+
+    def apply(rec):
+        attempts[rec.request_id] += 1
+        if rec.request_id == "cancelled-1" and attempts[rec.request_id] == 1:
+            raise asyncio.CancelledError()
+        applied[rec.request_id] += 1
+
+    async def apply_async(rec):
+        await asyncio.sleep(0)
+        apply(rec)
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": apply_async if kind == "async" else apply},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: applied["cancelled-1"] == 1, timeout=10)
+    assert applied == Counter({"cancelled-1": 1, "fine-1": 1})
+    assert attempts == Counter({"cancelled-1": 2, "fine-1": 1})
+    assert runner.stats.failures == 1 and runner.stats.applied == 2
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
 # ---------------------------------------------------------------- de-duplication
 
 

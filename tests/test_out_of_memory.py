@@ -100,3 +100,37 @@ async def test_out_of_memory_mid_run_loses_and_duplicates_nothing(small_server):
         assert consumer.stats.duplicates_skipped == 0
     finally:
         await r.aclose()
+
+
+async def test_a_consumer_refused_its_markers_keeps_the_entries_from_other_consumers(small_server):
+    # The entries were idle for the whole callback before the first refusal: renewed at once, no
+    # other consumer's reclaim takes them while the acks are held, and the callback runs once.
+    settings = Settings(redis_url=small_server.url, namespace="oomc", claim_idle_ms=1500)
+    r = connect(settings)
+    calls: collections.Counter = collections.Counter()
+
+    async def slow(record) -> None:
+        calls.update([record.request_id])
+        if calls[record.request_id] == 1:
+            await asyncio.sleep(1.2)  # (most of claim_idle)
+            await fill_past_maxmemory(r)
+
+    first = ConsumerRunner(settings, group="g", handlers={"h": slow}, block_ms=100, name="first")
+    other = ConsumerRunner(settings, group="g", handlers={"h": slow}, block_ms=100, name="other")
+    try:
+        async with running(first):
+            await send(settings, r, [make_request(request_id="x", prompt="x", sampling_params={"max_new_tokens": 2},
+                                                  callback="h")])
+            async with running(Worker(settings, SyntheticEngine(), block_ms=100)):
+                await wait_until(lambda: calls["x"] == 1, 10)
+            async with running(other):
+                await wait_until(lambda: first.blocked is not None, 10)
+                await asyncio.sleep(2.5)  # (past claim_idle after the refusal: a reclaim pass or two)
+                await free_filler(r)
+                await wait_until(lambda: first.blocked is None, 10)
+                await asyncio.sleep(0.5)
+        assert calls == collections.Counter({"x": 1})
+        assert other.stats.reclaimed == 0 and first.stats.applied == 1
+        assert (await r.xpending(settings.keys.results, "g"))["pending"] == 0
+    finally:
+        await r.aclose()
