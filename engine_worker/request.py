@@ -243,6 +243,12 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [], resume.finish_reason or "length")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
+        if flight.stop_status is not None or flight.handed_back:
+            # Aborted, expired or drained while its checkpoint loaded: the engine ignored that abort
+            # (of a handle it did not know yet), so the generation never starts.
+            return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
+                                prompt_tokens=len(request.input_ids or []),
+                                weight_version=ctx.engine.info.weight_version)
         generating = continuation(request, resume) if resume is not None else request
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:

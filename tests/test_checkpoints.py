@@ -170,6 +170,34 @@ async def test_a_drain_saves_and_the_next_worker_resumes(settings, r):
     assert not await r.exists(s.keys.partial("long-1"))  # the fenced finish deleted it
 
 
+@pytest.mark.parametrize("stop", ["abort", "deadline"])
+async def test_an_abort_or_deadline_while_the_checkpoint_loads_stops_the_request(settings, r, monkeypatch, stop):
+    # (the engine ignores an abort of a handle it does not know yet: the request once ran to its
+    # end and was published finished)
+    from redroll.engine_worker.checkpoints import Checkpoints
+
+    loading = asyncio.Event()
+    load = Checkpoints.load
+
+    async def slow_load(self, *args, **kwargs):
+        loading.set()
+        await asyncio.sleep(0.3)  # (a large checkpoint's GET)
+        return await load(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "load", slow_load)
+    s = checkpointing(settings)
+    worker = Worker(s, SyntheticEngine(token_ms=10), max_inflight=4, block_ms=100)
+    deadline = {"deadline": time.time() + 0.15} if stop == "deadline" else {}
+    async with running(worker), Producer(s) as p:
+        future = await p.submit(resumable(f"{stop}-1", 300, **deadline))
+        await asyncio.wait_for(loading.wait(), 10)
+        if stop == "abort":
+            await p.abort(request_ids=[f"{stop}-1"])
+        record = await asyncio.wait_for(future, 10)
+    assert record.status is (RecordStatus.ABORTED if stop == "abort" else RecordStatus.EXPIRED)
+    assert record.finish_reasons == [None] and worker.engine.tokens_decoded == 0
+
+
 async def test_a_stale_checkpoint_is_not_resumed(settings, r):
     s = checkpointing(settings)
     await r.set(s.keys.partial("fresh-1"), header("1-1", 3) + encode_part(

@@ -73,6 +73,30 @@ async def test_a_stop_token_ends_the_sample():
     assert sample.token_ids == full[: full.index(stop) + 1]
 
 
+async def test_with_per_token_time_a_stop_token_ends_the_generation_and_its_partial_output():
+    # (a resumable request is checkpointed from partial(): past its stop it once reported the
+    # tokens after the stop too, and a resumed request ran past its stop token)
+    engine = SyntheticEngine(token_ms=10)
+    req = make_request(request_id="s", input_ids=[1], sampling_params={"max_new_tokens": 200})
+    full, _ = engine.tokens_for(req, 0)
+    stop = next(t for j, t in enumerate(full) if j >= 5 and t not in full[:j])
+    cut = full.index(stop) + 1
+    req = make_request(request_id="s", input_ids=[1], sampling_params={"max_new_tokens": 200, "stop_token_ids": [stop]})
+    started = asyncio.get_running_loop().time()
+    task = asyncio.create_task(engine.generate(req, "h-s"))
+    await asyncio.sleep(cut * 0.010 / 2)
+    early = engine.partial("h-s")
+    assert early is not None and early.finish_reason is None and early.token_ids == full[: len(early.token_ids)]
+    assert len(early.token_ids) < cut
+    sample = (await asyncio.wait_for(task, 5)).samples[0]
+    took = asyncio.get_running_loop().time() - started
+    assert sample.finish_reason == "stop" and sample.token_ids == full[:cut]
+    assert took < 200 * 0.010 / 2  # (done at its stop token, not after max_new_tokens)
+    engine._running["h-late"] = (req, started - 1.0, 10.0)  # (as if it had run 1 s: 100 tokens' time)
+    late = engine.partial("h-late")
+    assert late is not None and late.token_ids == full[:cut] and late.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"top_logprobs_num": 2, "return_logprob": True}, "top_logprobs_num"),
     ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),

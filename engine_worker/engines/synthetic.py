@@ -18,7 +18,7 @@ import random
 import time
 from array import array
 
-from redroll.shared.types import GenerationRequest
+from redroll.shared.types import GenerationRequest, SamplingParams
 
 from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 
@@ -65,6 +65,16 @@ class SyntheticEngine:
         """The full (unaborted) output of one sample: ids and logprobs (empty without
         ``with_logprobs``; the ids are the same either way)."""
         return self._tokens(_hash_source(request), sample, request.sampling_params.max_new_tokens, with_logprobs)
+
+    def _sample(self, source: bytes, sample: int, sp: SamplingParams, with_logprobs: bool) -> tuple[list[int], list[float], str]:
+        """One sample as it ends: its tokens up to and with the first stop token ("stop"), else all
+        ``max_new_tokens`` of them ("length")."""
+        ids, lps = self._tokens(source, sample, sp.max_new_tokens, with_logprobs)
+        if sp.stop_token_ids:
+            for j, t in enumerate(ids):
+                if t in sp.stop_token_ids:
+                    return ids[: j + 1], lps[: j + 1], "stop"
+        return ids, lps, "length"
 
     def _tokens(self, source: bytes, sample: int, n: int, with_logprobs: bool) -> tuple[list[int], list[float]]:
         # An extendable-output hash of (input, seed, sample) gives 32 bits per token and per
@@ -147,9 +157,11 @@ class SyntheticEngine:
             return None
         request, started, token_ms = running
         produced = int((time.monotonic() - started) * 1000.0 / token_ms) if token_ms > 0 else 0
-        ids, lps = self.tokens_for(request, 0, with_logprobs=request.return_logprob)
+        ids, lps, reason = self._sample(_hash_source(request), 0, request.sampling_params, request.return_logprob)
+        done = produced >= len(ids)  # (a sample that reached its stop token is finished, not partial)
         produced = min(produced, len(ids))
-        return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None, None)
+        return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None,
+                            reason if done else None)
 
     async def _generate(self, request: GenerationRequest, abort_ev: asyncio.Event, handle: str) -> EngineOutput:
         self._inject_faults(request)
@@ -157,7 +169,12 @@ class SyntheticEngine:
         token_ms = self._token_ms(request)
         started = time.monotonic()
         self._running[handle] = (request, started, token_ms)
-        budget = request.sampling_params.max_new_tokens * token_ms / 1000.0
+        sp = request.sampling_params
+        longest = sp.max_new_tokens
+        if sp.stop_token_ids and token_ms > 0:  # (done when its longest sample reaches its stop token)
+            source = _hash_source(request)
+            longest = max(len(self._sample(source, i, sp, False)[0]) for i in range(sp.n))
+        budget = longest * token_ms / 1000.0
         if budget > 0:
             try:
                 await asyncio.wait_for(abort_ev.wait(), timeout=budget)
@@ -179,13 +196,7 @@ class SyntheticEngine:
         made = 0
         source = _hash_source(request)
         for i in range(sp.n):
-            ids, lps = self._tokens(source, i, sp.max_new_tokens, request.return_logprob)
-            reason = "length"
-            if sp.stop_token_ids:
-                for j, t in enumerate(ids):
-                    if t in sp.stop_token_ids:
-                        ids, lps, reason = ids[: j + 1], lps[: j + 1], "stop"
-                        break
+            ids, lps, reason = self._sample(source, i, sp, request.return_logprob)
             if aborted and produced < len(ids):
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
