@@ -189,7 +189,13 @@ class Claimer:
             log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
                         flight.entry_id, flight.deliveries, extra=flight.context())
             if flight.task is not None:
-                await asyncio.wait([flight.task])
+                # Until it ends, or the worker stops: then the drain waits for it (up to its
+                # timeout) and hands it back, as any flight.
+                stop = asyncio.ensure_future(ctx.stopping.wait())
+                try:
+                    await asyncio.wait([flight.task, stop], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stop.cancel()
         return True
 
     async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:

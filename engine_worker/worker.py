@@ -255,6 +255,8 @@ class Worker:
                 stuck = [t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()]
                 log.error("worker %s: shutdown did not finish in %.0fs; still running: %s", self.name, limit,
                           "; ".join(_describe_task(t) for t in stuck[:20]))
+                for f in self.flights:  # (closing the engine aborts them: nothing of theirs is published)
+                    f.handed_back = True
         finally:
             liveness.stop()
             tasks = [*background, *loops, *self._control_tasks]

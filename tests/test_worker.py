@@ -279,6 +279,28 @@ async def test_a_previous_runs_entries_under_the_same_name_are_still_suspects(se
     assert worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
 
 
+async def test_a_stop_while_a_suspect_runs_alone_drains_it_in_time_and_hands_it_back(settings, r):
+    """A stop while a dead worker's entry runs alone: the drain waits for it up to its timeout,
+    then aborts it and hands it back. (It once waited for the suspect to end, past the drain's
+    bound, and closing the engine published an aborted record nobody had asked for.)"""
+    s = settings.with_(drain_timeout_s=0.5)
+    await send(s, r, [make_request(request_id="suspect-1", prompt="x", sampling_params={"max_new_tokens": 100})])
+    await r.xgroup_create(s.keys.requests, WORKERS_GROUP, id="0", mkstream=True)
+    await r.xreadgroup(WORKERS_GROUP, "dead-worker", {s.keys.requests: ">"}, count=10)
+    await asyncio.sleep(s.claim_idle_ms / 1000 + 0.1)
+    worker = Worker(s, SyntheticEngine(token_ms=200), max_inflight=4, block_ms=200)  # (20 s of generation)
+    task = asyncio.create_task(worker.run())
+    await wait_until(lambda: worker.stats.reclaimed == 1 and worker.inflight_count == 1, timeout=10)
+    started = time.monotonic()
+    await stop(worker, task)
+    assert time.monotonic() - started < s.drain_timeout_s + 2
+    assert worker.stats.handed_back == 1 and worker.stats.published == 0
+    [entry] = await r.xpending_range(s.keys.requests, WORKERS_GROUP, min="-", max="+", count=10)
+    assert entry["time_since_delivered"] >= s.claim_idle_ms  # (handed back: reclaimable at once)
+    await asyncio.sleep(0.3)
+    assert await r.xlen(s.keys.results) == 0
+
+
 @pytest.mark.parametrize("cap", [0, -1, 2])
 async def test_records_to_the_results_stream_under_any_cap_setting(settings, r, cap):
     # 0 or less: no MAXLEN; above: an approximate one. A cap setting never makes a record refused.
