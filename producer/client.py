@@ -94,6 +94,19 @@ class _Waiter:
     callback: Callback | None
 
 
+def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> None:
+    """One waiter per request_id: a call naming one twice is refused before anything is sent (the
+    second waiter replaced the first, which then never resolved)."""
+    seen: set[str] = set()
+    for item in items:
+        rid = item.request_id if isinstance(item, GenerationRequest) else item.get("request_id")
+        if rid is None:
+            continue  # (named at random when made)
+        if rid in seen:
+            raise ValueError(f"request_id {rid!r} appears twice in one submit: nothing was sent")
+        seen.add(rid)
+
+
 class Producer:
     """Submit generation requests and receive their records.
 
@@ -232,6 +245,7 @@ class Producer:
         encoded without being decoded again; only its ``reply_to`` changes here.
         """
         items = list(requests)
+        _refuse_repeated_ids(items)
         if self.max_inflight is None and self.max_staleness is None:
             return await self._submit_chunk(items, callback, validated)
         futures: list[asyncio.Future] = []

@@ -117,6 +117,18 @@ async def test_duplicate_request_id_refused(settings, r):
             futs[0].result()
         assert b.outstanding == 1
         assert await r.xlen(settings.keys.requests) == 2
+        # one call naming a request_id twice is refused whole, before anything is sent (its first
+        # waiter was once replaced by the second's, and never resolved)
+        with pytest.raises(ValueError, match="'twice-1' appears twice in one submit"):
+            await b.submit_many([make_request(request_id="twice-1", prompt="q", sampling_params=SP),
+                                 make_request(request_id="other-1", prompt="q", sampling_params=SP),
+                                 make_request(request_id="twice-1", prompt="r", sampling_params=SP)])
+        assert b.outstanding == 1 and await r.xlen(settings.keys.requests) == 2
+        async with Producer(settings, block_ms=100, max_inflight=1) as c:  # (sent a chunk at a time)
+            with pytest.raises(ValueError, match="appears twice"):
+                await c.submit_many([{"request_id": "twice-2", "prompt": "q"}, {"prompt": "q"},
+                                     {"request_id": "twice-2", "prompt": "r"}])
+            assert c.outstanding == 0 and await r.xlen(settings.keys.requests) == 2
         # the refused submits left the first one intact
         assert a.outstanding == 1 and not fut.done()
         async with running_worker(settings):
