@@ -144,8 +144,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
-                   "xinfo|groups", "xrange", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
-                  "claim (XREADGROUP, plain or in claim.lua; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane entries), "
+                   "xinfo|groups", "xrange", "xlen", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
+                  "claim (XREADGROUP, plain or in claim.lua; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane "
+                  "entries, XLEN to skip empty lanes), "
                   "reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
             Grant(("get", "del", "exists"), rw(rid), "release the submit de-duplication key in the finish "

@@ -37,7 +37,7 @@ from redroll.shared.acl import ROLES, acl_rules, setuser_args
 from redroll.shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
 from redroll.shared.control import send_abort
 from redroll.shared.gc import collect_garbage
-from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
@@ -211,6 +211,30 @@ async def test_every_role_runs_with_only_its_acl_user(acl_server, admin):
     assert consumer.stats.reclaimed >= 1 and consumer.stats.dead_lettered >= 1 and consumer.stats.trimmed >= 1
     assert acl_denials(admin, ns) == [], "the happy path was refused something"
     assert admin.xlen(keys.requests) == 0
+
+
+async def test_a_worker_user_steals_overdue_lane_entries(acl_server, admin):
+    # claim_lanes.lua skips empty lanes with XLEN: without it in the grant, every other lane looked
+    # empty to a worker running as its ACL user, and nothing was ever stolen.
+    ns = "sec" + uuid.uuid4().hex[:8]
+    keys = Keys(ns, lanes=2)
+    work_s = make_user(admin, acl_server, ns, "worker")
+    for stream in keys.request_streams:
+        admin.xgroup_create(stream, WORKERS_GROUP, id="0", mkstream=True)
+    seconds, micros = admin.time()
+    past = seconds * 1000 + micros // 1000 - 60_000  # (queued a minute ago: overdue)
+    for i in range(3):
+        admin.xadd(keys.lane(1), {"rid": f"b-{i}", "ak": "b", "data": b"x"}, id=f"{past}-*")
+    admin.acl_log_reset()
+    w = connect(work_s)
+    try:
+        got = await Scripts(w).claim_lanes(high=keys.requests_high, own=[keys.lane(0)], shared=keys.requests,
+                                           others=[keys.lane(1)], group=WORKERS_GROUP, consumer="w",
+                                           steal_after_ms=10, budget=4)
+    finally:
+        await w.aclose()
+    assert [(stream, kind, len(entries)) for stream, kind, entries in got] == [(keys.lane(1), "stolen", 3)]
+    assert acl_denials(admin, ns) == []
 
 
 # ---------------------------------------------------------------- what each role may not do
