@@ -621,7 +621,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", os.environ.get("REDROLL_LOG_LEVEL", "info")),
                   getattr(args, "log_format", os.environ.get("REDROLL_LOG_FORMAT", "text")))
-    settings_for_errors = Settings.from_env(redis_url=getattr(args, "redis_url", None))
+    try:
+        settings_for_errors = Settings.from_env(redis_url=getattr(args, "redis_url", None))
+    except ValueError as exc:  # (a REDROLL_* variable that is not a valid value)
+        print(f"redroll {args.command}: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "demo":
             from redroll.demo import main_demo

@@ -64,6 +64,12 @@ class Settings:
     steal_after_ms: int = 1000
     """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
 
+    def __post_init__(self) -> None:
+        for name, least in _LEAST.items():
+            value = getattr(self, name)
+            if not value >= least:  # (NaN too)
+                raise ValueError(f"{name} ({ENV_PREFIX}{name.upper()}) must be at least {least}, got {value!r}")
+
     @property
     def keys(self) -> Keys:
         return partition_key_sets(self.namespace, 1, self.affinity_lanes)[0]
@@ -103,6 +109,16 @@ class Settings:
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)
+
+
+_LEAST: dict[str, float] = {
+    "claim_idle_ms": 1, "max_deliveries": 1, "heartbeat_s": 0.001, "drain_timeout_s": 0,
+    "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
+    "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
+    "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0,
+}
+"""The smallest value each numeric setting takes (Redis refuses an expiry of 0 or less, a window
+of 0 divides by zero, ...). ``results_max_len`` has none: 0 or less means no cap."""
 
 
 @functools.lru_cache(maxsize=64)

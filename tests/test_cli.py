@@ -111,6 +111,18 @@ def test_unreachable_redis_is_one_clear_line(settings):
     assert "cannot reach redis at redis://127.0.0.1:1/0" in proc.stderr
 
 
+@pytest.mark.parametrize("var, value, says", [
+    ("REDROLL_CLAIM_IDLE_MS", "abc", "REDROLL_CLAIM_IDLE_MS='abc' is not a valid int"),
+    ("REDROLL_REDIS_CLUSTER", "maybe", "is not a boolean"),
+    ("REDROLL_RID_TTL_S", "0", "rid_ttl_s (REDROLL_RID_TTL_S) must be at least 1, got 0"),
+])
+def test_a_bad_setting_in_the_environment_is_one_clear_line(settings, var, value, says):
+    proc = run_cli(settings, "status", timeout=30, **{var: value})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("redroll status: ") and says in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
 def test_compose_is_valid_and_names_real_commands():
     spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = spec["services"]

@@ -169,6 +169,23 @@ def test_env_over_defaults_with_types():
     assert s.drain_timeout_s == Settings().drain_timeout_s  # untouched values keep their defaults
 
 
+@pytest.mark.parametrize("name, value", [
+    ("rid_ttl_s", 0), ("reply_ttl_s", -1), ("dedup_window_s", 0), ("claim_idle_ms", 0), ("max_deliveries", 0),
+    ("heartbeat_s", 0.0), ("heartbeat_s", float("nan")), ("partitions", 0), ("affinity_lanes", -1),
+    ("checkpoint_tokens", 0), ("gc_interval_s", -1.0), ("max_n", 0),
+])
+def test_a_setting_out_of_its_range_is_refused_naming_it(name, value):
+    # (an expiry of 0 made the submit script fail after its XADD, a checkpoint vanish as it was written)
+    with pytest.raises(ValueError) as err:
+        Settings(**{name: value})
+    assert str(err.value).startswith(f"{name} (REDROLL_{name.upper()}) must be at least ")
+    with pytest.raises(ValueError):
+        Settings.from_env({f"REDROLL_{name.upper()}": str(value)})
+    with pytest.raises(ValueError):
+        Settings().with_(**{name: value})
+    assert Settings(results_max_len=0).results_max_len == 0  # (0 or less: no cap)
+
+
 def test_empty_env_value_means_unset():
     s = Settings.from_env({"REDROLL_NAMESPACE": "", "REDROLL_CLAIM_IDLE_MS": ""})
     assert s.namespace == "redroll" and s.claim_idle_ms == Settings().claim_idle_ms
