@@ -649,7 +649,24 @@ async def send(
     reply_to: str | None = None,
 ) -> list[str]:
     """Fire-and-forget: queue requests whose records go to ``reply_to`` (default ``{ns}:results``),
-    for consumer groups to handle. Returns the request entry ids."""
+    for consumer groups to handle. Returns the request entry ids. A request Redis refused raises
+    its error (:class:`DuplicateRequestError`, :class:`StreamRefusedError`) once the others are
+    queued: :func:`send_each` reports each item instead."""
+    outcomes = await send_each(settings, redis_client, requests, reply_to=reply_to)
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
+    return outcomes  # type: ignore[return-value]
+
+
+async def send_each(
+    settings: Settings,
+    redis_client: Redis,
+    requests: Iterable[GenerationRequest],
+    *,
+    reply_to: str | None = None,
+) -> list[str | DuplicateRequestError | StreamRefusedError]:
+    """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
     scripts = Scripts(redis_client)
     prepared = []
     for req in requests:
@@ -666,7 +683,13 @@ async def send(
     items = [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)]
     replies = await submit_until_accepted(lambda chunk: submit_batch(redis_client, scripts, settings, chunk), items,
                                           "send")
-    return [Scripts.submit_outcome(req.request_id, rep).entry_id for (req, _), rep in zip(prepared, replies)]
+    outcomes: list[str | DuplicateRequestError | StreamRefusedError] = []
+    for (req, _), reply in zip(prepared, replies):
+        try:
+            outcomes.append(Scripts.submit_outcome(req.request_id, reply).entry_id)
+        except (DuplicateRequestError, StreamRefusedError) as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 async def submit_until_accepted(submit: Any, items: list, what: str) -> list:

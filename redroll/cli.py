@@ -53,6 +53,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {raw}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redroll", description="Queue-driven LLM generation on Redis Streams.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -137,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="JSONL file, or - for standard input")
     p.add_argument("--wait", action="store_true", help="wait for every record (through a private reply stream)")
     p.add_argument("--out", default=None, help="with --wait: write records here as JSONL (default stdout)")
-    p.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, help="with --wait: give up after this many seconds")
     p.add_argument("--no-progress", action="store_true",
                    help="with --wait: no progress on stderr (a bar on a terminal; elsewhere a line every 10 s "
                         "and one at the end)")
@@ -375,6 +385,10 @@ async def _run_status(args: argparse.Namespace) -> int:
         if args.json and not args.watch:
             print(json.dumps(await snapshot(), indent=2, sort_keys=True))
             return 0
+        if args.json:  # one JSON document a line, every interval, the first at once: nothing else on stdout
+            while True:
+                print(json.dumps(await snapshot(), sort_keys=True), flush=True)
+                await asyncio.sleep(args.interval)
         from rich.console import Console
         from rich.live import Live
 
@@ -384,11 +398,7 @@ async def _run_status(args: argparse.Namespace) -> int:
         with Live(render_status(await snapshot()), refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(args.interval)
-                snap = await snapshot()
-                if args.json:
-                    print(json.dumps(snap, sort_keys=True), flush=True)
-                else:
-                    live.update(render_status(snap))
+                live.update(render_status(await snapshot()))
 
 
 async def _run_abort(args: argparse.Namespace) -> int:
@@ -635,6 +645,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "submit":
             from redroll.submit import InputError, submit_file
 
+            if not args.wait and (args.out is not None or args.timeout is not None):
+                print("redroll submit: --out and --timeout need --wait (without it the records go to the "
+                      "results stream, for consumer groups)", file=sys.stderr)
+                return 2
             try:
                 return run_async_main(submit_file(_settings(args), args.file, wait=args.wait, out=args.out,
                                                progress=not args.no_progress, timeout=args.timeout))

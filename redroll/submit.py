@@ -10,7 +10,7 @@ from typing import IO, Iterable
 
 import msgspec
 
-from redroll.producer.client import Producer, send
+from redroll.producer.client import Producer, request_stream, send_each
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
@@ -117,14 +117,7 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
         print(f"{path}: no requests", file=sys.stderr)
         return 1
     if not wait:
-        r = connect(settings)
-        try:
-            for i in range(0, len(requests), window):
-                await send(settings, r, requests[i:i + window])
-        finally:
-            await r.aclose()
-        print(f"submitted {len(requests)} request(s) to {settings.keys.requests}; records go to {settings.keys.results}")
-        return 0
+        return await _submit_only(settings, requests, window=window)
     sink: IO[bytes] = open(out, "wb") if out else sys.stdout.buffer
     try:
         failed = await _submit_and_write(settings, requests, sink, window=window, progress=progress, timeout=timeout)
@@ -134,6 +127,28 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
     if failed:
         print(f"{failed} of {len(requests)} request(s) did not finish (see their status and error)", file=sys.stderr)
     return 0 if not failed else 3
+
+
+async def _submit_only(settings: Settings, requests: list[GenerationRequest], *, window: int) -> int:
+    """Queue ``requests`` for the consumer groups; each one Redis refuses is named (exit 3), the
+    others are queued all the same."""
+    refused = 0
+    r = connect(settings)
+    try:
+        for i in range(0, len(requests), window):
+            chunk = requests[i:i + window]
+            for req, outcome in zip(chunk, await send_each(settings, r, chunk)):
+                if isinstance(outcome, Exception):
+                    print(f"{req.request_id}: not submitted: {outcome}", file=sys.stderr)
+                    refused += 1
+    finally:
+        await r.aclose()
+    parts = [settings.keys_for(req) for req in requests]
+    queues = sorted({request_stream(part, req) for part, req in zip(parts, requests)})
+    results = sorted({part.results for part in parts})
+    print(f"submitted {len(requests) - refused} of {len(requests)} request(s) to {', '.join(queues)}; "
+          f"records go to {', '.join(results)}")
+    return 3 if refused else 0
 
 
 async def _submit_and_write(settings: Settings, requests: list[GenerationRequest], sink: IO[bytes], *, window: int,
@@ -186,7 +201,13 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                     pending -= len(batch)
                     bar.advance(len(batch))
 
-            await asyncio.wait_for(write_as_they_arrive(), timeout)
+            try:
+                await asyncio.wait_for(write_as_they_arrive(), timeout)
+            except asyncio.TimeoutError:
+                bar.close()
+                print(f"timed out after {timeout:g} s: {pending} of {len(requests)} record(s) not received (their "
+                      f"requests stay queued or in flight; `redroll abort` stops them)", file=sys.stderr)
+                failed += pending
         finally:
             bar.close()
     return failed
@@ -236,10 +257,13 @@ class _progress:
         self._plain.flush()
 
     def close(self) -> None:
+        """Stop the bar, or write the last line (once)."""
         if self._p is not None:
             self._p.stop()
+            self._p = None
         elif self._plain is not None:
             self._line(max(1e-6, asyncio.get_running_loop().time() - self._t0))
+            self._plain = None
 
 
 def _is_terminal(stream: IO[str]) -> bool:

@@ -102,6 +102,15 @@ async def test_status_json_and_abort(settings, r):
     assert await r.zscore(settings.keys.aborted, "g:g1") is not None
     human = run_cli(settings, "status")
     assert human.returncode == 0 and "queued" in human.stdout
+    # --json --watch: JSON lines only, the first at once (a table was once mixed in)
+    watch = subprocess.Popen([sys.executable, "-m", "redroll.cli", "status", "--json", "--watch", "--interval",
+                              "0.2"], cwd=ROOT, env=redroll_env(settings), stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [watch.stdout.readline() for _ in range(3)]  # type: ignore[union-attr]
+    finally:
+        watch.kill()
+        watch.communicate()
+    assert [json.loads(line)["requests"]["length"] for line in lines] == [2, 2, 2]
 
 
 def test_unreachable_redis_is_one_clear_line(settings):
@@ -121,6 +130,20 @@ def test_a_bad_setting_in_the_environment_is_one_clear_line(settings, var, value
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("redroll status: ") and says in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--out", "x.jsonl"], "--out and --timeout need --wait"),
+    (["--timeout", "5"], "--out and --timeout need --wait"),
+    (["--wait", "--timeout", "0"], "must be more than 0 seconds"),
+    (["--wait", "--timeout", "-3"], "must be more than 0 seconds"),
+])
+def test_submit_refuses_options_that_would_do_nothing(settings, tmp_path, args, says):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"request_id": "a", "prompt": "x"}) + "\n")
+    proc = run_cli(settings, "submit", str(src), *args, timeout=30)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_compose_is_valid_and_names_real_commands():

@@ -70,6 +70,42 @@ async def test_a_file_of_one_refused_request_exits_3(settings, tmp_path, capsys)
     assert "held: not submitted" in capsys.readouterr().err
 
 
+async def test_without_wait_a_refused_request_is_named_and_the_others_queued(settings, r, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"request_id": rid, "prompt": "x"}) + "\n" for rid in ("a", "held", "b")))
+    async with Producer(settings) as other:
+        await other.submit(request_id="held", prompt="y")  # no worker: it stays live
+        code = await submit_file(settings, str(src), wait=False, out=None, progress=False)
+    assert code == 3
+    out, err = capsys.readouterr()
+    assert "held: not submitted: request_id 'held' is already queued" in err
+    assert f"submitted 2 of 3 request(s) to {settings.keys.requests}; records go to {settings.keys.results}" in out
+    assert sorted(f[b"rid"] for _i, f in await r.xrange(settings.keys.requests)) == [b"a", b"b", b"held"]
+
+
+async def test_without_wait_the_streams_named_are_the_ones_used(settings, r, tmp_path, capsys):
+    s = settings.with_(partitions=3)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"request_id": f"p{i}", "prompt": "x", "priority": i % 2}) + "\n"
+                           for i in range(12)))
+    assert await submit_file(s, str(src), wait=False, out=None, progress=False) == 0
+    used = [k for k in await r.keys(f"{{{s.namespace}:*}}:requests*") if await r.xlen(k)]
+    said = capsys.readouterr().out
+    assert said.startswith("submitted 12 of 12 request(s) to ") and len(used) >= 3
+    assert set(said.split(" to ", 1)[1].split("; ")[0].split(", ")) == {k.decode() for k in used}
+    assert f"{{{s.namespace}:0}}:results" in said  # (the results streams of the partitions used)
+
+
+async def test_a_timeout_says_how_many_records_did_not_come(settings, tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"request_id": f"t{i}", "prompt": "x"}) + "\n" for i in range(3)))
+    code = await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=0.5)  # (no worker)
+    assert code == 3 and out.read_text() == ""
+    err = capsys.readouterr().err
+    assert "timed out after 0.5 s: 3 of 3 record(s) not received" in err
+    assert "3 of 3 request(s) did not finish" in err
+
+
 def _read(*lines: str):
     return read_requests([line + "\n" for line in lines], Settings(), source="in.jsonl")
 
