@@ -170,8 +170,17 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
 
     async with Producer(settings) as producer:
         bar = _progress(len(requests), enabled=progress)
+        pending = settled = 0  # (submitted, no record yet; and refused or written)
+
+        def write(batch: list[bytes]) -> None:
+            nonlocal pending, settled
+            sink.write(b"\n".join(batch) + b"\n")
+            sink.flush()
+            pending -= len(batch)
+            settled += len(batch)
+            bar.advance(len(batch))
+
         try:
-            pending = 0
             for i in range(0, len(requests), window):
                 chunk = requests[i:i + window]  # (validated whole by read_requests)
                 try:
@@ -183,23 +192,19 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                     if fut.done() and fut.exception() is not None:  # refused at submit: no record will come
                         print(f"{req.request_id}: not submitted: {fut.exception()}", file=sys.stderr)
                         failed += 1
+                        settled += 1
                         bar.advance(1)
                     else:
                         pending += 1
 
             async def write_as_they_arrive() -> None:
-                nonlocal pending
                 while pending:
                     await wake.wait()
                     wake.clear()
                     batch = arrived[:]
                     del arrived[:]
-                    if not batch:
-                        continue
-                    sink.write(b"\n".join(batch) + b"\n")
-                    sink.flush()
-                    pending -= len(batch)
-                    bar.advance(len(batch))
+                    if batch:
+                        write(batch)
 
             try:
                 await asyncio.wait_for(write_as_they_arrive(), timeout)
@@ -208,6 +213,15 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                 print(f"timed out after {timeout:g} s: {pending} of {len(requests)} record(s) not received (their "
                       f"requests stay queued or in flight; `redroll abort` stops them)", file=sys.stderr)
                 failed += pending
+        except asyncio.CancelledError:  # (Ctrl-C: asyncio cancels the main task)
+            if arrived:  # (records the producer has acked: into the file before it stops)
+                write(arrived[:])
+            bar.close()
+            print(f"interrupted: {pending} submitted request(s) have no record yet: they stay queued or in flight "
+                  f"(`redroll abort` stops them) and their records go to {', '.join(producer.reply_streams)}, "
+                  f"which nothing reads now; a run started before they finish refuses their request_ids; "
+                  f"{len(requests) - settled - pending} request(s) were not submitted", file=sys.stderr)
+            raise
         finally:
             bar.close()
     return failed

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -70,6 +73,34 @@ def test_submit_wait_writes_records(settings, tmp_path):
     finally:
         worker.terminate()
         assert worker.wait(20) == 0
+
+
+@pytest.mark.slow
+async def test_an_interrupted_submit_keeps_what_came_and_says_what_did_not(settings, r, tmp_path):
+    worker = spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "20", "--max-inflight", "4")
+    try:
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        src.write_text("".join(json.dumps({"request_id": f"i-{i}", "prompt": "x", "sampling_params":
+                                           {"max_new_tokens": 10}}) + "\n" for i in range(40)))
+        proc = subprocess.Popen([sys.executable, "-m", "redroll.cli", "submit", str(src), "--wait", "--out", str(out),
+                                 "--no-progress"], cwd=ROOT, env=redroll_env(settings), stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 60
+        while (len(out.read_bytes().splitlines()) if out.exists() else 0) < 8:
+            assert time.monotonic() < deadline and proc.poll() is None
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        worker.terminate()
+        assert worker.wait(20) == 0
+    assert proc.returncode == 130 and "Traceback" not in err
+    written = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]  # (whole lines only)
+    said = re.search(r"interrupted: (\d+) submitted request\(s\) have no record yet.*?(\d+) request\(s\) were "
+                     r"not submitted", err)
+    assert said, err
+    assert len(set(written)) == len(written) and len(written) + int(said[1]) + int(said[2]) == 40
+    assert "{" + settings.namespace + "}:reply:producer-" in err, err
 
 
 def test_submit_refuses_bad_file_and_sends_nothing(settings, tmp_path):
