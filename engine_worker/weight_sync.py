@@ -109,7 +109,16 @@ class SyncReceiver:
             await self._discard(cmd)
             await self._report(cmd, "discarded")
             return
-        await engine.commit_weights(cmd.version)
+        try:
+            await engine.commit_weights(cmd.version)
+        except Exception as exc:
+            # Neither the old weights nor the new for sure: nothing is claimed until a push
+            # succeeds, and the trainer hears of it now (it waited for "committed" until its timeout).
+            log.error("push %s (attempt %d): the commit failed here (%s: %s): claiming nothing until a push "
+                      "succeeds", cmd.sync_id, cmd.attempt, type(exc).__name__, exc)
+            self.flights.hold(STALE_WEIGHTS)
+            await self._report(cmd, f"failed: commit: {type(exc).__name__}: {exc}"[:300])
+            return
         self.flights.release(STALE_WEIGHTS)
         self.gate.weights_changed(f"push:{cmd.version}")
         await self._report(cmd, "committed")

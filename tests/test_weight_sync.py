@@ -179,6 +179,35 @@ async def test_a_late_joiner_waits_for_the_next_push_and_says_so(settings, r):
                 assert_same_weights(rec, model)
 
 
+class _CommitFailsOnce(TransformersEngine):
+    commits_failed = 0
+
+    async def commit_weights(self, version: str) -> None:
+        if not self.commits_failed:
+            self.commits_failed += 1
+            raise RuntimeError("the engine could not swap its weights in")
+        await super().commit_weights(version)
+
+
+async def test_a_commit_that_fails_on_a_worker_is_reported_at_once_and_the_push_repeated(settings, r):
+    # (the worker once said nothing: the trainer waited for "committed" until its timeout)
+    engine = _CommitFailsOnce("tiny-random")
+    worker = Worker(settings, engine, max_inflight=4, block_ms=100)
+    model = build_tiny_model(0)
+    async with running(worker):
+        await worker.started.wait()
+        await wait_until(lambda: _live(r, settings, 1))
+        async with Producer(settings) as p, p.weight_sync(timeout_s=60) as sync:
+            started = time.monotonic()
+            report = await sync.push(perturbed(model, 1).named_parameters(), version="1")
+            took = time.monotonic() - started
+            assert engine.commits_failed == 1 and report.attempts == 2 and took < 30  # (not the 60 s timeout)
+            rec = await asyncio.wait_for(await p.submit(input_ids=PROMPT, return_logprob=True,
+                                                        sampling_params={"max_new_tokens": 8}), 20)
+    assert rec.meta_info["weight_version"] == "1"
+    assert_same_weights(rec, model)
+
+
 def listening_addresses(port: int) -> list[str]:
     """Local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
     out = []
