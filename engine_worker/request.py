@@ -172,6 +172,9 @@ class RequestRunner:
             log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc,
                         extra=flight.context())
             await self.checkpoints.discard(ctx.part_of[flight.stream], fields, flight.entry_id)
+            # Noted as handed back on purpose: the next worker of this version takes it back with
+            # the rest, not as a suspect of killing its worker (run alone, claiming paused).
+            await self.outcomes.record_error(flight, f"{ctx.name}: handed back: {exc}"[:500])
             await self.outcomes.hand_back(flight)
             return
         except ValidationError as exc:
