@@ -186,8 +186,9 @@ class Flights:
         flight.task = asyncio.create_task(self._run(flight, fields))
 
     def start_deferred(self) -> None:
-        """Start entries that waited for a hold, an isolation or a free slot to end."""
-        if self.claiming_paused or not self._deferred:
+        """Start entries that waited for a hold, an isolation or a free slot to end (not once the
+        worker stops: the drain finishes what runs and hands these back)."""
+        if self.claiming_paused or self._stopping.is_set() or not self._deferred:
             return
         running = self.generating
         while self._deferred and running < self.max_inflight:

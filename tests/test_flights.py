@@ -45,6 +45,19 @@ async def test_slots_defer_and_start_in_order():
     assert gate.started == ["1-0", "1-1", "1-2"] and len(fl) == 0
 
 
+async def test_once_stopping_a_deferred_entry_is_not_started():
+    # (the drain finishes what runs and hands the rest back: a deferred one once started as a
+    # running one ended, only to be aborted, or to run on past its hand-back)
+    fl, gate, stopping = make(max_inflight=1)
+    fl.add("s", "1-0", "1-0", 1, {})
+    deferred = fl.add("s", "1-1", "1-1", 1, {}, defer=True)
+    await asyncio.sleep(0)
+    stopping.set()
+    gate.release.set()
+    await asyncio.sleep(0.01)
+    assert gate.started == ["1-0"] and list(fl) == [deferred] and deferred.task is None
+
+
 async def test_released_slot_lets_the_next_claim_overlap_the_finish():
     fl, gate, _ = make(max_inflight=1)
     flight = fl.add("s", "1-0", "1-0", 1, {})
