@@ -108,6 +108,18 @@ async def test_default_handler_for_records_without_callback(settings, r):
 # ---------------------------------------------------------------- dead letters
 
 
+async def consume_until(settings, r, *, dead: int, applied: list[str]) -> ConsumerRunner:
+    """Run a consumer whose handler ``h`` notes each request_id until ``dead`` letters are in the
+    dead stream and exactly ``applied`` were applied; then stop it."""
+    seen: list[str] = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: seen.append(rec.request_id)},
+                            block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, dead), timeout=5)
+        await wait_until(lambda: seen == applied, timeout=5)
+    return runner
+
+
 async def test_unregistered_handler_is_dead_lettered_and_nothing_imported(settings, r):
     mod = "tests_never_imported_mod"
     assert mod not in sys.modules
@@ -116,12 +128,7 @@ async def test_unregistered_handler_is_dead_lettered_and_nothing_imported(settin
     await produce(settings, r, ["mod-1"], callback=f"{mod}:fn")
     await produce(settings, r, ["nocb-1"], callback=None)
     await produce(settings, r, ["good-1"], callback="h")
-    applied = []
-    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                            block_ms=100)
-    async with running(runner):
-        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 4), timeout=5)
-        await wait_until(lambda: applied == ["good-1"], timeout=5)
+    runner = await consume_until(settings, r, dead=4, applied=["good-1"])
     assert mod not in sys.modules
     dead = await dead_entries(r, settings)
     by_rid = {d["rid"].decode(): d for d in dead}
@@ -146,12 +153,7 @@ async def test_undecodable_records_are_dead_lettered_and_the_rest_applied(settin
     for rid, data in poison.items():
         await r.xadd(settings.keys.results, {"rid": rid, "status": "finished", "worker": "w", "data": data})
     await produce(settings, r, ["good-1"])
-    applied = []
-    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                            block_ms=100)
-    async with running(runner):
-        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 3), timeout=5)
-        await wait_until(lambda: applied == ["good-1"], timeout=5)
+    runner = await consume_until(settings, r, dead=3, applied=["good-1"])
     reasons = {d["rid"].decode(): d["reason"].decode() for d in await dead_entries(r, settings)}
     assert set(reasons) == set(poison)
     assert reasons["deeply-nested"] == "invalid data: maps or lists nested too deeply"
