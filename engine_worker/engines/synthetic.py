@@ -170,33 +170,36 @@ class SyntheticEngine:
         started = time.monotonic()
         self._running[handle] = (request, started, token_ms)
         sp = request.sampling_params
+        ends = None
         longest = sp.max_new_tokens
         if sp.stop_token_ids and token_ms > 0:  # (done when its longest sample reaches its stop token)
             source = _hash_source(request)
-            longest = max(len(self._sample(source, i, sp, False)[0]) for i in range(sp.n))
+            ends = [self._sample(source, i, sp, request.return_logprob) for i in range(sp.n)]
+            longest = max(len(ids) for ids, _, _ in ends)
         budget = longest * token_ms / 1000.0
         if budget > 0:
             try:
                 await asyncio.wait_for(abort_ev.wait(), timeout=budget)
             except asyncio.TimeoutError:
                 pass
-        return self._output(request, started, token_ms, weight_version, aborted=abort_ev.is_set())
+        return self._output(request, started, token_ms, weight_version, aborted=abort_ev.is_set(), ends=ends)
 
     def _output(self, request: GenerationRequest, started: float, token_ms: float, weight_version: str | None, *,
-                aborted: bool) -> EngineOutput:
+                aborted: bool, ends: list[tuple[list[int], list[float], str]] | None = None) -> EngineOutput:
         """What a generation that began at ``started`` made: all of it, or (``aborted``) the tokens
-        due by now."""
+        due by now. ``ends``: each sample as :meth:`_sample` gives it, when already made."""
         sp = request.sampling_params
         prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
         produced = sp.max_new_tokens
         if aborted:
             elapsed_ms = (time.monotonic() - started) * 1000.0
             produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
+        if ends is None:
+            source = _hash_source(request)
+            ends = [self._sample(source, i, sp, request.return_logprob) for i in range(sp.n)]
         samples = []
         made = 0
-        source = _hash_source(request)
-        for i in range(sp.n):
-            ids, lps, reason = self._sample(source, i, sp, request.return_logprob)
+        for ids, lps, reason in ends:
             if aborted and produced < len(ids):
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
