@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import msgpack
 import pytest
@@ -10,6 +11,7 @@ import redis
 
 from redroll.producer.client import make_request, send
 from redroll.shared.codec import decode_record
+from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, DuplicateRequestError, Scripts, raising_first_error
 from redroll.shared.streams import ensure_group
@@ -390,6 +392,25 @@ async def test_dead_letter_without_delete_and_without_reply(r, settings):
     assert await r.exists(keys.results) == 0
     assert (await r.xpending(keys.requests, G))["pending"] == 0
     assert await r.xlen(keys.requests) == 1  # acked but kept
+
+
+async def test_dead_letter_refused_by_the_dead_stream_leaves_only_what_gc_collects(r, settings):
+    """A dead stream of another type refuses the letter after the error record went to the reply
+    stream: the record is deleted again, the entry stays pending. A reply stream the XADD created is
+    left empty without a TTL: the same as a reply stream a worker re-created after it expired, which
+    gc deletes once idle past reply_ttl_s."""
+    keys, scripts = settings.keys, Scripts(r)
+    entry = await add_and_claim(r, keys, "c1")
+    await r.set(keys.dead, "a string")
+    gone = keys.reply("gone")
+    letter = dataclasses.replace(letter_for(keys, entry, {b"rid": b"req-1"}), reply_to=gone)
+    res = await scripts.dead_letter(dead_key=keys.dead, group=G, consumer="c1", letter=letter)
+    assert not res.done and "WRONGTYPE" in res.refused
+    assert (await r.xpending(keys.requests, G))["pending"] == 1 and await r.get(keys.dead) == b"a string"
+    assert await r.xlen(gone) == 0 and await r.ttl(gone) == -1
+    await asyncio.sleep(0.05)
+    report = await collect_garbage(r, keys, reply_ttl_s=0.01)
+    assert report.reply_streams == [gone] and await r.exists(gone) == 0
 
 
 async def test_dead_letter_refused_for_non_owner(r, settings):

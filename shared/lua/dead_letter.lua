@@ -16,7 +16,9 @@
 -- All or nothing (Redis keeps the writes a script made before a failing redis.call): the reads
 -- come first; the two XADDs go through pcall; when the dead letter is refused, the error record
 -- just added is deleted again before returning. Out of memory and a read-only replica refuse the
--- first write, so then nothing is written at all. A call dead-letters an entry at most once.
+-- first write, so then nothing is written at all. (A reply stream that the deleted record had
+-- created stays, empty and without a TTL: gc deletes it, like one re-created after it expired.)
+-- A call dead-letters an entry at most once.
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then
   return {0, ''}
