@@ -15,6 +15,7 @@ from redroll.shared.streams import read_group, script_fields, text
 
 from .context import WorkerContext
 from .flights import Flights, InFlight
+from .outcomes import hand_back_entries
 
 log = logging.getLogger("redroll.worker")
 
@@ -99,15 +100,9 @@ class Claimer:
     async def _give_back(self, entries: list[tuple[str, str]]) -> None:
         """Hand entries claimed after the stop began straight back (owner-checked, JUSTID: their
         delivery count stays), marked as handed back so nobody takes them for suspects."""
-        ctx = self.ctx
         if not entries:
             return
-        await ctx.redis.hset(ctx.keys.errors, mapping={
-            ctx.flight_key(s, i): f"handed back by {ctx.name} (claimed while stopping)" for s, i in entries})
-        for stream in {s for s, _ in entries}:
-            ids = [i for s, i in entries if s == stream]
-            lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
-            ctx.stats.handed_back += len(ids) - len(lost)
+        await hand_back_entries(self.ctx, entries, f"handed back by {self.ctx.name} (claimed while stopping)")
         log.info("handed back %d entr%s claimed while stopping", len(entries), "y" if len(entries) == 1 else "ies")
 
     # ------------------------------------------------------------ idle entries

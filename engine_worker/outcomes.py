@@ -253,20 +253,7 @@ class Outcomes:
     async def hand_back_all(self, flights: list[InFlight], note: str) -> int:
         """Give many entries back at once, each marked as handed back on purpose (``note``), so
         whoever takes them does not treat them as suspects of killing a worker."""
-        ctx = self.ctx
-        if not flights:
-            return 0
-        try:
-            await ctx.redis.hset(ctx.keys.errors, mapping={f.key: note for f in flights})
-        except redis.ResponseError as exc:  # (out of memory: they are handed back all the same)
-            log.warning("could not mark %d hand-back(s): %s", len(flights), exc)
-        handed = 0
-        for stream in ctx.request_streams:
-            ids = [f.entry_id for f in flights if f.stream == stream]
-            lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
-            handed += len(ids) - len(lost)
-        ctx.stats.handed_back += handed
-        return handed
+        return await hand_back_entries(self.ctx, [(f.stream, f.entry_id) for f in flights], note)
 
     @staticmethod
     async def retrying(call: Callable[[], Awaitable[T]], attempts: int = 8) -> T:
@@ -287,3 +274,27 @@ def _only_this_request(exc: StreamRefusedError, reply_prefix: str) -> bool:
     """A refusal that only concerns the request it is about: a producer's private reply stream that
     cannot take entries. Everything else (the shared streams, memory, a replica) concerns them all."""
     return exc.key.startswith(reply_prefix) and not exc.transient
+
+
+async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], note: str) -> int:
+    """Give (stream, entry id) pairs back to the fleet at once (owner-checked; their delivery
+    counts stay), each marked as handed back on purpose (``note``) so whoever takes them does not
+    treat them as suspects of killing a worker; returns how many were still ours to hand back."""
+    if not entries:
+        return 0
+    try:
+        await ctx.redis.hset(ctx.keys.errors, mapping={ctx.flight_key(s, i): note for s, i in entries})
+    except redis.ResponseError as exc:  # (out of memory: they are handed back all the same)
+        log.warning("could not mark %d hand-back(s): %s", len(entries), exc)
+    handed = 0
+    for stream in dict.fromkeys(s for s, _ in entries):
+        ids = [i for s, i in entries if s == stream]
+        lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
+        handed += len(ids) - len(lost)
+        if lost:  # (finished meanwhile, or reclaimed: no finish of ours follows to delete their notes)
+            try:
+                await ctx.redis.hdel(ctx.keys.errors, *(ctx.flight_key(stream, i) for i in lost))
+            except redis.RedisError as exc:
+                log.warning("could not delete %d hand-back note(s): %s", len(lost), exc)
+    ctx.stats.handed_back += handed
+    return handed

@@ -301,6 +301,23 @@ async def test_a_stop_while_a_suspect_runs_alone_drains_it_in_time_and_hands_it_
     assert await r.xlen(s.keys.results) == 0
 
 
+async def test_a_drain_leaves_no_hand_back_note_for_an_entry_that_was_not_its_own_any_more(settings, r):
+    """An entry finished or taken elsewhere before the drain handed it back: its note is not left
+    behind in {ns}:errors (nothing else would ever delete it); a handed-back one keeps its note."""
+    s = settings.with_(drain_timeout_s=0.3, heartbeat_s=30.0, claim_idle_ms=90_000)  # (no lease renewal meanwhile)
+    await send(s, r, [make_request(request_id=f"long-{i}", prompt=f"x{i}", sampling_params={"max_new_tokens": 100})
+                      for i in range(2)])
+    worker, task = await start_worker(s, token_ms=200)  # (20 s of generation each)
+    await wait_until(lambda: worker.inflight_count == 2, timeout=10)
+    (gone, _), (kept, _) = await r.xrange(s.keys.requests)
+    await r.xack(s.keys.requests, WORKERS_GROUP, gone)  # (as if it had finished meanwhile)
+    await r.xdel(s.keys.requests, gone)
+    await stop(worker, task)
+    assert worker.stats.handed_back == 1 and worker.stats.published == 0
+    notes = await r.hgetall(s.keys.errors)
+    assert list(notes) == [kept] and b"(drain)" in notes[kept]  # (keyed by entry id on the plain stream)
+
+
 @pytest.mark.parametrize("cap", [0, -1, 2])
 async def test_records_to_the_results_stream_under_any_cap_setting(settings, r, cap):
     # 0 or less: no MAXLEN; above: an approximate one. A cap setting never makes a record refused.
