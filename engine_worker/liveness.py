@@ -62,8 +62,16 @@ class Liveness:
             return
         lost: set[str] = set()
         for stream in ctx.request_streams:
-            ids = [f.entry_id for f in flights if f.stream == stream]
-            lost |= {ctx.flight_key(stream, i) for i in await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids)}
+            batch = [f for f in flights if f.stream == stream and not f.handed_back]
+            if not batch:
+                continue
+            lost |= {ctx.flight_key(stream, i) for i in await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name,
+                                                                                [f.entry_id for f in batch])}
+            # An entry handed back while this renewal was on its way was leased again by it: hand
+            # it back once more (owner-checked), or the fleet would wait claim_idle to take it.
+            again = [f.entry_id for f in batch if f.handed_back]
+            if again:
+                await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms)
         for f in flights:
             if f.key in lost and not f.lease_lost and not f.publishing and self.flights.holds_entry(f):
                 f.lease_lost = True

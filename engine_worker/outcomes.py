@@ -242,6 +242,7 @@ class Outcomes:
     async def hand_back(self, flight: InFlight) -> None:
         """Give an entry back to the fleet now (owner-checked; the delivery count is not raised)."""
         ctx = self.ctx
+        flight.handed_back = True  # (no lease renewal of it from now on)
         try:
             lost = await ctx.scripts.renew(flight.stream, WORKERS_GROUP, ctx.name, [flight.entry_id],
                                            idle_ms=ctx.settings.claim_idle_ms)
