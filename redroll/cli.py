@@ -53,13 +53,27 @@ def _positive_int(value: str) -> int:
     return number
 
 
-def _positive_seconds(raw: str) -> float:
+def _seconds(raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if value != value:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds")
+    return value
+
+
+def _positive_seconds(raw: str) -> float:
+    value = _seconds(raw)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {raw}")
+    return value
+
+
+def _seconds_from_zero(raw: str) -> float:
+    value = _seconds(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {raw}")
     return value
 
 
@@ -156,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true", help="stable JSON for scripts")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
-    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--interval", type=_positive_seconds, default=2.0)
 
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
     _common(p)
@@ -169,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update: swap the weights under the requests in flight (between two decode steps; "
                         "their records carry per-token versions) instead of waiting for them")
     p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0)
 
     p = sub.add_parser("lanes", help="show or change the pipeline's affinity lanes (backlog and owner per lane)")
     _common(p)
@@ -203,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(d)
     d.add_argument("--reason", default=None, help="only those whose reason contains this text")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--count", type=int, default=1000)
+    d.add_argument("--count", type=_positive_int, default=1000)
     d = dsub.add_parser("requeue", help="re-validate and requeue dead letters")
     _common(d)
     d.add_argument("ids", nargs="*", help="dead-letter entry ids (see dead list)")
@@ -213,14 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = dsub.add_parser("purge", help="delete dead letters")
     _common(d)
     d.add_argument("ids", nargs="*")
-    d.add_argument("--older-than", type=float, default=None, metavar="SECONDS")
+    d.add_argument("--older-than", type=_seconds_from_zero, default=None, metavar="SECONDS")
     d.add_argument("--all", action="store_true")
 
     p = sub.add_parser("gc", help="remove reply streams of producers that never came back, gone workers' heartbeats")
     _common(p)
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--stale-worker-s", type=float, default=3600.0)
-    p.add_argument("--idle-consumer-s", type=float, default=3600.0)
+    p.add_argument("--stale-worker-s", type=_seconds_from_zero, default=3600.0)
+    p.add_argument("--idle-consumer-s", type=_seconds_from_zero, default=3600.0)
 
     p = sub.add_parser("bench", help="the benchmark suite (from a source checkout): python -m benchmarks.bench",
                        add_help=False)

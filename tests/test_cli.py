@@ -177,6 +177,26 @@ def test_submit_refuses_options_that_would_do_nothing(settings, tmp_path, args, 
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["status", "--watch", "--interval", "0"], "must be more than 0 seconds"),  # it used to spin
+    (["status", "--interval", "nan"], "is not a number of seconds"),
+    (["weights", "update", "--timeout", "-1"], "must be more than 0 seconds"),
+    (["dead", "list", "--count", "0"], "0 is not positive"),
+    (["dead", "purge", "--older-than", "-60"], "must be 0 seconds or more"),  # it used to purge every letter
+    (["gc", "--idle-consumer-s", "-1"], "must be 0 seconds or more"),
+    (["gc", "--stale-worker-s", "soon"], "is not a number of seconds"),
+])
+def test_refuses_numbers_out_of_range(capsys, args, says):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(args)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_zero_seconds_is_a_valid_age():
+    args = build_parser().parse_args(["dead", "purge", "--older-than", "0"])
+    assert args.older_than == 0.0
+
+
 def test_compose_is_valid_and_names_real_commands():
     spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = spec["services"]
