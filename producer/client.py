@@ -127,13 +127,20 @@ class Producer:
         max_inflight: int | None = None,
         max_staleness: int | None = None,
         batch_size: int | None = None,
+        tokens_from_ids: bool = False,
     ):
         """``max_inflight``: at most this many requests outstanding; ``submit`` waits for room
         (backpressure: nothing is dropped). ``max_staleness`` with ``batch_size``: AReaL's capacity
         rule, at most ``(max_staleness + weight_version + 1) * batch_size`` requests admitted in all
         (aborted and failed ones are given back), so no sample is generated more than
         ``max_staleness`` versions behind the trainer; ``weight_version`` advances with
-        :meth:`update_weights` or :meth:`set_weight_version`."""
+        :meth:`update_weights` or :meth:`set_weight_version`.
+
+        ``tokens_from_ids``: each submit's de-duplication token is made from the producer's
+        ``name`` and the request_id instead of at random. A later producer of the same name (a
+        restarted process) that submits a request still queued or in flight then gets that submit
+        back, not a refusal and not a second entry, and its record on the same reply stream: how
+        ``redroll submit --resume`` takes over an interrupted run."""
         if max_staleness is not None and not batch_size:
             raise ValueError("max_staleness needs batch_size (AReaL's capacity rule)")
         if max_inflight is not None and max_inflight < 1:
@@ -166,6 +173,7 @@ class Producer:
         self._readers: list[asyncio.Task] = []
         self._closed = False
         self._last_expire = 0.0
+        self._tokens_from_ids = tokens_from_ids
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -288,7 +296,9 @@ class Producer:
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
             fields = encode_request(req, self.settings.limits, check=not validated)
-            prepared.append((req, fields, f"{token_base}:{i}"))
+            # (neither a name nor a request_id holds whitespace, which ends a token in the rid key)
+            token = f"{self.name}:{req.request_id}" if self._tokens_from_ids else f"{token_base}:{i}"
+            prepared.append((req, fields, token))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = []
         for req, _, _ in prepared:

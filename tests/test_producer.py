@@ -99,6 +99,22 @@ async def test_async_callback_and_as_completed(settings):
 # ---------------------------------------------------------------- duplicates and retries
 
 
+async def test_a_restarted_producer_with_tokens_from_ids_takes_over_its_live_requests(settings, r):
+    """Same name, ``tokens_from_ids``: a live request submitted again is the first submit (one
+    entry, one generation), and its record reaches the new process; random tokens refuse it."""
+    async with Producer(settings, name="batch-1", tokens_from_ids=True, block_ms=100) as first:
+        await first.submit(request_id="live-1", prompt="x", sampling_params=SP)  # (no worker yet: it stays queued)
+    async with Producer(settings, name="batch-1", block_ms=100) as random_tokens:
+        with pytest.raises(DuplicateRequestError):
+            await random_tokens.submit(request_id="live-1", prompt="x", sampling_params=SP)
+    async with Producer(settings, name="batch-1", tokens_from_ids=True, block_ms=100) as again:
+        fut = await again.submit(request_id="live-1", prompt="x", sampling_params=SP)
+        assert await r.xlen(settings.keys.requests) == 1
+        async with running_worker(settings) as worker:
+            record = await asyncio.wait_for(fut, 10)
+            assert record.status is RecordStatus.FINISHED and worker.stats.claimed == 1
+
+
 async def test_duplicate_request_id_refused(settings, r):
     async with Producer(settings, block_ms=100) as a, Producer(settings, block_ms=100) as b:
         fut = await a.submit(request_id="dup-1", prompt="x", sampling_params=SP)
