@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for every record (through a private reply stream)")
     p.add_argument("--out", default=None, help="with --wait: write records here as JSONL (default stdout)")
     p.add_argument("--timeout", type=_positive_seconds, default=None, help="with --wait: give up after this many seconds")
+    p.add_argument("--resume", action="store_true",
+                   help="with --wait --out: take over the interrupted (or timed-out) run that wrote --out: its "
+                        "requests with a record there are skipped, those still queued or in flight are taken over "
+                        "(not run again), the rest submitted; records are appended")
     p.add_argument("--no-progress", action="store_true",
                    help="with --wait: no progress on stderr (a bar on a terminal; elsewhere a line every 10 s "
                         "and one at the end)")
@@ -657,16 +661,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns = getattr(args, "namespace", None) or os.environ.get("REDROLL_NAMESPACE") or "redroll-demo"
             return main_demo(ns, args.prompts, args.engine, getattr(args, "redis_url", None))
         if args.command == "submit":
+            from redroll.resume import ResumeError
             from redroll.submit import InputError, submit_file
 
             if not args.wait and (args.out is not None or args.timeout is not None):
                 print("redroll submit: --out and --timeout need --wait (without it the records go to the "
                       "results stream, for consumer groups)", file=sys.stderr)
                 return 2
+            if args.resume and (not args.wait or args.out is None):
+                print("redroll submit: --resume needs --wait and --out (it continues the run that wrote --out)",
+                      file=sys.stderr)
+                return 2
             try:
                 return run_async_main(submit_file(_settings(args), args.file, wait=args.wait, out=args.out,
-                                               progress=not args.no_progress, timeout=args.timeout))
-            except InputError as exc:
+                                               progress=not args.no_progress, timeout=args.timeout,
+                                               resume=args.resume))
+            except (InputError, ResumeError) as exc:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,

@@ -6,11 +6,12 @@ import asyncio
 import gc
 import sys
 import uuid
-from typing import IO, Iterable
+from typing import IO, Callable, Iterable
 
 import msgspec
 
 from redroll.producer.client import Producer, request_stream, send_each
+from redroll.resume import RunFile, move_records, records_written
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
@@ -101,8 +102,12 @@ def request_from_plain_values(line: str | bytes, limits: Limits) -> GenerationRe
 
 
 async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | None,
-                      window: int = 1024, progress: bool = True, timeout: float | None = None) -> int:
-    """Submit every request of ``path``; with ``wait``, write one record per line. Returns an exit code."""
+                      window: int = 1024, progress: bool = True, timeout: float | None = None,
+                      resume: bool = False) -> int:
+    """Submit every request of ``path``; with ``wait``, write one record per line. Returns an exit code.
+
+    ``resume`` (with ``out``): take over the interrupted run that wrote ``out`` (see
+    :mod:`redroll.resume`); the requests whose records are there already are not submitted again."""
     fh: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
     # Reading makes no reference cycles: a collection would only walk the growing list of requests
     # (about 0.4 us a line). They live until the command ends, so none needs to walk them later.
@@ -118,15 +123,57 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
         return 1
     if not wait:
         return await _submit_only(settings, requests, window=window)
-    sink: IO[bytes] = open(out, "wb") if out else sys.stdout.buffer
+    if not out:
+        failed, _ = await _submit_and_write(settings, requests, sys.stdout.buffer, window=window, progress=progress,
+                                            timeout=timeout)
+        return _said_failed(failed, len(requests))
+    run = RunFile.open(out, settings.namespace, resume=resume)
+    complete = False
     try:
-        failed = await _submit_and_write(settings, requests, sink, window=window, progress=progress, timeout=timeout)
+        written = records_written(out) if resume else {}
+        with open(out, "ab" if resume else "wb") as sink:
+            total = len(requests)
+            failed_before = 0
+            if resume:
+                requests, failed_before = await _take_over(settings, run, requests, written, sink, out)
+            if requests:
+                failed, complete = await _submit_and_write(
+                    settings, requests, sink, window=window, progress=progress, timeout=timeout,
+                    producer_name=run.producer, on_start=lambda name: run.save(name, settings.namespace),
+                    out=out)
+            else:
+                failed, complete = 0, True
     finally:
-        if out:
-            sink.close()
+        run.close(complete=complete)
+    return _said_failed(failed_before + failed, total)
+
+
+def _said_failed(failed: int, count: int) -> int:
     if failed:
-        print(f"{failed} of {len(requests)} request(s) did not finish (see their status and error)", file=sys.stderr)
+        print(f"{failed} of {count} request(s) did not finish (see their status and error)", file=sys.stderr)
     return 0 if not failed else 3
+
+
+async def _take_over(settings: Settings, run: RunFile, requests: list[GenerationRequest], written: dict[str, bool],
+                     sink: IO[bytes], out: str) -> tuple[list[GenerationRequest], int]:
+    """``--resume``: write the records that reached the interrupted run's reply streams; return
+    the requests that still have no record in OUT, and how many of the others did not finish
+    (a record in OUT counts as the request's outcome, whatever its status)."""
+    left = [req for req in requests if req.request_id not in written]
+    moved: dict[str, bool] = {}
+    if run.producer is not None and left:
+        r = connect(settings)
+        try:
+            streams = [part.reply(run.producer) for part in settings.partition_keys]
+            moved = await move_records(r, streams, {req.request_id for req in left}, set(written), sink)
+        finally:
+            await r.aclose()
+    left = [req for req in left if req.request_id not in moved]
+    failed = sum(1 for req in requests if not written.get(req.request_id, moved.get(req.request_id, True)))
+    print(f"resuming {out}: {len(requests) - len(left) - len(moved)} record(s) there, {len(moved)} more from the "
+          f"interrupted run's reply stream; {len(left)} request(s) to submit or take over"
+          + (f" (as producer {run.producer})" if run.producer else ""), file=sys.stderr)
+    return left, failed
 
 
 async def _submit_only(settings: Settings, requests: list[GenerationRequest], *, window: int) -> int:
@@ -152,10 +199,14 @@ async def _submit_only(settings: Settings, requests: list[GenerationRequest], *,
 
 
 async def _submit_and_write(settings: Settings, requests: list[GenerationRequest], sink: IO[bytes], *, window: int,
-                            progress: bool, timeout: float | None) -> int:
+                            progress: bool, timeout: float | None, producer_name: str | None = None,
+                            on_start: Callable[[str], None] | None = None,
+                            out: str | None = None) -> tuple[int, bool]:
     """Submit ``requests`` and write each record as one JSON line as it arrives; returns how many
-    did not finish. Records are collected by the producer's callback and written (and flushed) a
-    delivered batch at a time: one write, one flush and one progress refresh per batch, not per record."""
+    did not finish, and whether every record came. Records are collected by the producer's
+    callback and written (and flushed) a delivered batch at a time: one write, one flush and one
+    progress refresh per batch, not per record. ``producer_name``: the producer to be (a resumed
+    run's); ``on_start(name)`` runs once it is started, before anything is submitted."""
     encode = msgspec.json.Encoder().encode
     arrived: list[bytes] = []
     wake = asyncio.Event()
@@ -168,7 +219,9 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
         arrived.append(encode(record))
         wake.set()
 
-    async with Producer(settings) as producer:
+    async with Producer(settings, name=producer_name, tokens_from_ids=True) as producer:
+        if on_start is not None:
+            on_start(producer.name)
         bar = _progress(len(requests), enabled=progress)
         pending = settled = 0  # (submitted, no record yet; and refused or written)
 
@@ -211,20 +264,27 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
             except asyncio.TimeoutError:
                 bar.close()
                 print(f"timed out after {timeout:g} s: {pending} of {len(requests)} record(s) not received (their "
-                      f"requests stay queued or in flight; `redroll abort` stops them)", file=sys.stderr)
+                      f"requests stay queued or in flight; `redroll abort` stops them"
+                      + (f"; --resume takes them over and writes their records to {out}" if out else "") + ")",
+                      file=sys.stderr)
                 failed += pending
         except asyncio.CancelledError:  # (Ctrl-C: asyncio cancels the main task)
             if arrived:  # (records the producer has acked: into the file before it stops)
                 write(arrived[:])
             bar.close()
+            if out:
+                then = (f"the same command with --resume takes them over (within reply_ttl_s, "
+                        f"{settings.reply_ttl_s} s), writes their records to {out} and submits the rest")
+            else:
+                then = "a run started before they finish refuses their request_ids"
             print(f"interrupted: {pending} submitted request(s) have no record yet: they stay queued or in flight "
                   f"(`redroll abort` stops them) and their records go to {', '.join(producer.reply_streams)}, "
-                  f"which nothing reads now; a run started before they finish refuses their request_ids; "
+                  f"which nothing reads now; {then}; "
                   f"{len(requests) - settled - pending} request(s) were not submitted", file=sys.stderr)
             raise
         finally:
             bar.close()
-    return failed
+    return failed, pending == 0
 
 
 class _progress:

@@ -120,9 +120,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "set", "mget", "del"), rw(rid),
                   "submit de-duplication keys: set with the XADD, read to find a queued request, "
                   "deleted when a queued request is cancelled"),
-            Grant(("xgroup|create", "expire", "xreadgroup", "xpending", "xack", "xdel", "xadd"), rw(own),
+            Grant(("xgroup|create", "expire", "xreadgroup", "xpending", "xack", "xdel", "xadd", "xrange"), rw(own),
                   "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
-                  "records, dead-letter an undecodable one, receive the record of a cancelled request"),
+                  "records, dead-letter an undecodable one, receive the record of a cancelled request; "
+                  "`submit --resume` reads the records that came while nothing read (XRANGE)"),
             Grant(("xadd",), wr(results, dead, control),
                   "the aborted record of a cancelled fire-and-forget request (results), dead letters of "
                   "undecodable records, abort / weight / drain commands on the control stream"),

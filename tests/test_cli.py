@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from redroll.cli import build_parser
-from tests.conftest import ROOT, redroll_env, spawn
+from tests.conftest import ROOT, redroll_env, spawn, wait_until
 
 
 def run_cli(settings, *args: str, timeout: float = 120, input: str | None = None, **env: str):
@@ -76,31 +76,47 @@ def test_submit_wait_writes_records(settings, tmp_path):
 
 
 @pytest.mark.slow
-async def test_an_interrupted_submit_keeps_what_came_and_says_what_did_not(settings, r, tmp_path):
+async def test_an_interrupted_submit_keeps_what_came_says_what_did_not_and_resumes(settings, r, tmp_path):
     worker = spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "20", "--max-inflight", "4")
     try:
         src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         src.write_text("".join(json.dumps({"request_id": f"i-{i}", "prompt": "x", "sampling_params":
                                            {"max_new_tokens": 10}}) + "\n" for i in range(40)))
-        proc = subprocess.Popen([sys.executable, "-m", "redroll.cli", "submit", str(src), "--wait", "--out", str(out),
-                                 "--no-progress"], cwd=ROOT, env=redroll_env(settings), stderr=subprocess.PIPE,
-                                text=True)
+        submit = [sys.executable, "-m", "redroll.cli", "submit", str(src), "--wait", "--out", str(out), "--no-progress"]
+        proc = subprocess.Popen(submit, cwd=ROOT, env=redroll_env(settings), stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
         while (len(out.read_bytes().splitlines()) if out.exists() else 0) < 8:
             assert time.monotonic() < deadline and proc.poll() is None
             await asyncio.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "Traceback" not in err
+        written = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]  # (whole lines only)
+        said = re.search(r"interrupted: (\d+) submitted request\(s\) have no record yet.*?(\d+) request\(s\) "
+                         r"were not submitted", err)
+        assert said, err
+        assert len(set(written)) == len(written) and len(written) + int(said[1]) + int(said[2]) == 40
+        assert "{" + settings.namespace + "}:reply:producer-" in err and "with --resume takes them over" in err, err
+        # The same command with --resume: every record once, and no request generated twice.
+        resumed = run_cli(settings, *submit[3:], "--resume", timeout=60)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resuming {out}: {len(written)} record(s) there" in resumed.stderr
+        lines = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]
+        assert sorted(lines) == sorted(f"i-{i}" for i in range(40)) and lines[:len(written)] == written
+
+        async def published() -> int:
+            return sum(json.loads(v)["published"] for v in (await r.hgetall(settings.keys.workers)).values())
+
+        await wait_until(lambda: _at_least(published, 40), timeout=10)
+        await asyncio.sleep(3 * settings.heartbeat_s)
+        assert await published() == 40
     finally:
         worker.terminate()
         assert worker.wait(20) == 0
-    assert proc.returncode == 130 and "Traceback" not in err
-    written = [json.loads(line)["request_id"] for line in out.read_text().splitlines()]  # (whole lines only)
-    said = re.search(r"interrupted: (\d+) submitted request\(s\) have no record yet.*?(\d+) request\(s\) were "
-                     r"not submitted", err)
-    assert said, err
-    assert len(set(written)) == len(written) and len(written) + int(said[1]) + int(said[2]) == 40
-    assert "{" + settings.namespace + "}:reply:producer-" in err, err
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count() >= n
 
 
 def test_submit_refuses_bad_file_and_sends_nothing(settings, tmp_path):
@@ -168,6 +184,8 @@ def test_a_bad_setting_in_the_environment_is_one_clear_line(settings, var, value
     (["--timeout", "5"], "--out and --timeout need --wait"),
     (["--wait", "--timeout", "0"], "must be more than 0 seconds"),
     (["--wait", "--timeout", "-3"], "must be more than 0 seconds"),
+    (["--resume"], "--resume needs --wait and --out"),
+    (["--wait", "--resume"], "--resume needs --wait and --out"),
 ])
 def test_submit_refuses_options_that_would_do_nothing(settings, tmp_path, args, says):
     src = tmp_path / "in.jsonl"

@@ -34,14 +34,16 @@ from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer, make_request, send
 from redroll.shared.acl import ROLES, acl_rules, setuser_args
+from redroll.shared.codec import encode_record
 from redroll.shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
 from redroll.shared.control import send_abort
 from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
-from redroll.shared.types import RecordStatus
+from redroll.shared.types import CompletionRecord, RecordStatus
 from redroll.status import collect_status
+from redroll.submit import submit_file
 from tests.conftest import ROOT, server_executable, start_test_server, wait_until
 
 ADMIN_PASSWORD = "admin-" + uuid.uuid4().hex
@@ -366,6 +368,25 @@ async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("redroll abort: redis at redis://127.0.0.1:") and "lacks a permission" in line, line
     assert users["operator"].redis_password not in proc.stderr
+
+
+async def test_submit_and_its_resume_run_with_the_producer_user(acl_server, admin, tmp_path):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    keys = Settings(namespace=ns).keys
+    prod_s = make_user(admin, acl_server, ns, "producer")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"request_id": x, "prompt": "x"}) + "\n" for x in ("a", "b")))
+    admin.acl_log_reset()
+    assert await submit_file(prod_s, str(src), wait=True, out=str(out), progress=False, timeout=0.3) == 3  # (no worker)
+    producer = json.loads((tmp_path / "out.jsonl.run").read_text())["producer"]
+    # the record of "a" reaches the reply stream while nothing reads it (as a worker writes it)
+    admin.xadd(keys.reply(producer), encode_record(CompletionRecord(
+        request_id="a", status=RecordStatus.FINISHED, output_token_ids=[[1]], finish_reasons=["length"])))
+    assert await submit_file(prod_s, str(src), wait=True, out=str(out), progress=False, timeout=0.3,
+                             resume=True) == 3  # ("b" is still queued)
+    assert [json.loads(line)["request_id"] for line in out.read_text().splitlines()] == ["a"]
+    assert admin.xlen(keys.reply(producer)) == 0 and admin.xlen(keys.requests) == 2  # (taken over: not sent again)
+    assert acl_denials(admin, ns) == []
 
 
 def test_rule_lines_are_what_the_docs_show():
