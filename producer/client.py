@@ -139,8 +139,10 @@ class Producer:
         ``tokens_from_ids``: each submit's de-duplication token is made from the producer's
         ``name`` and the request_id instead of at random. A later producer of the same name (a
         restarted process) that submits a request still queued or in flight then gets that submit
-        back, not a refusal and not a second entry, and its record on the same reply stream: how
-        ``redroll submit --resume`` takes over an interrupted run."""
+        back, not a refusal and not a second entry, and its record on the same reply stream; one
+        that finished meanwhile gets the record that came to that stream (held for
+        :meth:`unclaimed` until then), and is not sent again. That is how ``redroll submit
+        --resume`` takes over an interrupted run."""
         if max_staleness is not None and not batch_size:
             raise ValueError("max_staleness needs batch_size (AReaL's capacity rule)")
         if max_inflight is not None and max_inflight < 1:
@@ -309,15 +311,17 @@ class Producer:
             self._waiters[req.request_id] = _Waiter(fut, callback)
             futures.append(fut)
         self.admitted += len(prepared)
+        came = await self._resolve_held(prepared) if self._tokens_from_ids and self._unclaimed else set()
+        sending = [(item, fut) for item, fut in zip(prepared, futures) if item[0].request_id not in came]
         try:
-            replies = await self._submit_until_accepted(prepared)
+            replies = await self._submit_until_accepted([item for item, _ in sending]) if sending else []
         except BaseException:
-            for req, _, _ in prepared:
+            for (req, _, _), _fut in sending:
                 self._waiters.pop(req.request_id, None)
-            self.admitted -= len(prepared)
+            self.admitted -= len(sending)
             raise
         failed: Exception | None = None
-        for (req, _, _), reply, fut in zip(prepared, replies, futures):
+        for ((req, _, _), fut), reply in zip(sending, replies):
             try:
                 Scripts.submit_outcome(req.request_id, reply)
             except (DuplicateRequestError, StreamRefusedError) as exc:
@@ -329,6 +333,16 @@ class Producer:
         if failed is not None and len(prepared) == 1:
             raise failed
         return futures
+
+    async def _resolve_held(self, prepared: list) -> set[str]:
+        """Under ``tokens_from_ids``, a record held here (nobody waited for it) for a request_id
+        about to be submitted is the outcome of this name's earlier submit of it, by a process
+        that stopped before it finished: the submit gets that record, and nothing is sent for it
+        (it would be generated again). Returns those request_ids."""
+        held = {req.request_id: self._unclaimed.pop(req.request_id) for req, _, _ in prepared
+                if req.request_id in self._unclaimed}
+        await self._ack([entry_id for entry_id, record in held.values() if await self._resolve(record, entry_id)])
+        return set(held)
 
     async def _submit_until_accepted(self, prepared: list) -> list:
         return await submit_until_accepted(lambda items: self._submit_with_retry(items), prepared,

@@ -115,6 +115,33 @@ async def test_a_restarted_producer_with_tokens_from_ids_takes_over_its_live_req
             assert record.status is RecordStatus.FINISHED and worker.stats.claimed == 1
 
 
+async def test_a_taken_over_request_whose_record_came_before_its_submit_gets_that_record(settings, r):
+    """The request finished while no process of that name ran; the restarted producer's reader
+    took its record (nobody waited for it yet) before the submit that takes it over: that submit
+    is resolved with it, its entry acked, and the request not sent (generated) again."""
+    async with Producer(settings, name="batch-2", tokens_from_ids=True, block_ms=100) as first:
+        await first.submit(request_id="early-1", prompt="x", sampling_params=SP)
+    reply = settings.keys.reply("batch-2")
+    async with running_worker(settings):
+        await wait_until(lambda: _has_entries(r, reply), timeout=10)
+    async with Producer(settings, name="batch-2", tokens_from_ids=True, block_ms=100) as again:
+        await wait_until(lambda: _delivered(r, reply), timeout=10)  # (held for unclaimed())
+        seen: list = []
+        fut = await again.submit(request_id="early-1", prompt="x", sampling_params=SP, callback=seen.append)
+        record = await asyncio.wait_for(fut, 5)
+        assert record.status is RecordStatus.FINISHED and seen == [record]
+        assert await r.xlen(settings.keys.requests) == 0 and await r.xlen(reply) == 0  # (acked and deleted)
+        assert again.outstanding == 0
+
+
+async def _has_entries(r, stream: str) -> bool:
+    return await r.exists(stream) and await r.xlen(stream) > 0
+
+
+async def _delivered(r, stream: str) -> bool:
+    return (await r.xpending(stream, PRODUCER_GROUP))["pending"] > 0
+
+
 async def test_duplicate_request_id_refused(settings, r):
     async with Producer(settings, block_ms=100) as a, Producer(settings, block_ms=100) as b:
         fut = await a.submit(request_id="dup-1", prompt="x", sampling_params=SP)
