@@ -57,7 +57,7 @@ async def test_submit_one_and_many_with_callbacks(settings, r):
                              sampling_params={"max_new_tokens": 3 + i % 5, "n": 2}, return_logprob=True)
                 for i in range(50)]
         futs = await p.submit_many(reqs, callback=cb)
-        assert p.outstanding == 50
+        assert p.outstanding + len(calls) == 50  # (the worker may have finished some before submit_many returned)
         records = await asyncio.wait_for(asyncio.gather(*futs), 20)
         assert [x.request_id for x in records] == [q.request_id for q in reqs]
         for q, x in zip(reqs, records):
