@@ -123,23 +123,15 @@ async def test_a_taken_over_request_whose_record_came_before_its_submit_gets_tha
         await first.submit(request_id="early-1", prompt="x", sampling_params=SP)
     reply = settings.keys.reply("batch-2")
     async with running_worker(settings):
-        await wait_until(lambda: _has_entries(r, reply), timeout=10)
+        await wait_until(lambda: r.xlen(reply), timeout=10)
     async with Producer(settings, name="batch-2", tokens_from_ids=True, block_ms=100) as again:
-        await wait_until(lambda: _delivered(r, reply), timeout=10)  # (held for unclaimed())
+        await wait_until(lambda: reply_pending(r, "batch-2", settings), timeout=10)  # (held for unclaimed())
         seen: list = []
         fut = await again.submit(request_id="early-1", prompt="x", sampling_params=SP, callback=seen.append)
         record = await asyncio.wait_for(fut, 5)
         assert record.status is RecordStatus.FINISHED and seen == [record]
         assert await r.xlen(settings.keys.requests) == 0 and await r.xlen(reply) == 0  # (acked and deleted)
         assert again.outstanding == 0
-
-
-async def _has_entries(r, stream: str) -> bool:
-    return await r.exists(stream) and await r.xlen(stream) > 0
-
-
-async def _delivered(r, stream: str) -> bool:
-    return (await r.xpending(stream, PRODUCER_GROUP))["pending"] > 0
 
 
 async def test_duplicate_request_id_refused(settings, r):
