@@ -195,7 +195,10 @@ class Producer:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)
             await self._redis.expire(stream, self.settings.reply_ttl_s)
         groups = read_groups(self._redis, self.reply_streams)  # one reader per group
-        self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
+        for g in groups:
+            await self._read_what_came(g)
+        self._readers = [asyncio.create_task(self._read_loop(g, {stream: ">" for stream in g}),
+                                             name=f"producer-reader-{self.name}-{i}")
                          for i, g in enumerate(groups)]
         for i, g in enumerate(read_groups(self._redis, [part.dead for part in self.parts])):
             positions = await dead_notices.start_positions(self._redis, g)
@@ -488,9 +491,34 @@ class Producer:
 
         return WeightSync(self, **options)
 
-    async def _read_loop(self, streams: list[str]) -> None:
-        # First our own pending entries on each reply stream (a restart resumes them), then new ones.
-        last_ids = {stream: "0" for stream in streams}
+    async def _read_what_came(self, streams: list[str]) -> None:
+        """Deliver every record on ``streams`` now, without waiting for more: this name's pending
+        entries (a restart resumes them), then the new ones. ``start`` returns after it, so a
+        record that came before the first submit is held (a restarted producer with
+        ``tokens_from_ids`` resolves a submit of its request from it, and does not send it again)."""
+        for stream in streams:
+            last_id = "0"
+            while last_id != ">":
+                batch, last_id = await self._read_page(stream, last_id, self.read_count)
+                await self._deliver(batch)
+        while True:
+            batch = [(s, e) for s, es in await read_group(self.redis, PRODUCER_GROUP, self.name, streams,
+                                                          count=self.read_count) for e in es]
+            await self._deliver(batch)
+            if len(batch) < self.read_count:
+                return
+
+    async def _read_page(self, stream: str, last_id: str, count: int) -> tuple[list, str]:
+        """A page of this name's pending entries on ``stream`` after ``last_id``: the entries, and
+        where the next page starts (``>`` once none are left)."""
+        resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
+        entries = [e for _s, es in (resp or []) for e in es]
+        return [(stream, e) for e in entries], ">" if len(entries) < count else text(entries[-1][0])
+
+    async def _read_loop(self, streams: list[str], last_ids: dict[str, str] | None = None) -> None:
+        # First our own pending entries on each reply stream (a restart resumes them; none when
+        # ``last_ids`` says they were read), then new ones.
+        last_ids = last_ids or {stream: "0" for stream in streams}
         delay = 0.1
         recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
         next_check = time.monotonic() + recheck_s
@@ -510,10 +538,7 @@ class Producer:
                             continue
                     if paging:
                         stream, last_id = next(iter(paging.items()))
-                        resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
-                        entries = [e for _s, es in (resp or []) for e in es]
-                        last_ids[stream] = ">" if len(entries) < count else text(entries[-1][0])
-                        batch = [(stream, e) for e in entries]
+                        batch, last_ids[stream] = await self._read_page(stream, last_id, count)
                     else:
                         reading, ahead = ahead or self._read_new(streams, count), None
                         batch = [(s, e) for s, es in await reading for e in es]

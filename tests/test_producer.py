@@ -116,16 +116,16 @@ async def test_a_restarted_producer_with_tokens_from_ids_takes_over_its_live_req
 
 
 async def test_a_taken_over_request_whose_record_came_before_its_submit_gets_that_record(settings, r):
-    """The request finished while no process of that name ran; the restarted producer's reader
-    took its record (nobody waited for it yet) before the submit that takes it over: that submit
-    is resolved with it, its entry acked, and the request not sent (generated) again."""
+    """The request finished while no process of that name ran; the restarted producer read its
+    record (nobody waited for it yet) before ``start`` returned, so the submit that takes it over,
+    sent at once, is resolved with it, its entry acked, and the request not sent (generated) again."""
     async with Producer(settings, name="batch-2", tokens_from_ids=True, block_ms=100) as first:
         await first.submit(request_id="early-1", prompt="x", sampling_params=SP)
     reply = settings.keys.reply("batch-2")
     async with running_worker(settings):
         await wait_until(lambda: r.xlen(reply), timeout=10)
     async with Producer(settings, name="batch-2", tokens_from_ids=True, block_ms=100) as again:
-        await wait_until(lambda: reply_pending(r, "batch-2", settings), timeout=10)  # (held for unclaimed())
+        assert await reply_pending(r, "batch-2", settings) == 1  # (held for unclaimed())
         seen: list = []
         fut = await again.submit(request_id="early-1", prompt="x", sampling_params=SP, callback=seen.append)
         record = await asyncio.wait_for(fut, 5)
@@ -242,8 +242,8 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
             return await original(r, group, consumer, streams, **kw)  # the silent retry
         return result
 
+    monkeypatch.setattr(client, "read_group", lossy_read)  # (before the start: its reader reads at once)
     async with Producer(settings, name="lossy", block_ms=100) as p:
-        monkeypatch.setattr(client, "read_group", lossy_read)
         futures = await p.submit_many([make_request(request_id=f"lost-{i}", prompt="x", sampling_params=SP)
                                        for i in range(5)])
         async with running_worker(settings):
