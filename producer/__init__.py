@@ -2,7 +2,7 @@
 
 from redroll.shared.scripts import DuplicateRequestError
 
-from .client import Producer, make_request, send
+from .client import BeforeAckError, Producer, make_request, send
 from .sync import SyncProducer
 
-__all__ = ["DuplicateRequestError", "Producer", "SyncProducer", "make_request", "send"]
+__all__ = ["BeforeAckError", "DuplicateRequestError", "Producer", "SyncProducer", "make_request", "send"]

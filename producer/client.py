@@ -88,6 +88,11 @@ def request_stream(keys: Keys, request: GenerationRequest) -> str:
     return keys.requests
 
 
+class BeforeAckError(RuntimeError):
+    """The producer's ``before_ack`` raised (its error is the cause): the records it was to make
+    last were applied here, and their reply entries were not acked."""
+
+
 @dataclass
 class _Waiter:
     future: asyncio.Future
@@ -128,6 +133,7 @@ class Producer:
         max_staleness: int | None = None,
         batch_size: int | None = None,
         tokens_from_ids: bool = False,
+        before_ack: Callable[[], None] | None = None,
     ):
         """``max_inflight``: at most this many requests outstanding; ``submit`` waits for room
         (backpressure: nothing is dropped). ``max_staleness`` with ``batch_size``: AReaL's capacity
@@ -142,7 +148,13 @@ class Producer:
         back, not a refusal and not a second entry, and its record on the same reply stream; one
         that finished meanwhile gets the record that came to that stream (held for
         :meth:`unclaimed` until then), and is not sent again. That is how ``redroll submit
-        --resume`` takes over an interrupted run."""
+        --resume`` takes over an interrupted run.
+
+        ``before_ack()`` runs before the reply entries of applied records are acked, after their
+        callbacks: where what the callbacks did is made to last (a file flushed), so that a process
+        killed at any instant leaves each record either applied or still on its reply stream. While
+        it raises, those entries stay unacked (:class:`BeforeAckError`, logged by the reader, which
+        reads them again and tries again later; their callbacks do not run again)."""
         if max_staleness is not None and not batch_size:
             raise ValueError("max_staleness needs batch_size (AReaL's capacity rule)")
         if max_inflight is not None and max_inflight < 1:
@@ -176,6 +188,7 @@ class Producer:
         self._closed = False
         self._last_expire = 0.0
         self._tokens_from_ids = tokens_from_ids
+        self._before_ack = before_ack
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -344,7 +357,11 @@ class Producer:
         (it would be generated again). Returns those request_ids."""
         held = {req.request_id: self._unclaimed.pop(req.request_id) for req, _, _ in prepared
                 if req.request_id in self._unclaimed}
-        await self._ack([entry_id for entry_id, record in held.values() if await self._resolve(record, entry_id)])
+        applied = [entry_id for entry_id, record in held.values() if await self._resolve(record, entry_id)]
+        try:
+            await self._ack(applied)
+        except BeforeAckError as exc:  # (they stay pending here: the reader reads them again, and acks them)
+            log.error("%s", exc)
         return set(held)
 
     async def _submit_until_accepted(self, prepared: list) -> list:
@@ -551,6 +568,12 @@ class Producer:
                     delay = 0.1
                 except asyncio.CancelledError:
                     raise
+                except BeforeAckError as exc:
+                    ahead = drop_read(ahead)
+                    log.error("reply reader: %s; trying again in %.1fs", exc, delay)
+                    last_ids = {stream: "0" for stream in streams}  # (their acks come when they are read again)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
                 except redis.ResponseError as exc:  # (a read asked for ahead stays: the next turn awaits it)
                     if "NOGROUP" in str(exc):
                         for stream in streams:
@@ -660,6 +683,11 @@ class Producer:
 
     async def _ack(self, entries: list[tuple[str, str]]) -> None:
         """Ack and delete (stream, entry id) pairs: one transaction per reply stream."""
+        if entries and self._before_ack is not None:
+            try:
+                self._before_ack()
+            except Exception as exc:
+                raise BeforeAckError(f"before_ack raised {exc!r}: {len(entries)} reply entries left unacked") from exc
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id in entries:
             by_stream.setdefault(stream, []).append(entry_id)

@@ -204,13 +204,16 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                             out: str | None = None) -> tuple[int, bool]:
     """Submit ``requests`` and write each record as one JSON line as it arrives; returns how many
     did not finish, and whether every record came. Records are collected by the producer's
-    callback and written (and flushed) a delivered batch at a time: one write, one flush and one
-    progress refresh per batch, not per record. ``producer_name``: the producer to be (a resumed
-    run's); ``on_start(name)`` runs once it is started, before anything is submitted."""
+    callback and written (and flushed) a delivered batch at a time, before the producer acks their
+    reply entries (so a kill at any instant leaves each record in the file or on its reply stream):
+    one write, one flush and one progress refresh per batch, not per record. ``producer_name``: the
+    producer to be (a resumed run's); ``on_start(name)`` runs once it is started, before anything
+    is submitted."""
     encode = msgspec.json.Encoder().encode
     arrived: list[bytes] = []
     wake = asyncio.Event()
     failed = 0
+    write_error: OSError | None = None
 
     def on_record(record: CompletionRecord) -> None:
         nonlocal failed
@@ -219,20 +222,34 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
         arrived.append(encode(record))
         wake.set()
 
-    async with Producer(settings, name=producer_name, tokens_from_ids=True) as producer:
+    def write_arrived() -> None:
+        """Write the records that arrived (the producer's ``before_ack``, and on each wake-up); a
+        failed write stops the run, with those records' entries left unacked."""
+        nonlocal pending, settled, write_error
+        if write_error is not None:
+            raise write_error
+        if not arrived:
+            return
+        batch = arrived[:]
+        try:
+            sink.write(b"\n".join(batch) + b"\n")
+            sink.flush()
+        except OSError as exc:
+            write_error = OSError(exc.errno, f"writing the records to {out or 'stdout'} failed ({exc.strerror or exc})"
+                                  + (f"; those not written stay on the reply stream: --resume writes them"
+                                     if out else ""))
+            wake.set()
+            raise write_error from exc
+        del arrived[:len(batch)]
+        pending -= len(batch)
+        settled += len(batch)
+        bar.advance(len(batch))
+
+    pending = settled = 0  # (submitted, no record yet; and refused or written)
+    async with Producer(settings, name=producer_name, tokens_from_ids=True, before_ack=write_arrived) as producer:
         if on_start is not None:
             on_start(producer.name)
         bar = _progress(len(requests), enabled=progress)
-        pending = settled = 0  # (submitted, no record yet; and refused or written)
-
-        def write(batch: list[bytes]) -> None:
-            nonlocal pending, settled
-            sink.write(b"\n".join(batch) + b"\n")
-            sink.flush()
-            pending -= len(batch)
-            settled += len(batch)
-            bar.advance(len(batch))
-
         try:
             for i in range(0, len(requests), window):
                 chunk = requests[i:i + window]  # (validated whole by read_requests)
@@ -249,15 +266,14 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                         bar.advance(1)
                     else:
                         pending += 1
+                if write_error is not None:
+                    raise write_error
 
             async def write_as_they_arrive() -> None:
                 while pending:
                     await wake.wait()
                     wake.clear()
-                    batch = arrived[:]
-                    del arrived[:]
-                    if batch:
-                        write(batch)
+                    write_arrived()
 
             try:
                 await asyncio.wait_for(write_as_they_arrive(), timeout)
@@ -269,8 +285,8 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                       file=sys.stderr)
                 failed += pending
         except asyncio.CancelledError:  # (Ctrl-C: asyncio cancels the main task)
-            if arrived:  # (records the producer has acked: into the file before it stops)
-                write(arrived[:])
+            if write_error is None:  # (records whose callbacks ran: into the file before it stops)
+                write_arrived()
             bar.close()
             if out:
                 then = (f"the same command with --resume takes them over (within reply_ttl_s, "

@@ -134,6 +134,36 @@ async def test_a_taken_over_request_whose_record_came_before_its_submit_gets_tha
         assert again.outstanding == 0
 
 
+async def test_before_ack_runs_before_the_acks_and_a_failure_leaves_the_records_on_the_reply_stream(settings, r):
+    """``before_ack`` runs after the callbacks of a delivered batch and before its acks; while it
+    raises, the entries stay on the reply stream (the reader tries again), and the callbacks are
+    not run a second time."""
+    applied: list[str] = []
+    hook: dict = {"fail": True, "calls": 0, "applied_then": []}
+
+    def before_ack() -> None:
+        hook["calls"] += 1
+        hook["applied_then"] = sorted(applied)
+        if hook["fail"]:
+            raise OSError("disk full (simulated)")
+
+    reply = settings.keys.reply("hooked")
+    async with Producer(settings, name="hooked", block_ms=100, before_ack=before_ack) as p:
+        futures = await p.submit_many([make_request(request_id=f"h-{i}", prompt="x", sampling_params=SP)
+                                       for i in range(5)], callback=lambda rec: applied.append(rec.request_id))
+        async with running_worker(settings):
+            await asyncio.wait_for(asyncio.gather(*futures), 10)
+            await wait_until(lambda: hook["calls"] >= 2, timeout=10)  # (tried again)
+            assert await r.xlen(reply) == 5 and await reply_pending(r, "hooked", settings) == 5
+            hook["fail"] = False
+            await wait_until(lambda: _xlen_is(r, reply, 0), timeout=10)
+        assert sorted(applied) == hook["applied_then"] == [f"h-{i}" for i in range(5)]  # (each applied once)
+
+
+async def _xlen_is(r, key: str, n: int) -> bool:
+    return await r.xlen(key) == n
+
+
 async def test_duplicate_request_id_refused(settings, r):
     async with Producer(settings, block_ms=100) as a, Producer(settings, block_ms=100) as b:
         fut = await a.submit(request_id="dup-1", prompt="x", sampling_params=SP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 
@@ -78,6 +79,55 @@ async def test_a_resume_submits_what_the_interrupted_run_never_did(settings, tmp
         assert await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60,
                                  resume=True) == 0
     assert sorted(_written(out)) == sorted(f"a-{i}" for i in range(20)) and worker.stats.published == 20
+
+
+class _FillingFile:
+    """OUT on a disk that fills up: writes after the first ``room`` fail (ENOSPC), writing nothing."""
+
+    def __init__(self, fh, room: int):
+        self._fh, self.room = fh, room
+
+    def write(self, data: bytes) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= 1
+        return self._fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
+async def test_a_record_that_could_not_be_written_stays_on_its_reply_stream_for_the_resume(
+        settings, r, tmp_path, monkeypatch):
+    """OUT's disk fills up: the run stops with the reason and what to do, and the records it could
+    not write were not acked (a batch is written and flushed before its reply entries are acked),
+    so ``--resume`` writes them from the reply stream; nothing is generated twice."""
+    import redroll.submit
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = [f"d-{i}" for i in range(30)]
+    _requests(src, ids, tokens=4)
+    worker = Worker(settings, SyntheticEngine(token_ms=5), max_inflight=2)
+    async with running(worker):
+        def open_out_on_a_full_disk(path, *args, **kw):
+            return _FillingFile(open(path, *args, **kw), room=1) if path == str(out) else open(path, *args, **kw)
+
+        monkeypatch.setattr(redroll.submit, "open", open_out_on_a_full_disk, raising=False)
+        with pytest.raises(OSError, match=r"writing the records to .*out.jsonl failed \(No space left on device\); "
+                                          r"those not written stay on the reply stream: --resume writes them"):
+            await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60)
+        monkeypatch.undo()
+        assert 0 < len(_written(out)) < len(ids)
+        await wait_until(lambda: worker.stats.published == len(ids), timeout=30)
+        assert await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60,
+                                 resume=True) == 0
+    assert sorted(_written(out)) == sorted(ids) and worker.stats.published == len(ids)
 
 
 async def test_a_finished_run_resumed_submits_nothing(settings, tmp_path, capsys):
