@@ -513,16 +513,20 @@ class Producer:
         entries (a restart resumes them), then the new ones. ``start`` returns after it, so a
         record that came before the first submit is held (a restarted producer with
         ``tokens_from_ids`` resolves a submit of its request from it, and does not send it again)."""
+        count = self.read_count  # (fewer once records are large: see read_count)
         for stream in streams:
             last_id = "0"
             while last_id != ">":
-                batch, last_id = await self._read_page(stream, last_id, self.read_count)
+                batch, last_id = await self._read_page(stream, last_id, count)
+                count = read_count([e for _s, e in batch], self.read_count) if batch else count
                 await self._deliver(batch)
         while True:
+            asked = count
             batch = [(s, e) for s, es in await read_group(self.redis, PRODUCER_GROUP, self.name, streams,
-                                                          count=self.read_count) for e in es]
+                                                          count=asked) for e in es]
+            count = read_count([e for _s, e in batch], self.read_count) if batch else count
             await self._deliver(batch)
-            if len(batch) < self.read_count:
+            if len(batch) < asked:
                 return
 
     async def _read_page(self, stream: str, last_id: str, count: int) -> tuple[list, str]:

@@ -318,6 +318,42 @@ async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, m
     assert abs(counts[-1] - READ_BYTES // size) <= 2
 
 
+async def test_the_reads_before_start_returns_ask_for_fewer_large_records_too(settings, r, monkeypatch):
+    # Records of about 300 kB wait on the reply stream of a producer that stopped, read by it (held
+    # for unclaimed(), so pending under its name) and not handed out: the restarted one pages them
+    # before its start returns, and its read of new records then asks for about 1 MiB of them.
+    from redis.asyncio import Redis
+
+    from redroll.producer import client
+    from redroll.shared.streams import READ_BYTES
+
+    async with Producer(settings, name="large-again", block_ms=100) as first:
+        await first.submit_many([make_request(request_id=f"big-{i}", prompt="x", return_logprob=True,
+                                              sampling_params={"max_new_tokens": 24_000}) for i in range(4)])
+    async with running_worker(settings):
+        await wait_until(lambda: _xlen_is(r, settings.keys.reply("large-again"), 4), timeout=30)
+    async with Producer(settings, name="large-again", block_ms=100) as second:
+        assert len(second._unclaimed) == 4
+    original_paging, original_reading = Redis.xreadgroup, client.read_group
+    counts: list[int] = []
+
+    async def counting_paging(self, groupname, consumername, streams, *a, **kw):
+        counts.append(kw["count"])
+        return await original_paging(self, groupname, consumername, streams, *a, **kw)
+
+    async def counting_reading(r, group, consumer, streams, **kw):
+        counts.append(kw["count"])
+        return await original_reading(r, group, consumer, streams, **kw)
+
+    monkeypatch.setattr(Redis, "xreadgroup", counting_paging)
+    monkeypatch.setattr(client, "read_group", counting_reading)
+    async with Producer(settings, name="large-again", block_ms=100) as again:
+        first_reads = counts[:]
+        size = len(encode_record(again._unclaimed["big-0"][1])["data"])
+        assert len(again._unclaimed) == 4  # (all read before start returned)
+    assert size > 200_000 and first_reads[:2] == [256, READ_BYTES // size]  # (paging, then new ones)
+
+
 async def test_the_next_reply_read_is_asked_for_before_a_batch_is_delivered(settings, r, monkeypatch):
     from redroll.producer import client
 
