@@ -12,6 +12,7 @@ OUT, so two runs never write one file.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -161,7 +162,7 @@ async def move_records(r: Redis, reply_streams: list[str], wanted: set[str], wri
                 if rid in wanted or rid in written:
                     done.append(text(raw_id))
             if lines:
-                sink.write(b"".join(lines))
+                write_all(sink, b"".join(lines))
                 sink.flush()
                 os.fsync(sink.fileno())
             if done:
@@ -174,6 +175,17 @@ async def move_records(r: Redis, reply_streams: list[str], wanted: set[str], wri
 
 PAGE = 512
 """Reply-stream entries read at a time."""
+
+
+def write_all(sink: IO[bytes], data: bytes) -> None:
+    """``sink.write`` until all of ``data`` is in (OUT is opened unbuffered, and a file object
+    without a buffer may take part of a write)."""
+    view = memoryview(data)
+    while view:
+        written = sink.write(view)
+        if not written:
+            raise OSError(errno.EIO, "the file took none of a write")
+        view = view[written:]
 
 
 async def _delete_entries(r: Redis, stream: str, ids: list[str]) -> None:

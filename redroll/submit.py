@@ -11,7 +11,7 @@ from typing import IO, Callable, Iterable
 import msgspec
 
 from redroll.producer.client import Producer, request_stream, send_each
-from redroll.resume import RunFile, move_records, records_written
+from redroll.resume import RunFile, move_records, records_written, write_all
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
 from redroll.shared.refusals import StreamRefusedError
@@ -131,7 +131,9 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
     complete = False
     try:
         written = records_written(out) if resume else {}
-        with open(out, "ab" if resume else "wb") as sink:
+        # (unbuffered: each batch is one write anyway, and a failed one leaves nothing behind in a
+        # buffer for the close to write, or to fail on, later)
+        with open(out, "ab" if resume else "wb", buffering=0) as sink:
             total = len(requests)
             failed_before = 0
             if resume:
@@ -232,7 +234,7 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
             return
         batch = arrived[:]
         try:
-            sink.write(b"\n".join(batch) + b"\n")
+            write_all(sink, b"\n".join(batch) + b"\n")
             sink.flush()
         except OSError as exc:
             write_error = OSError(exc.errno, f"writing the records to {out or 'stdout'} failed ({exc.strerror or exc})"
