@@ -86,7 +86,10 @@ async def test_an_interrupted_submit_keeps_what_came_says_what_did_not_and_resum
         src.write_text("".join(json.dumps({"request_id": f"i-{i}", "prompt": "x", "sampling_params":
                                            {"max_new_tokens": 10}}) + "\n" for i in range(40)))
         submit = [sys.executable, "-m", "redroll.cli", "submit", str(src), "--wait", "--out", str(out), "--no-progress"]
-        proc = subprocess.Popen(submit, cwd=ROOT, env=redroll_env(settings), stderr=subprocess.PIPE, text=True)
+        # (SIGINT handled as under a terminal: a suite started in the background, by a non-interactive
+        # shell's `&`, hands it down ignored, and the Ctrl-C would do nothing)
+        proc = subprocess.Popen(submit, cwd=ROOT, env=redroll_env(settings), stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while (len(out.read_bytes().splitlines()) if out.exists() else 0) < 8:
             assert time.monotonic() < deadline and proc.poll() is None
