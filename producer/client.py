@@ -210,8 +210,7 @@ class Producer:
         groups = read_groups(self._redis, self.reply_streams)  # one reader per group
         for g in groups:
             await self._read_what_came(g)
-        self._readers = [asyncio.create_task(self._read_loop(g, {stream: ">" for stream in g}),
-                                             name=f"producer-reader-{self.name}-{i}")
+        self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
                          for i, g in enumerate(groups)]
         for i, g in enumerate(read_groups(self._redis, [part.dead for part in self.parts])):
             positions = await dead_notices.start_positions(self._redis, g)
@@ -536,10 +535,11 @@ class Producer:
         entries = [e for _s, es in (resp or []) for e in es]
         return [(stream, e) for e in entries], ">" if len(entries) < count else text(entries[-1][0])
 
-    async def _read_loop(self, streams: list[str], last_ids: dict[str, str] | None = None) -> None:
-        # First our own pending entries on each reply stream (a restart resumes them; none when
-        # ``last_ids`` says they were read), then new ones.
-        last_ids = last_ids or {stream: "0" for stream in streams}
+    async def _read_loop(self, streams: list[str]) -> None:
+        # New entries: our own pending ones were read before start returned (_read_what_came); they
+        # are paged again ("0") after a connection error, a read that lost its reply, or a
+        # before_ack that raised.
+        last_ids = {stream: ">" for stream in streams}
         delay = 0.1
         recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
         next_check = time.monotonic() + recheck_s
