@@ -140,8 +140,8 @@ async def move_records(r: Redis, reply_streams: list[str], wanted: set[str], wri
     reply streams (one each, in arrival order); returns their request_ids, each with whether it
     finished. A page of entries at a time: its records are written and synced, then its entries
     deleted, together with those of records already ``written`` to OUT (a kill in between leaves
-    duplicates there, which the next resume deletes). Entries that do not decode are left to the producer's reader, which
-    dead-letters them."""
+    duplicates there, which the next resume deletes). Entries that do not decode are left to the
+    producer's reader, which dead-letters them."""
     moved: dict[str, bool] = {}
     encode = msgspec.json.Encoder().encode
     for stream in reply_streams:
