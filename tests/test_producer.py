@@ -286,10 +286,27 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
 async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeypatch):
     # Records of about 40 kB: after the first of them, a reply read asks for about 1 MiB of them,
     # not read_count (256), so that Redis never builds one reply of many megabytes.
+    from redroll.shared.streams import READ_BYTES
+
+    counts = _count_reply_reads(monkeypatch)
+    async with Producer(settings, name="large", block_ms=100) as p:
+        sp = {"max_new_tokens": 3000}
+        futures = await p.submit_many([make_request(request_id=f"large-{i}", prompt="x", sampling_params=sp,
+                                                    return_logprob=True) for i in range(3)])
+        async with running_worker(settings):
+            records = await asyncio.wait_for(asyncio.gather(*futures), 30)
+        size = len(encode_record(records[0])["data"])
+        await wait_until(lambda: counts[-1] < 256, timeout=5)
+    assert size > 20_000 and counts[0] == 256
+    assert abs(counts[-1] - READ_BYTES // size) <= 2
+
+
+def _count_reply_reads(monkeypatch) -> list[int]:
+    """The COUNT each producer reply read asks for, in order: pages of its own pending records
+    (``xreadgroup``) and reads of new ones (``read_group``)."""
     from redis.asyncio import Redis
 
     from redroll.producer import client
-    from redroll.shared.streams import READ_BYTES
 
     original_paging, original_reading = Redis.xreadgroup, client.read_group
     counts: list[int] = []
@@ -304,27 +321,15 @@ async def test_reply_reads_of_large_records_ask_for_fewer_entries(settings, r, m
             counts.append(kw["count"])
         return await original_reading(r, group, consumer, streams, **kw)
 
-    monkeypatch.setattr(Redis, "xreadgroup", counting_paging)  # (its own pending records, at start)
-    monkeypatch.setattr(client, "read_group", counting_reading)  # (new records)
-    async with Producer(settings, name="large", block_ms=100) as p:
-        sp = {"max_new_tokens": 3000}
-        futures = await p.submit_many([make_request(request_id=f"large-{i}", prompt="x", sampling_params=sp,
-                                                    return_logprob=True) for i in range(3)])
-        async with running_worker(settings):
-            records = await asyncio.wait_for(asyncio.gather(*futures), 30)
-        size = len(encode_record(records[0])["data"])
-        await wait_until(lambda: counts[-1] < 256, timeout=5)
-    assert size > 20_000 and counts[0] == 256
-    assert abs(counts[-1] - READ_BYTES // size) <= 2
+    monkeypatch.setattr(Redis, "xreadgroup", counting_paging)
+    monkeypatch.setattr(client, "read_group", counting_reading)
+    return counts
 
 
 async def test_the_reads_before_start_returns_ask_for_fewer_large_records_too(settings, r, monkeypatch):
     # Records of about 300 kB wait on the reply stream of a producer that stopped, read by it (held
     # for unclaimed(), so pending under its name) and not handed out: the restarted one pages them
     # before its start returns, and its read of new records then asks for about 1 MiB of them.
-    from redis.asyncio import Redis
-
-    from redroll.producer import client
     from redroll.shared.streams import READ_BYTES
 
     async with Producer(settings, name="large-again", block_ms=100) as first:
@@ -334,19 +339,7 @@ async def test_the_reads_before_start_returns_ask_for_fewer_large_records_too(se
         await wait_until(lambda: _xlen_is(r, settings.keys.reply("large-again"), 4), timeout=30)
     async with Producer(settings, name="large-again", block_ms=100) as second:
         assert len(second._unclaimed) == 4
-    original_paging, original_reading = Redis.xreadgroup, client.read_group
-    counts: list[int] = []
-
-    async def counting_paging(self, groupname, consumername, streams, *a, **kw):
-        counts.append(kw["count"])
-        return await original_paging(self, groupname, consumername, streams, *a, **kw)
-
-    async def counting_reading(r, group, consumer, streams, **kw):
-        counts.append(kw["count"])
-        return await original_reading(r, group, consumer, streams, **kw)
-
-    monkeypatch.setattr(Redis, "xreadgroup", counting_paging)
-    monkeypatch.setattr(client, "read_group", counting_reading)
+    counts = _count_reply_reads(monkeypatch)
     async with Producer(settings, name="large-again", block_ms=100) as again:
         first_reads = counts[:]
         size = len(encode_record(again._unclaimed["big-0"][1])["data"])
