@@ -14,8 +14,11 @@ its first and last timestamps.
 ``--rate R`` (async only): the latency floor of the same three hops. The producer sends one entry
 per round trip, paced at R per second on an absolute schedule, each stamped (field ``t``) with
 ``time.time()`` just before its ``XADD``; the worker copies ``t`` into the result entry; the
-consumer's report adds ``samples_ms``: its read time minus ``t`` for each entry. Every role runs on
-the event loop redroll's own processes use (:func:`redroll.runtime.run`).
+consumer's report adds ``samples_ms``: its read time minus ``t`` for each entry. After each read the
+consumer also makes one more round trip before its ``XACK``, an ``SMISMEMBER`` of the read's rids on
+a set, as a redroll consumer checks its markers before any callback runs: ``check_ms`` has its time
+for each entry, so ``samples_ms[i] + check_ms[i]`` is the floor of a path that keeps that check.
+Every role runs on the event loop redroll's own processes use (:func:`redroll.runtime.run`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ async def run_async(a: argparse.Namespace) -> dict:
     done = 0
     t_first = None
     samples: list[float] = []
+    checks: list[float] = []
     if a.role == "producer" and a.rate > 0:
         f = sample_request_fields(a.namespace)
         loop = asyncio.get_running_loop()
@@ -149,6 +153,7 @@ async def run_async(a: argparse.Namespace) -> dict:
                 await pipe.execute()
             done += len(entries)
     else:
+        applied = "{" + a.namespace + "}:applied:" + GROUP_C
         while done < a.count:
             resp = await r.xreadgroup(GROUP_C, name, {keys.results: ">"}, count=a.batch, block=1000)
             entries = [e for _s, es in resp or [] for e in es]
@@ -157,12 +162,18 @@ async def run_async(a: argparse.Namespace) -> dict:
             now = time.time()
             if t_first is None:
                 t_first = now
-            samples.extend((now - float(fields[b"t"])) * 1000.0 for _eid, fields in entries if b"t" in fields)
+            stamped = [fields for _eid, fields in entries if b"t" in fields]
+            if stamped:
+                samples.extend((now - float(fields[b"t"])) * 1000.0 for fields in stamped)
+                started = time.perf_counter()
+                await r.smismember(applied, [fields[b"rid"] for fields in stamped])
+                checks.extend([(time.perf_counter() - started) * 1000.0] * len(stamped))
             await r.xack(keys.results, GROUP_C, *[eid for eid, _ in entries])
             done += len(entries)
     out = {"t_first": t_first, "t_last": time.time(), "count": done, "cpu_s": time.process_time() - cpu0}
     if samples:
         out["samples_ms"] = [round(x, 4) for x in samples]
+        out["check_ms"] = [round(x, 4) for x in checks]
     await r.aclose()
     return out
 

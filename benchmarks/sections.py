@@ -250,7 +250,7 @@ def raw_three_hop(server: Server, run_dir: Path, n: int, mode: str, rate: float 
     cpu = {role: round(rep[role]["cpu_s"] * 1e6 / n, 1) for role in roles}
     cpu["redis-server"] = round((r1 - r0) * 1e6 / n, 1)
     return {"rate": n / elapsed, "elapsed": elapsed, "cpu_us": cpu, "commands": commands,
-            "samples_ms": rep["consumer"].get("samples_ms") or []}
+            "samples_ms": rep["consumer"].get("samples_ms") or [], "check_ms": rep["consumer"].get("check_ms") or []}
 
 
 # ====================================================================== 2. latency
@@ -294,20 +294,32 @@ def latency(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
     res.fig("consumer_p50_added_ms", percentile(added_c, 50), "ms", target="< 2", check=lambda v: v < 2)
     res.fig("consumer_p99_added_ms", percentile(added_c, 99), "ms", target="< 10", check=lambda v: v < 10)
     # (c) the machine's floor for the consumer path's hops: bare redis-py, same rate and bytes
-    floor = raw_three_hop(server, new_run_dir(base, "latency-floor"), n, "async", rate=rate)["samples_ms"][warm:]
-    if not floor:
-        raise BenchError("the raw paced run recorded no samples")
+    raw = raw_three_hop(server, new_run_dir(base, "latency-floor"), n, "async", rate=rate)
+    floor, checks = raw["samples_ms"][warm:], raw["check_ms"][warm:]
+    if not floor or len(checks) != len(floor):
+        raise BenchError("the raw paced run recorded no samples, or not one check per sample")
+    with_check = [hops + check for hops, check in zip(floor, checks)]
     res.fig("raw_floor_p50_ms", percentile(floor, 50), "ms",
             note="bare redis-py three hops at the same rate: producer -> worker -> consumer, no redroll")
     res.fig("raw_floor_p99_ms", percentile(floor, 99), "ms")
+    res.fig("raw_floor_with_check_p50_ms", percentile(with_check, 50), "ms",
+            note="the same three hops and the consumer's one more round trip after its read (redroll's "
+                 "markers check, which comes before any callback): the consumer path's floor")
+    res.fig("raw_floor_with_check_p99_ms", percentile(with_check, 99), "ms")
     res.details["raw_floor"] = {
         "ms": _stats_ms(floor),
+        "check_ms": _stats_ms(checks),
+        "with_check_ms": _stats_ms(with_check),
         "consumer_added_over_floor_p50_ms": round(percentile(added_c, 50) - percentile(floor, 50), 3),
+        "consumer_added_over_floor_with_check_p50_ms": round(percentile(added_c, 50) - percentile(with_check, 50), 3),
         "how": f"benchmarks.proc_raw --mode async --rate {rate:g}: the producer XADDs one request entry (the same "
                f"bytes) per round trip, stamped with time.time() just before; the worker (XREADGROUP BLOCK) XADDs "
                f"a result entry of a record's size carrying the stamp, and XACKs; the consumer (XREADGROUP BLOCK) "
-               f"takes its read time minus the stamp. No decoding, de-duplication, Lua or engine: what waking "
-               f"three processes and Redis costs on this machine at this rate, under the consumer path's figure",
+               f"takes its read time minus the stamp, then makes one more round trip (SMISMEMBER of the read's "
+               f"rids: check_ms) before its XACK. No decoding, de-duplication, Lua or engine: what waking three "
+               f"processes and Redis costs on this machine at this rate, under the consumer path's figure; "
+               f"with_check_ms adds each entry's check, the round trip a consumer that skips records it applied "
+               f"before cannot leave out",
     }
     res.details["consumer_path"] = {
         "added_ms": _stats_ms(added_c),

@@ -25,7 +25,8 @@ EXPECTED = {
                 "redroll_server_us_per_request", "raw_sync_server_us_per_request", "redroll_clients_us_per_request",
                 "raw_sync_clients_us_per_request", "submit_wait_rps", "submit_wait_vs_api", "redroll_worker_cores_busy"},
     "latency": {"producer_p50_added_ms", "producer_p99_added_ms", "consumer_p50_added_ms",
-                "consumer_p99_added_ms", "raw_floor_p50_ms", "raw_floor_p99_ms"},
+                "consumer_p99_added_ms", "raw_floor_p50_ms", "raw_floor_p99_ms", "raw_floor_with_check_p50_ms",
+                "raw_floor_with_check_p99_ms"},
     "utilisation": {"direct_rps", "ratio_1w", "ratio_4w", "ratio_1w_inflight_eq_slots",
                     "ratio_4w_inflight_eq_slots"},
     "large": {"encode_MBps", "decode_MBps", "record_MB", "e2e_records_per_s", "e2e_MBps", "longest_redis_command_ms"},
@@ -109,7 +110,8 @@ def test_ratio_bound_from_the_raw_runs() -> None:
 @pytest.mark.timeout(120)
 def test_paced_raw_run_times_every_entry_through_the_three_hops(tmp_path: Path) -> None:
     """``proc_raw --rate``: one stamped entry per round trip; the consumer's report has one latency
-    sample per entry, each the time from the producer's stamp to the consumer's read."""
+    sample per entry, each the time from the producer's stamp to the consumer's read, and the time
+    of the round trip it made after that read (the markers check's floor)."""
     from benchmarks.harness import Server
     from benchmarks.sections import raw_three_hop
 
@@ -123,6 +125,8 @@ def test_paced_raw_run_times_every_entry_through_the_three_hops(tmp_path: Path) 
     samples = out["samples_ms"]
     assert len(samples) == 40
     assert all(0 < x < 5000 for x in samples)
+    checks = out["check_ms"]
+    assert len(checks) == 40 and all(0 < x < 5000 for x in checks)
     # Paced: 40 entries at 200/s take 195 ms (a burst of 40 takes a few). uvloop counts its timers
     # in whole milliseconds, so each sleep may end up to 1 ms early: 0.19497 s was seen.
     assert out["elapsed"] >= 39 / 200.0 - 0.005
