@@ -294,9 +294,9 @@ async def test_a_batch_is_applied_and_acked_chunk_by_chunk(settings, r):
     runner = ConsumerRunner(settings, group="g", handlers={"h": handler}, block_ms=100, apply_bytes=1)
     apply_chunk = runner._apply_chunk
 
-    async def watched(items, stream):
+    async def watched(items, stream, checked):
         held[:] = items
-        await apply_chunk(items, stream)
+        await apply_chunk(items, stream, checked)
 
     runner._apply_chunk = watched  # type: ignore[method-assign]
     async with running(runner):
@@ -325,22 +325,56 @@ async def test_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeyp
     assert counts[0] == 64 and set(counts[1:]) == {2}
 
 
-async def test_the_next_read_is_asked_for_before_a_batch_is_applied(settings, r, monkeypatch):
-    await produce(settings, r, [f"pre-{i}" for i in range(4)])
-    events: list[str] = []
-    read = runner_module.read_group
+def _log_reads_and_checks(monkeypatch, events: list[str]) -> None:
+    read, check = runner_module.read_group, ConsumerRunner._applied_already
 
-    async def logged(*args, **kwargs):
+    async def logged_read(*args, **kwargs):
         events.append("read")
         return await read(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "read_group", logged)
+    async def logged_check(self, *args):
+        events.append("check")
+        return await check(self, *args)
+
+    monkeypatch.setattr(runner_module, "read_group", logged_read)
+    monkeypatch.setattr(ConsumerRunner, "_applied_already", logged_check)
+
+
+async def test_the_next_read_is_asked_for_after_the_markers_check_and_before_the_callbacks(settings, r, monkeypatch):
+    """The next read goes out once a batch's markers are checked, not beside the check (whose reply
+    every callback waits for), and is out while the batch's async callbacks run."""
+    await produce(settings, r, [f"pre-{i}" for i in range(4)])
+    events: list[str] = []
+    _log_reads_and_checks(monkeypatch, events)
+
+    async def h(rec):
+        events.append(rec.request_id)
+
+    runner = ConsumerRunner(settings, group="g", handlers={"h": h}, block_ms=50, batch=2, redis_client=r)
+    async with running(runner):
+        await wait_until(lambda: runner.stats.applied == 4, timeout=5)
+    assert events[:9] == ["read", "check", "read", "pre-0", "pre-1", "check", "read", "pre-2", "pre-3"]
+    assert await group_pending(r, settings.keys.results, "g") == 0
+
+
+async def test_with_sync_callbacks_the_next_read_goes_out_while_the_batch_is_acked(settings, r, monkeypatch):
+    """Sync callbacks run without a wait between them: the next read, asked for after the check,
+    goes out at the first wait after them, the acks' round trip."""
+    await produce(settings, r, [f"pre-{i}" for i in range(4)])
+    events: list[str] = []
+    _log_reads_and_checks(monkeypatch, events)
+    ack = ConsumerRunner._ack
+
+    async def logged_ack(self, *args):
+        events.append("ack")
+        return await ack(self, *args)
+
+    monkeypatch.setattr(ConsumerRunner, "_ack", logged_ack)
     runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: events.append(rec.request_id)},
                             block_ms=50, batch=2, redis_client=r)
     async with running(runner):
         await wait_until(lambda: runner.stats.applied == 4, timeout=5)
-    # each batch of two is applied while the read of the next one is out
-    assert events[:7] == ["read", "read", "pre-0", "pre-1", "read", "pre-2", "pre-3"]
+    assert events[:11] == ["read", "check", "pre-0", "pre-1", "ack", "read", "check", "pre-2", "pre-3", "ack", "read"]
     assert await group_pending(r, settings.keys.results, "g") == 0
 
 
