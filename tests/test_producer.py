@@ -11,7 +11,7 @@ from redis.asyncio.client import Pipeline
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
-from redroll.producer import DuplicateRequestError, Producer, SyncProducer, make_request
+from redroll.producer import DuplicateRequestError, Producer, make_request
 from redroll.shared.codec import encode_record, encode_request
 from redroll.shared.keys import PRODUCER_GROUP
 from redroll.shared.scripts import Scripts
@@ -72,7 +72,7 @@ async def test_submit_one_and_many_with_callbacks(settings, r):
         assert await reply_pending(r, p.name, settings) == 0
 
 
-async def _xlen_is(r, key, n):
+async def _xlen_is(r, key: str, n: int) -> bool:
     return await r.xlen(key) == n
 
 
@@ -158,10 +158,6 @@ async def test_before_ack_runs_before_the_acks_and_a_failure_leaves_the_records_
             hook["fail"] = False
             await wait_until(lambda: _xlen_is(r, reply, 0), timeout=10)
         assert sorted(applied) == hook["applied_then"] == [f"h-{i}" for i in range(5)]  # (each applied once)
-
-
-async def _xlen_is(r, key: str, n: int) -> bool:
-    return await r.xlen(key) == n
 
 
 async def test_duplicate_request_id_refused(settings, r):
@@ -487,21 +483,6 @@ async def test_abort_by_group_id(settings):
         async with running_worker(settings):
             recs = await asyncio.wait_for(asyncio.gather(*futs), 10)
         assert all(x.status is RecordStatus.ABORTED and x.finish_reasons == [None] for x in recs)
-
-
-async def test_sync_producer_facade(settings):
-    async with running_worker(settings):
-        sp = await asyncio.to_thread(SyncProducer, settings)
-        try:
-            rec = await asyncio.to_thread(lambda: sp.generate(prompt="hi", sampling_params=SP, timeout=10))
-            assert rec.status is RecordStatus.FINISHED and len(rec.output_token_ids[0]) == 4
-            futs = await asyncio.to_thread(
-                sp.submit_many, [{"prompt": f"s{i}", "sampling_params": SP, "request_id": f"sync-{i}"}
-                                 for i in range(5)])
-            recs = await asyncio.to_thread(lambda: [f.result(10) for f in futs])
-            assert [x.request_id for x in recs] == [f"sync-{i}" for i in range(5)]
-        finally:
-            await asyncio.to_thread(sp.close)
 
 
 async def test_undecodable_reply_is_dead_lettered(settings, r):
