@@ -20,7 +20,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from redroll.engine_worker.engines.base import (
+    EngineCapabilities,
+    EngineInfo,
+    EngineOutput,
+    SampleOutput,
+    check_token_ids,
+)
 from redroll.shared.types import GenerationRequest
 
 
@@ -51,6 +57,8 @@ class SlotStats:
 
 
 class SlotEngine:
+    capabilities = EngineCapabilities()  # (nothing beyond the Engine protocol)
+
     def __init__(self, *, slots: int = 32, token_ms: float = 10.0, vocab_size: int = 32000,
                  model: str = "synthetic", weight_version: str = "0"):
         self.slots = int(slots)
@@ -168,6 +176,8 @@ class SlotEngine:
 
 class CannedEngine:
     """Returns a precomputed output of the requested shape (``n`` × ``max_new_tokens``) at once."""
+
+    capabilities = EngineCapabilities()  # (nothing beyond the Engine protocol)
 
     def __init__(self, *, vocab_size: int = 32000, model: str = "synthetic", weight_version: str = "0"):
         self.info = EngineInfo(name="canned", model=model, vocab_size=vocab_size, eos_token_id=None,

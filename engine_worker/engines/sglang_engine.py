@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids
 from .sglang_contract import MEMORY_TAGS, SGLANG_VERSION
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,14 @@ class _Sample:
 
 class SGLangEngine:
     """Engine protocol on ``sglang.Engine`` (0.5.23), in this process and event loop."""
+
+    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
+                                      weights_from_tensor=True, memory_release=True, partial_output=True,
+                                      tokenizer=True)
+    """What the adapter can do. Some of it needs SGLang started for it: a memory release without the
+    memory saver, a push or a tensor update with dp_size > 1 are refused by the method, saying what
+    to change (:class:`EngineCommandRefused`); :meth:`partial` shows only resumable requests (they
+    stream); ``tokenizer`` is None with skip_tokenizer_init."""
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ the whole worker process (``os._exit``), as a poison request that crashes an eng
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import random
@@ -20,10 +21,14 @@ from array import array
 
 from redroll.shared.types import GenerationRequest, SamplingParams
 
-from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 
 
 class SyntheticEngine:
+    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, partial_output=True,
+                                      progress_counters=True)
+    """Plus ``instant`` when it makes outputs without waiting (no ``token_ms``, no ``slots``: set in ``__init__``)."""
+
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
                  raise_marker: str | None = None, exit_marker: str | None = None, slots: int | None = None):
@@ -43,6 +48,8 @@ class SyntheticEngine:
         self._running: dict[str, tuple[GenerationRequest, float, float]] = {}
         """handle → (request, start, ms per token) of generations under way (for :meth:`partial`)."""
         self._version_changes: list[tuple[float, str]] = []
+        if self.instant:
+            self.capabilities = dataclasses.replace(type(self).capabilities, instant=True)
 
     async def start(self) -> None:
         return None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SamplingParams
 
-from .base import EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 from .prefix_cache import KV, PrefixCache
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
@@ -151,6 +151,10 @@ class _Prefill:
 
 class TransformersEngine(TorchWeights):
     """Engine protocol on a transformers causal LM (``"tiny-random"`` or a local HF directory)."""
+
+    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
+                                      weights_from_tensor=True, partial_output=True, progress_counters=True,
+                                      prefill_counters=True, tokenizer=True)
 
     def __init__(
         self,
@@ -319,6 +323,11 @@ class TransformersEngine(TorchWeights):
                 f"of {self.info.max_context}",
             )
         return ids
+
+    @property
+    def tokenizer(self) -> _Tokenizer | None:
+        """The model's tokenizer (None before :meth:`start`)."""
+        return self._tokenizer
 
     def _require_started(self) -> _Tokenizer:
         if self._tokenizer is None:
