@@ -224,9 +224,9 @@ class Saver:
 
     async def run(self) -> None:
         ctx = self.ctx
-        partial = getattr(ctx.engine, "partial", None)
-        if partial is None:
-            return  # this engine cannot show partial output (SGLang: see the README)
+        if not ctx.capabilities.partial_output:
+            return  # this engine cannot show partial output: nothing to save while it runs
+        partial = ctx.engine.partial
         every_tokens, every_s = ctx.settings.checkpoint_tokens, ctx.settings.checkpoint_interval_s
         last_save = time.monotonic()
         while not self.broken and not self.stopped:

@@ -15,7 +15,7 @@ from redroll.shared.keys import Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
 
-from .engines.base import Engine
+from .engines.base import Engine, EngineCapabilities, capabilities_of
 from .publisher import Publisher
 
 
@@ -65,6 +65,9 @@ class WorkerContext:
     were a previous run's (a restart with the same ``--name``)."""
 
     def __post_init__(self) -> None:
+        self.capabilities: EngineCapabilities = capabilities_of(self.engine)
+        """What the engine declares it can do beyond the Engine protocol: every part of the worker
+        asks this, never the engine's methods."""
         self.keys: Keys = self.settings.keys
         """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
         self.scripts = Scripts(self.redis)

@@ -105,12 +105,11 @@ class Liveness:
             "state": self._state(), "weights_source": self._weights_source(),
             "weight_ranks": int(getattr(info, "weight_ranks", 1) or 1), **self._rates(),
         }
-        decoded = getattr(ctx.engine, "tokens_decoded", None)
-        if decoded is not None:  # engines that count their decode work (synthetic, transformers)
-            beat["tokens_decoded"] = decoded
-        computed = getattr(ctx.engine, "prefill_tokens_computed", None)
-        if computed is not None:  # engines that count their prefill (the transformers engine)
-            beat["prefill_tokens"] = {"computed": computed, "cached": getattr(ctx.engine, "prefill_tokens_cached", 0)}
+        if ctx.capabilities.progress_counters:  # engines that count their decode work (synthetic, transformers)
+            beat["tokens_decoded"] = ctx.engine.tokens_decoded
+        if ctx.capabilities.prefill_counters:  # engines that count their prefill (the transformers engine)
+            beat["prefill_tokens"] = {"computed": ctx.engine.prefill_tokens_computed,
+                                      "cached": ctx.engine.prefill_tokens_cached}
         blocked = self._blocked()
         if blocked:
             beat["blocked"] = blocked

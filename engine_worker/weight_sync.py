@@ -72,8 +72,9 @@ class SyncReceiver:
         if rank is None:
             return
         engine = self.ctx.engine
-        if getattr(engine, "join_weight_group", None) is None:
-            await self._report(cmd, f"failed: the {engine.info.name} engine cannot take pushed weights")
+        if not self.ctx.capabilities.weights_from_push:
+            await self._report(cmd, f"failed: the {engine.info.name} engine cannot take pushed weights (its "
+                                    "capabilities do not declare weights_from_push)")
             return
         async with self.gate.lock:
             hold = cmd.mode != "in_place"

@@ -7,7 +7,6 @@ here, parked and leased, until the update it needs lands.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -92,8 +91,8 @@ class WeightsGate:
 
     def in_place_capable(self) -> bool:
         """The engine can swap weights under requests in flight (between two decode steps)."""
-        update = getattr(self.engine, "update_weights_from_disk", None)
-        return update is not None and "in_place" in inspect.signature(update).parameters
+        caps = self.ctx.capabilities
+        return caps.weights_from_disk and caps.weights_in_place
 
     async def update(self, model_path: str, weight_version: str | None, *, mode: UpdateMode = "quiesce") -> None:
         """Load new weights from ``model_path``. ``quiesce``: stop claiming, let in-flight requests
@@ -103,9 +102,10 @@ class WeightsGate:
         async with self.lock:
             if weight_version is not None and weight_version == self.engine.info.weight_version:
                 return
-            update = getattr(self.engine, "update_weights_from_disk", None)
-            if update is None:
-                raise RuntimeError(f"the {self.engine.info.name} engine cannot update weights")
+            if not self.ctx.capabilities.weights_from_disk:
+                raise RuntimeError(f"the {self.engine.info.name} engine cannot load weights from disk (its "
+                                   "capabilities do not declare weights_from_disk)")
+            update = self.engine.update_weights_from_disk
             if mode == "in_place" and self.in_place_capable():
                 log.info("weight update to %s (version %s), in place", model_path, weight_version)
                 await update(model_path, weight_version, in_place=True)
@@ -132,10 +132,9 @@ class WeightsGate:
         """Free engine memory for a colocated trainer; claiming stays paused until resume (and
         resumes at once when the engine refuses the release)."""
         await self.quiesce("memory")
-        release = getattr(self.engine, "release_memory_occupation", None)  # (none: nothing to free)
         try:
-            if release is not None:
-                await release()
+            if self.ctx.capabilities.memory_release:  # (otherwise nothing to free: claiming pauses only)
+                await self.engine.release_memory_occupation()
         except BaseException:
             self.flights.release("memory")
             raise
@@ -143,9 +142,8 @@ class WeightsGate:
             await self._heartbeat()
 
     async def resume_memory(self) -> None:
-        resume = getattr(self.engine, "resume_memory_occupation", None)
-        if resume is not None:
-            await resume()
+        if self.ctx.capabilities.memory_release:
+            await self.engine.resume_memory_occupation()
         self.flights.release("memory")
         await self._heartbeat()
 

@@ -32,7 +32,7 @@ from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_
 from .claim import Claimer
 from .context import WorkerContext, WorkerStats
 from .control import AbortedSet, ControlListener
-from .engines.base import Engine
+from .engines.base import Engine, capabilities_of
 from .flights import Flights, InFlight
 from .housekeeping import housekeeping_loop
 from .lanes import LaneClaimer, LaneTable
@@ -99,10 +99,12 @@ class Worker:
         self.started = asyncio.Event()
         """Set once the engine runs and the worker claims (whoever owns the process's signal handlers
         installs them after this: an engine may replace them while it starts)."""
+        self.capabilities = capabilities_of(engine)
+        """What the engine declares beyond the Engine protocol (its ``capabilities``; none without)."""
         # An engine that makes an output at once (the synthetic one without per-token time) runs
         # each claim's entries in one task; any other engine runs a task per request.
         self.flights = Flights(max_inflight, self._run_request, self._stopping,
-                               run_batch=self._run_batch if getattr(engine, "instant", False) else None)
+                               run_batch=self._run_batch if self.capabilities.instant else None)
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
         self._outcomes: Outcomes | None = None

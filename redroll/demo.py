@@ -14,6 +14,7 @@ from typing import Any
 from redroll.consumer.runner import ConsumerRunner
 from redroll.embedded import embedded_redis
 from redroll.engine_worker.engines import create_engine
+from redroll.engine_worker.engines.base import capabilities_of
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer, make_request, send
 from redroll.runtime import run as run_async_main
@@ -39,7 +40,7 @@ def _has_torch() -> bool:
 
 
 def _decode(engine: Any, ids: list[int]) -> str:
-    tok = getattr(engine, "tokenizer", None)
+    tok = engine.tokenizer if capabilities_of(engine).tokenizer else None
     if tok is not None:
         try:
             return tok.decode(ids, skip_special_tokens=True)

@@ -97,12 +97,12 @@ class WorkerMetrics:
             yield GaugeMetricFamily("redroll_pipeline_queued", "Entries waiting in the request streams this worker "
                                     "reads (high, lanes, shared), summed: scale on max() over the workers.",
                                     value=st.queued)
-        computed = getattr(self._worker.engine, "prefill_tokens_computed", None)
-        if computed is not None:
+        if self._worker.capabilities.prefill_counters:
+            engine = self._worker.engine
             prefill = CounterMetricFamily("redroll_worker_prefill_tokens", "Prompt tokens: computed by prefill, or "
                                           "served from the prefix cache.", labels=["kind"])
-            prefill.add_metric(["computed"], computed)
-            prefill.add_metric(["cached"], getattr(self._worker.engine, "prefill_tokens_cached", 0))
+            prefill.add_metric(["computed"], engine.prefill_tokens_computed)
+            prefill.add_metric(["cached"], engine.prefill_tokens_cached)
             yield prefill
         yield CounterMetricFamily("redroll_worker_checkpoints", "Checkpoint parts saved for resumable requests.",
                                   value=st.checkpoints)

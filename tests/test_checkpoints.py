@@ -17,7 +17,7 @@ from redroll.engine_worker.checkpoints import (
     parse_checkpoint,
     stitch,
 )
-from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+from redroll.engine_worker.engines.base import EngineCapabilities, EngineOutput, SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
@@ -330,6 +330,7 @@ async def test_a_saver_stops_even_when_a_redis_call_swallows_its_cancellation(se
         ctx = SimpleNamespace(settings=settings.with_(checkpoint_tokens=1, checkpoint_interval_s=0.0),
                               engine=SimpleNamespace(partial=lambda handle: SampleOutput([1, 2, 3], None, None),
                                                      info=SimpleNamespace(weight_version="v")),
+                              capabilities=EngineCapabilities(partial_output=True),
                               name="w", part_of={"s": settings.keys})
         calls = 0
 
