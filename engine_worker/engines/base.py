@@ -323,6 +323,7 @@ def check_declaration(engine: Any, *, undeclared: bool = True) -> list[str]:
         optional = frozenset() if declared.weights_in_place else frozenset({"in_place"})
         members = _members(protocol)
         missing: list[str] = []
+        unfit: list[str] = []
         for member, wanted in members.items():
             if wanted is None or isinstance(wanted, property):
                 if not hasattr(engine, member):
@@ -333,11 +334,13 @@ def check_declaration(engine: Any, *, undeclared: bool = True) -> list[str]:
                 missing.append(member)
                 continue
             why = _signature_mismatch(wanted, method, optional if capability == "weights_from_disk" else frozenset())
-            if why is not None and on:
-                problems.append(f"{name} declares {capability}: its {member} {why}")
-        if on and missing:
-            problems.append(f"{name} declares {capability} but has no {', '.join(missing)}")
-        elif undeclared and not on and not missing:
+            if why is not None:
+                unfit.append(f"{name} declares {capability}: its {member} {why}")
+        if on:
+            problems.extend(unfit)
+            if missing:
+                problems.append(f"{name} declares {capability} but has no {', '.join(missing)}")
+        elif undeclared and not missing and not unfit:
             problems.append(f"{name} has {', '.join(members)} but does not declare {capability}")
     update = getattr(engine, "update_weights_from_disk", None)
     if declared.weights_in_place and not declared.weights_from_disk:
