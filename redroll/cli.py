@@ -70,6 +70,16 @@ def _positive_seconds(raw: str) -> float:
     return value
 
 
+def _positive_gib(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of GiB") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 GiB, got {raw}")
+    return value
+
+
 def _seconds_from_zero(raw: str) -> float:
     value = _seconds(raw)
     if value < 0:
@@ -88,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run an engine worker")
     _common(p)
-    p.add_argument("--engine", choices=["sglang", "transformers", "synthetic"], default=os.environ.get("REDROLL_ENGINE", "synthetic"))
+    p.add_argument("--engine", choices=["vllm", "sglang", "transformers", "synthetic"], default=os.environ.get("REDROLL_ENGINE", "synthetic"))
     p.add_argument("--model-path", default=os.environ.get("REDROLL_MODEL_PATH", "tiny-random"),
                    help="local model directory, or 'tiny-random' for the built-in tiny model")
     p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")),
@@ -107,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-marker", default=None,
                    help="synthetic engine fault injection: prompts containing this kill the worker process")
     p.add_argument("--device", default="cpu", help="transformers engine: torch device")
-    p.add_argument("--dtype", default=None, help="model dtype (transformers default float32, sglang default auto)")
+    p.add_argument("--dtype", default=None, help="model dtype (transformers default float32, sglang and vllm default auto)")
     p.add_argument("--max-batch-size", type=int, default=32, help="transformers engine: rows per batch")
     p.add_argument("--prefix-cache-tokens", type=int,
                    default=int(os.environ.get("REDROLL_PREFIX_CACHE_TOKENS", "0")),
@@ -115,24 +125,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens (env REDROLL_PREFIX_CACHE_TOKENS; default 0 = off); records report "
                         "meta_info.cached_tokens")
     p.add_argument("--weight-version", default=None)
-    g = p.add_argument_group("sglang engine")
-    g.add_argument("--tp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_TP_SIZE", "1")))
-    g.add_argument("--dp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_DP_SIZE", "1")))
-    g.add_argument("--mem-fraction-static", type=float, default=None)
-    g.add_argument("--max-running-requests", type=int, default=None)
-    g.add_argument("--context-length", type=int, default=None)
+    g = p.add_argument_group("sglang and vllm engines")
+    g.add_argument("--tp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_TP_SIZE", "1")),
+                   help="tensor-parallel size (vllm: tensor_parallel_size)")
+    g.add_argument("--dp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_DP_SIZE", "1")),
+                   help="sglang: data-parallel size")
+    g.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="accelerator memory the engine may take (vllm: gpu_memory_utilization)")
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="requests the engine runs at once (vllm: max_num_seqs)")
+    g.add_argument("--context-length", type=int, default=None, help="model context (vllm: max_model_len)")
     g.add_argument("--random-seed", type=int, default=None)
     g.add_argument("--enable-memory-saver", action="store_true",
-                   help="needed for release/resume of GPU memory (colocated training)")
+                   help="needed for release/resume of GPU memory (colocated training; vllm: enable_sleep_mode, "
+                        "GPU only)")
     g.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out only")
     g.add_argument("--max-routed-experts-bytes", type=int, default=2 * 1024 * 1024,
                    help="the most MoE routing data (return_routed_experts) one record may carry")
     g.add_argument("--pause-mode", choices=["in_place", "retract"],
                    default=os.environ.get("REDROLL_SGLANG_PAUSE_MODE", "in_place"),
-                   help="how an in-place weight update pauses SGLang: in_place keeps the KV cache (computed "
+                   help="how an in-place weight update pauses SGLang or vLLM: in_place keeps the KV cache (computed "
                         "with the old weights), retract recomputes it with the new ones")
     g.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other sglang.Engine argument (repeatable); VALUE is parsed as JSON when it can be")
+    g = p.add_argument_group("vllm engine")
+    g.add_argument("--kv-cache-gib", type=_positive_gib, default=None,
+                   help="KV cache size in GiB (vllm: kv_cache_memory_bytes; on CPU default 1, or "
+                        "VLLM_CPU_KVCACHE_SPACE when set)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn vLLM's prefix cache off (on by default: affinity lanes exist to feed it)")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other vLLM AsyncEngineArgs argument (repeatable); VALUE is parsed as JSON when it can be")
     p.add_argument("--claim-idle-ms", type=int, default=None)
     p.add_argument("--max-deliveries", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight work on SIGTERM")
@@ -251,13 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_key_values(pairs: Sequence[str]) -> dict[str, Any]:
+def parse_key_values(pairs: Sequence[str], flag: str = "--sglang-arg") -> dict[str, Any]:
     """``["a=1", "b=true", "c=x"]`` → ``{"a": 1, "b": True, "c": "x"}`` (JSON when it parses)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--sglang-arg {pair!r} must look like KEY=VALUE")
+            raise ValueError(f"{flag} {pair!r} must look like KEY=VALUE")
         try:
             out[key.replace("-", "_")] = json.loads(raw)
         except ValueError:
@@ -355,6 +378,14 @@ async def _run_worker(args: argparse.Namespace) -> int:
                    "checkpoint_stream_interval": settings.checkpoint_tokens,
                    "max_routed_experts_bytes": args.max_routed_experts_bytes,
                    "extra_args": parse_key_values(args.sglang_arg)}
+    elif args.engine == "vllm":
+        options = {"model_path": args.model_path, "tensor_parallel_size": args.tp_size,
+                   "max_num_seqs": args.max_running_requests, "gpu_memory_utilization": args.mem_fraction_static,
+                   "max_model_len": args.context_length, "dtype": args.dtype or "auto",
+                   "enable_prefix_caching": not args.no_prefix_caching, "kv_cache_gib": args.kv_cache_gib,
+                   "seed": args.random_seed, "enable_sleep_mode": args.enable_memory_saver,
+                   "pause_mode": args.pause_mode, "checkpoint_stream_interval": settings.checkpoint_tokens,
+                   "extra_args": parse_key_values(args.vllm_arg, "--vllm-arg")}
     if args.weight_version is not None:
         options["weight_version"] = args.weight_version
     engine = create_engine(args.engine, **options)

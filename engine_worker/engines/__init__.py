@@ -6,7 +6,7 @@ from typing import Any
 
 from .base import Engine, EngineInfo, EngineOutput, SampleOutput
 
-ENGINE_NAMES = ("sglang", "transformers", "synthetic")
+ENGINE_NAMES = ("vllm", "sglang", "transformers", "synthetic")
 
 
 def create_engine(name: str, **options: Any) -> Engine:
@@ -19,6 +19,10 @@ def create_engine(name: str, **options: Any) -> Engine:
         from .transformers_engine import TransformersEngine
 
         return TransformersEngine(**options)
+    if name == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(**options)
     if name == "sglang":
         from .sglang_engine import SGLangEngine
 
