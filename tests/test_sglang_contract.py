@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 import re
 
 import pytest
@@ -54,10 +56,19 @@ def test_the_version_is_pinned_once_in_pyproject_the_dockerfile_and_the_adapter(
     assert "sglang.__version__" in dockerfile and "sys.exit" in dockerfile
 
 
+def _adapter_modules() -> list:
+    """Every module of the SGLang adapter: engine_worker/engines/sglang_*.py."""
+    package = importlib.import_module(sglang_engine.__package__)
+    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("sglang_"))
+    return [importlib.import_module(f"{sglang_engine.__package__}.{name}") for name in names]
+
+
 def test_the_adapter_uses_only_names_the_contract_lists():
-    tree = ast.parse(inspect.getsource(sglang_engine))
+    modules = _adapter_modules()
+    assert {"sglang_engine", "sglang_weights", "sglang_process", "sglang_output"} <= {
+        m.__name__.rsplit(".", 1)[1] for m in modules}
     tm_used, engine_used = set(), set()
-    for node in ast.walk(tree):
+    for node in (n for module in modules for n in ast.walk(ast.parse(inspect.getsource(module)))):
         if not isinstance(node, ast.Attribute):
             continue
         base = node.value

@@ -1,5 +1,9 @@
 """The SGLang adapter: the Engine protocol on an in-process ``sglang.Engine``, for sglang 0.5.23.
 
+The adapter is this module (lifecycle, validation, generate and abort) and three mixins by
+concern: :mod:`.sglang_output` (SGLang's output as an EngineOutput), :mod:`.sglang_weights`
+(weights and memory) and :mod:`.sglang_process` (stopping SGLang's processes).
+
 sglang is imported lazily inside :meth:`SGLangEngine.start` (and the io_struct classes inside the
 weight/memory calls), so importing this module needs neither sglang nor torch. Every name used
 here is listed in :mod:`.sglang_contract` and checked against the pinned wheel by the contract
@@ -44,27 +48,22 @@ tests. References are to files under ``sglang/srt/`` of sglang 0.5.23, with thei
 from __future__ import annotations
 
 import asyncio
-import atexit
-import base64
 import collections
-import contextlib
-import dataclasses
-import importlib
 import inspect
 import itertools
 import logging
-import os
 import secrets
-import signal
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids
-from .sglang_contract import MEMORY_TAGS, SGLANG_VERSION
+from .sglang_contract import SGLANG_VERSION
+from .sglang_output import EngineRequestError, SGLangOutput, _request_error, _Sample
+from .sglang_process import SGLangProcess
+from .sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
 
 log = logging.getLogger(__name__)
 
@@ -72,31 +71,6 @@ ENGINE_NAME = "sglang"
 
 _ABORTED_MEMORY = 8192
 """How many aborted-but-not-yet-started handles are remembered (handles are unique per attempt)."""
-
-_FINISH_TYPES = ("stop", "length", "abort")
-
-
-class EngineRequestError(RuntimeError):
-    """SGLang refused or failed one request for a reason other than an abort we asked for.
-
-    ``status_code`` is the HTTP status SGLang attached (400 for bad input, 503 for a full queue,
-    500 for internal errors), or None when the error carried none.
-    """
-
-    def __init__(self, message: str, *, status_code: int | None = None, rid: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.rid = rid
-
-
-class WeightUpdateError(RuntimeError):
-    """``update_weights_from_disk`` reported failure (SGLang keeps, or rolls back to, the old weights)."""
-
-
-class EngineCommandRefused(RuntimeError):
-    """A weight or memory command the adapter refuses because SGLang would crash on it, or it would
-    do nothing (the message says which and what to do)."""
 
 
 @dataclass(eq=False)
@@ -116,17 +90,7 @@ class _Job:
     return_logprob: bool = False
 
 
-@dataclass
-class _Sample:
-    output: SampleOutput
-    input_logprobs: list[float | None] | None = None
-    prompt_tokens: int | None = None
-    cached_tokens: int = 0
-    weight_version: str | None = None
-    e2e_latency: float | None = None
-
-
-class SGLangEngine:
+class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
     """Engine protocol on ``sglang.Engine`` (0.5.23), in this process and event loop."""
 
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
@@ -303,32 +267,6 @@ class SGLangEngine:
         engine, self.engine = self.engine, None
         if engine is not None:
             await self._shutdown(engine)
-
-    async def _shutdown(self, engine: Any) -> None:
-        """Stop SGLang without ``Engine.shutdown()``: that blocks the loop for up to 60 s, SIGKILLs
-        every child of this process (not only SGLang's) and raises on timeout (entrypoints/engine.py
-        :1450-1497, utils/common.py:2507-2564); it is also registered with atexit (:326). Here: stop
-        its watchdog and tasks, and kill only the processes SGLang started (:398-400), reaped off
-        the loop."""
-        with contextlib.suppress(Exception):
-            atexit.unregister(engine.shutdown)
-        tm = getattr(engine, "tokenizer_manager", None)
-        watchdog = getattr(tm, "_subprocess_watchdog", None)
-        if watchdog is not None:
-            with contextlib.suppress(Exception):
-                watchdog.stop()
-        for task in list(getattr(tm, "asyncio_tasks", ()) or ()):
-            task.cancel()
-        pids: list[int] = []
-        with contextlib.suppress(Exception):
-            pids = [int(p) for p in engine.get_all_child_pids()]
-        for pid in pids:
-            with contextlib.suppress(Exception):
-                os.kill(pid, signal.SIGKILL)
-        if pids:
-            left = await asyncio.to_thread(_reap, pids, self.shutdown_timeout_s)
-            if left:
-                log.error("SGLang processes %s did not exit within %.0fs after SIGKILL", left, self.shutdown_timeout_s)
 
     def _require_engine(self) -> Any:
         if self.engine is None:
@@ -592,380 +530,6 @@ class SGLangEngine:
             return None  # (not lined up yet: saved at the next chunk rather than without logprobs)
         return SampleOutput(list(ids), [float(e[0]) for e in entries], None)
 
-    # ------------------------------------------------------------------ output mapping
-
-    def _map_output(self, out: Any, job: _Job, request: GenerationRequest, rid: str) -> _Sample:
-        if not isinstance(out, dict):
-            raise EngineRequestError(f"SGLang returned {type(out).__name__} for rid {rid}, expected one dict "
-                                     "(was n passed to SGLang?)", rid=rid)
-        meta = out.get("meta_info") or {}
-        finish = meta.get("finish_reason")
-        reason = _finish_type(finish)
-        if reason == "abort" and not job.aborted:
-            # Not our abort: an error abort SGLang returned instead of raising (no status code), or an
-            # abort from elsewhere (abort_all by a pause or a weight update with abort_all_requests).
-            # Nobody asked to abort this request: retry it.
-            status = finish.get("status_code") if isinstance(finish, dict) else None
-            message = finish.get("message") if isinstance(finish, dict) else None
-            raise EngineRequestError(f"aborted inside SGLang, not by redroll: {message or 'Aborted'}",
-                                     status_code=int(status) if status is not None else None, rid=rid)
-        if reason is None or reason not in _FINISH_TYPES:
-            if job.aborted:
-                reason = "abort"
-            else:
-                raise EngineRequestError(f"SGLang returned an unfinished or unknown finish reason {finish!r} "
-                                         f"for rid {rid}", rid=rid)
-        token_ids = [int(t) for t in (out.get("output_ids") or [])]
-        logprobs: list[float] | None = None
-        if request.return_logprob:
-            # (logprob, token_id, text|None) per output token (tokenizer_manager.py:3104-3116)
-            entries = meta.get("output_token_logprobs") or []
-            if len(entries) != len(token_ids) or any(
-                    e[1] is not None and int(e[1]) != t for e, t in zip(entries, token_ids)):
-                raise EngineRequestError(f"SGLang's output_token_logprobs ({len(entries)}) do not line up with "
-                                         f"output_ids ({len(token_ids)}) for rid {rid}", rid=rid)
-            logprobs = [float(e[0]) for e in entries]
-        prompt_tokens = meta.get("prompt_tokens")  # absent for an abort in the waiting queue (:3603-3628)
-        latency = meta.get("e2e_latency")
-        top = None
-        if request.return_logprob and request.top_logprobs_num:
-            # per output position, (logprob, token_id, text|None) tuples or None (:3118-3136)
-            positions = meta.get("output_top_logprobs") or []
-            if len(positions) != len(token_ids):
-                raise EngineRequestError(f"SGLang's output_top_logprobs ({len(positions)}) do not line up with "
-                                         f"output_ids ({len(token_ids)}) for rid {rid}", rid=rid)
-            top = [[(int(e[1]), float(e[0])) for e in (position or ())] for position in positions]
-        input_logprobs = None
-        if request.return_logprob and request.logprob_start_len is not None:
-            # from logprob_start_len on; the first prompt token has no logprob (None)
-            input_logprobs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
-        return _Sample(
-            output=SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
-                                weight_versions=_token_versions(meta.get("weight_versions"), len(token_ids), rid),
-                                top_logprobs=top, routed_experts=self._routed_experts(meta, rid)),
-            input_logprobs=input_logprobs,
-            prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
-            cached_tokens=int(meta.get("cached_tokens") or 0),
-            weight_version=meta.get("weight_version"),
-            e2e_latency=float(latency) if latency is not None else None,
-        )
-
-    def _routed_experts(self, meta: dict, rid: str) -> Any:
-        """``meta_info["routed_experts"]``: base64 of raw int32 (detokenizer_manager.py:432-448), only
-        on the finished output (tokenizer_manager.py:2602-2609)."""
-        encoded = meta.get("routed_experts")
-        if encoded is None or self._routed_shape is None:
-            return None
-        from redroll.shared.types import RoutedExperts
-
-        data = base64.b64decode(encoded)
-        layers, top_k = self._routed_shape
-        if len(data) % (4 * layers * top_k):
-            raise EngineRequestError(f"SGLang's routed_experts ({len(data)} bytes) do not divide into "
-                                     f"{layers} layers x {top_k} experts for rid {rid}", rid=rid)
-        return RoutedExperts(shape=(len(data) // (4 * layers * top_k), layers, top_k), data=data)
-
-    @staticmethod
-    def _never_started(request: GenerationRequest) -> _Sample:
-        return _Sample(SampleOutput(token_ids=[], logprobs=[] if request.return_logprob else None,
-                                    finish_reason="abort"))
-
-    def _engine_output(self, request: GenerationRequest, samples: Sequence[_Sample]) -> EngineOutput:
-        prompt_tokens = max((s.prompt_tokens for s in samples if s.prompt_tokens is not None), default=None)
-        if prompt_tokens is None:  # e.g. every sample aborted in SGLang's waiting queue
-            prompt_tokens = self._prompt_len(request) or 0
-        versions = [s.weight_version for s in samples if s.weight_version is not None]
-        latencies = [s.e2e_latency for s in samples if s.e2e_latency is not None]
-        extra: dict[str, Any] = {}
-        if latencies:
-            extra["e2e_latency"] = max(latencies)
-        version = str(versions[-1]) if versions else self.info.weight_version
-        if any(s.output.weight_versions for s in samples) or any(str(v) != version for v in versions):
-            for s in samples:  # one version per token for every sample once they differ
-                if s.output.weight_versions is None and s.weight_version is not None:
-                    s.output.weight_versions = [str(s.weight_version)] * len(s.output.token_ids)
-        return EngineOutput(
-            samples=[s.output for s in samples],
-            prompt_tokens=prompt_tokens,
-            cached_tokens=sum(s.cached_tokens for s in samples),
-            weight_version=version,
-            extra=extra,
-            input_logprobs=next((s.input_logprobs for s in samples if s.input_logprobs is not None), None),
-        )
-
-    # ------------------------------------------------------------------ weights and memory
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                       load_format: str | None = None, *, in_place: bool = False) -> str:
-        """Load new weights from ``model_path``; returns SGLang's message, raises :class:`WeightUpdateError`.
-
-        Without ``in_place`` SGLang waits for the requests in flight (tokenizer_manager.py:2306-2309
-        takes the writer lock; every generate_request holds the reader lock, :941-957). With it,
-        generation is paused for the load and goes on afterwards (:meth:`_paused_swap`).
-        """
-        engine = self._require_engine()
-        cls = self._io_class("UpdateWeightFromDiskReqInput")
-        kwargs: dict[str, Any] = {"model_path": model_path, "load_format": load_format}
-        if weight_version is not None:
-            if dataclasses.is_dataclass(cls) and "weight_version" not in {f.name for f in dataclasses.fields(cls)}:
-                raise WeightUpdateError("this SGLang's UpdateWeightFromDiskReqInput has no weight_version field")
-            kwargs["weight_version"] = weight_version
-
-        async def load(flush_cache: bool) -> tuple[bool, str]:
-            # (success, message, num_paused_requests) (tokenizer_manager.py:2288-2322)
-            result = await engine.tokenizer_manager.update_weights_from_disk(cls(**kwargs, flush_cache=flush_cache), None)
-            return _update_result(result)
-
-        success, message = await (self._paused_swap(load) if in_place else load(True))
-        if not success:
-            raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) failed: {message}")
-        self.loaded_model_path = model_path
-        self.info.weight_version = weight_version or self.info.weight_version
-        return message
-
-    # ------------------------------------------------------------------ a trainer's push
-
-    def _require_single_dp(self, what: str) -> None:
-        """SGLang asserts ``dp_size == 1`` for every weight-sync call (tokenizer_control_mixin.py
-        :451, :464, :509, :569); a failed assert would surface as an AssertionError mid-push."""
-        if self._dp_size > 1:
-            raise EngineCommandRefused(f"{what} needs an SGLang engine with dp_size 1 (SGLang refuses it for "
-                                       f"data-parallel replicas); this worker runs dp_size {self._dp_size}: run one "
-                                       "worker per GPU set instead (compose.yaml: one service per device set)")
-
-    async def join_weight_group(self, *, address: str, port: int, rank_offset: int, world_size: int,
-                                group_name: str, backend: str, timeout_s: float) -> None:
-        """Have SGLang's scheduler join the trainer's group (tokenizer_control_mixin.py:445-456;
-        it builds its side with ``init_custom_process_group``, utils/common.py:2859-2927, one rank
-        per tensor-parallel GPU: rank_offset + tp_rank). SGLang's communicator waits without a
-        timeout, so the wait here has one; the scheduler's own rendezvous gives up after c10d's
-        default timeout (30 minutes, utils/common.py:2891-2892)."""
-        self._require_single_dp("a weight push")
-        tm = self._require_engine().tokenizer_manager
-        await self.leave_weight_group()
-        cls = self._io_class("InitWeightsUpdateGroupReqInput")
-        obj = cls(master_address=address, master_port=port, rank_offset=rank_offset, world_size=world_size,
-                  group_name=group_name, backend=backend)
-        success, message = _update_result(await asyncio.wait_for(tm.init_weights_update_group(obj, None), timeout_s))
-        if not success:
-            raise WeightUpdateError(f"SGLang could not join weight-update group {group_name!r}: {message}")
-        self._group_name = group_name
-        self._live_changed = False
-
-    async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
-                              in_place: bool = True) -> None:
-        """Receive the broadcast into SGLang (one tensor per broadcast, in order: model_runner_components/
-        weight_updater.py:260-298) inside the begin/end bracket SGLang requires since 0.5.21
-        (scheduler_components/weight_updater.py:192-197). SGLang loads what it received at once,
-        before the trainer commits: a receive that failed leaves the old weights (the load runs only
-        after every tensor arrived, :199-218), a failed load may leave a mix."""
-        if self._group_name != group_name:
-            raise RuntimeError(f"not in weight-update group {group_name!r}")
-        self._require_single_dp("a weight push")
-        tm = self._require_engine().tokenizer_manager
-        cls = self._io_class("UpdateWeightsFromDistributedReqInput")
-        names = [spec.name for spec in specs]
-        dtypes = [spec.dtype for spec in specs]
-        shapes = [list(spec.shape) for spec in specs]
-
-        async def receive(flush_cache: bool) -> tuple[bool, str]:
-            obj = cls(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
-                      weight_version=version)
-            return await self._in_session(tm, lambda: tm.update_weights_from_distributed(obj, None))
-
-        success, message = await (self._paused_swap(receive) if in_place else receive(True))
-        if not success:
-            raise WeightUpdateError(f"SGLang did not take the pushed weights: {message}")
-        self.info.weight_version = version
-
-    async def commit_weights(self, version: str) -> None:
-        """SGLang serves what it received since :meth:`receive_weights`; the commit only confirms it."""
-        self.info.weight_version = version
-
-    async def discard_weights(self) -> bool:
-        """True when SGLang still serves the weights it had before the push."""
-        return not self._live_changed
-
-    async def leave_weight_group(self) -> None:
-        name, self._group_name = self._group_name, None
-        if name is None or self.engine is None:
-            return
-        cls = self._io_class("DestroyWeightsUpdateGroupReqInput")
-        try:
-            success, message = _update_result(await asyncio.wait_for(
-                self.engine.tokenizer_manager.destroy_weights_update_group(cls(group_name=name), None), 30.0))
-        except Exception as exc:  # (leaving must not fail a push that already ended)
-            log.warning("SGLang could not leave weight-update group %s: %s: %s", name, type(exc).__name__, exc)
-            return
-        if not success:
-            log.warning("SGLang could not leave weight-update group %s: %s", name, message)
-
-    async def update_weights_from_tensor(self, named_tensors: Any, version: str, *, in_place: bool = True) -> str:
-        """Tensors from this host (a colocated trainer): serialized once per tensor-parallel rank
-        with SGLang's ``MultiprocessingSerializer`` (utils/common.py:3060-3082, as Engine's own wrapper
-        does, entrypoints/engine.py:1743-1760: CUDA tensors travel as IPC handles) and loaded inside
-        the begin/end bracket (scheduler_components/weight_updater.py:234-239)."""
-        self._require_single_dp("update_weights_from_tensor")
-        tm = self._require_engine().tokenizer_manager
-        tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
-        serializer = self._sglang_name("utils", "MultiprocessingSerializer")
-        payloads = [serializer.serialize(tensors) for _ in range(self.info.weight_ranks)]
-        cls = self._io_class("UpdateWeightsFromTensorReqInput")
-
-        async def load(flush_cache: bool) -> tuple[bool, str]:
-            obj = cls(serialized_named_tensors=payloads, flush_cache=flush_cache, weight_version=version)
-            return await self._in_session(tm, lambda: tm.update_weights_from_tensor(obj, None))
-
-        success, message = await (self._paused_swap(load) if in_place else load(True))
-        if not success:
-            raise WeightUpdateError(f"update_weights_from_tensor failed: {message}")
-        self.info.weight_version = version
-        return message
-
-    async def _in_session(self, tm: Any, update: Callable[[], Any]) -> tuple[bool, str]:
-        """``begin_weight_update`` / the update / ``end_weight_update`` (tokenizer_control_mixin.py
-        :485-501; the scheduler refuses tensor and distributed updates outside, weight_updater.py
-        :192-197, :234-239)."""
-        begin = self._io_class("BeginWeightUpdateReqInput")
-        end = self._io_class("EndWeightUpdateReqInput")
-        success, message = _update_result(await tm.begin_weight_update(begin(), None))
-        if not success:
-            return False, f"begin_weight_update: {message}"
-        try:
-            self._live_changed = True
-            success, message = _update_result(await update())
-            if not success and message.startswith("Failed to receive weights"):
-                self._live_changed = False  # nothing was loaded (weight_updater.py:207-209)
-        finally:
-            end_ok, end_message = _update_result(await tm.end_weight_update(end(), None))
-            if not end_ok:
-                log.warning("end_weight_update: %s", end_message)
-        return success, message
-
-    async def _paused_swap(self, update: Callable[[bool], Any]) -> tuple[bool, str]:
-        """Swap weights under the requests in flight, without aborting or waiting for them.
-
-        SGLang has no ``Engine`` wrapper for this; its server awaits the tokenizer manager's
-        coroutines (http_server.py:1831-1854, io_struct.py:1929). Paused, an update skips the writer
-        lock that would wait for every request (tokenizer_control_mixin.py:471-483, :517-524).
-
-        * ``pause_mode="in_place"`` (default): running requests keep their KV cache, computed with
-          the old weights, and go on with the new ones. SGLang's flush after the update would fail
-          while they run and fail the whole call (scheduler_components/weight_updater.py:120-133), so
-          the update runs with ``flush_cache=False``, and the flush follows once no request spans
-          the swap (:meth:`_flush_after_swap`): until then this engine dispatches no new request, so
-          none reuses a prefix cached under the old weights.
-        * ``pause_mode="retract"``: running requests go back to the waiting queue and are recomputed
-          with the new weights (their KV cache freed), so the cache is flushed with the update.
-        """
-        tm = self._require_engine().tokenizer_manager
-        pause = self._io_class("PauseGenerationReqInput")
-        resume = self._io_class("ContinueGenerationReqInput")
-        in_place = self.pause_mode == "in_place"
-        await tm.pause_generation(pause(mode=self.pause_mode))
-        try:
-            result = await update(not in_place)
-        finally:
-            if in_place:
-                self._dispatch_open.clear()
-            await tm.continue_generation(resume())
-        if in_place:
-            if self._flush_task is not None and not self._flush_task.done():
-                self._flush_task.cancel()
-            self._flush_task = asyncio.ensure_future(self._flush_after_swap())
-        return result
-
-    async def _flush_after_swap(self, poll_s: float = 0.02, retries: int = 50) -> None:
-        """Once SGLang holds no request (those that spanned the swap finished), flush the prefix
-        cache (tokenizer_control_mixin.py:325-334; refused while any request runs, scheduler.py
-        :5518-5547), then let new requests in. SGLang signals neither, so this polls."""
-        tm = self._require_engine().tokenizer_manager
-        try:
-            for _ in range(retries):
-                while tm.rid_to_state:
-                    await asyncio.sleep(poll_s)
-                result = await tm.flush_cache()
-                if getattr(result, "success", False):
-                    self.cache_flushes += 1
-                    return
-                await asyncio.sleep(poll_s)
-            log.warning("SGLang refused to flush its cache after an in-place weight update %d times; new requests "
-                        "may reuse a prefix cached under the old weights", retries)
-        finally:
-            self._dispatch_open.set()
-
-    async def release_memory_occupation(self, tags: list[str] | None = None, *, idle_timeout_s: float = 30.0) -> None:
-        """Free GPU memory (weights, KV cache, CUDA graphs) until :meth:`resume_memory_occupation`.
-
-        Refused (:class:`EngineCommandRefused`) when it would free nothing (no memory saver:
-        utils/torch_memory_saver_adapter.py:29-52, 156-160), for a tag already released, and when
-        SGLang still holds requests: the release asserts an idle scheduler (weight_updater.py:339-341)
-        and a failed assert kills the scheduler, which SIGQUITs this process (scheduler.py:6370-6373).
-        """
-        engine = self._require_engine()
-        if not self.memory_saver:
-            raise EngineCommandRefused("releasing memory frees nothing without the memory saver: start the "
-                                       "worker with --enable-memory-saver")
-        tags = list(tags) if tags else list(MEMORY_TAGS)
-        unknown = sorted(set(tags) - set(MEMORY_TAGS))
-        if unknown:
-            raise EngineCommandRefused(f"unknown memory tag(s) {unknown}; SGLang has {list(MEMORY_TAGS)}")
-        again = sorted(set(tags) & self._released_tags)
-        if again:
-            raise EngineCommandRefused(f"memory tag(s) {again} are released already; resume them first")
-        tm = engine.tokenizer_manager
-        deadline = asyncio.get_running_loop().time() + idle_timeout_s
-        while tm.rid_to_state:
-            if asyncio.get_running_loop().time() > deadline:
-                raise EngineCommandRefused(f"SGLang still holds {len(tm.rid_to_state)} request(s) after "
-                                           f"{idle_timeout_s:.0f}s; a release needs an idle scheduler")
-            await asyncio.sleep(0.05)
-        cls = self._io_class("ReleaseMemoryOccupationReqInput")
-        await tm.release_memory_occupation(cls(tags=tags), None)
-        self._released_tags |= set(tags)
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Take back what :meth:`release_memory_occupation` freed (by default all of it). Resuming
-        a tag that was not released raises KeyError in the scheduler, which then SIGQUITs this process
-        (weight_updater.py:390, scheduler.py:6370-6373): refused here instead."""
-        engine = self._require_engine()
-        tags = list(tags) if tags else sorted(self._released_tags)
-        if not tags:
-            raise EngineCommandRefused("no engine memory is released: nothing to resume")
-        never = sorted(set(tags) - self._released_tags)
-        if never:
-            raise EngineCommandRefused(f"memory tag(s) {never} were not released; resume only {sorted(self._released_tags)}")
-        cls = self._io_class("ResumeMemoryOccupationReqInput")
-        await engine.tokenizer_manager.resume_memory_occupation(cls(tags=tags), None)
-        self._released_tags -= set(tags)
-
-    @property
-    def released_tags(self) -> list[str]:
-        return sorted(self._released_tags)
-
-    def _io_class(self, name: str) -> type:
-        """An io_struct class: from the engine factory (its ``io_struct`` attribute or its module, the
-        seam for stand-ins), else from ``sglang.srt.managers.io_struct``."""
-        return self._sglang_name("io_struct", name)
-
-    def _sglang_name(self, module: str, name: str) -> Any:
-        """``name`` from ``sglang.srt.managers.io_struct`` (module "io_struct") or
-        ``sglang.srt.utils`` (module "utils"), or from the engine factory's attribute of that name."""
-        factory = self._engine_factory
-        if factory is not None:
-            source = getattr(factory, module, None)
-            if source is not None and hasattr(source, name):
-                return getattr(source, name)
-            if module != "io_struct":
-                raise AttributeError(f"the engine factory has no {module}.{name}")
-            module_name = getattr(factory, "__module__", None) or getattr(
-                getattr(factory, "func", None), "__module__", None)
-            module = sys.modules.get(module_name) if module_name else None
-            if module is not None and hasattr(module, name):
-                return getattr(module, name)
-        path = {"io_struct": "sglang.srt.managers.io_struct", "utils": "sglang.srt.utils"}[module]
-        return getattr(importlib.import_module(path), name)
-
 
 # ---------------------------------------------------------------------- helpers
 
@@ -986,82 +550,6 @@ def _require_rid_parameter(engine: Any) -> None:
     if "rid" not in parameters and not accepts_any:
         raise RuntimeError(f"this sglang's Engine.async_generate has no rid parameter; redroll needs sglang "
                            f"{SGLANG_VERSION}")
-
-
-def _reap(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait (in a thread) until ``pids`` are gone; returns those still there after ``timeout_s``."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        still = []
-        for pid in left:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # not our child (or reaped): is it still there?
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    continue
-                still.append(pid)
-                continue
-            if done == 0:
-                still.append(pid)
-        left = still
-        if left:
-            time.sleep(0.05)
-    return left
-
-
-def _token_versions(spans: Any, num_tokens: int, rid: str) -> list[str] | None:
-    """SGLang's ``meta_info["weight_versions"]`` (utils/weight_versions.py:90-107: contiguous
-    half-open ``[start, end)`` spans over the output tokens, equal neighbours merged) as one version
-    per token; None when one version made them all (``meta_info.weight_version`` says which)."""
-    if not spans or len(spans) < 2:
-        return None
-    versions: list[str] = []
-    for span in spans:
-        start, end = int(span["start"]), int(span["end"])
-        if start != len(versions) or end < start:
-            raise EngineRequestError(f"SGLang's weight_versions spans {spans!r} are not contiguous for rid {rid}",
-                                     rid=rid)
-        versions.extend([str(span["version"])] * (end - start))
-    if len(versions) != num_tokens:
-        raise EngineRequestError(f"SGLang's weight_versions cover {len(versions)} tokens, the output has "
-                                 f"{num_tokens} for rid {rid}", rid=rid)
-    return versions
-
-
-def _finish_type(finish: Any) -> str | None:
-    if isinstance(finish, dict):
-        value = finish.get("type")
-        return str(value) if value is not None else None
-    if isinstance(finish, str):
-        return finish
-    return None
-
-
-def _request_error(exc: BaseException, rid: str) -> EngineRequestError:
-    """SGLang's exceptions for one request -> :class:`EngineRequestError` (message and status kept)."""
-    status = getattr(exc, "status_code", None)  # fastapi.HTTPException (tokenizer_manager.py:1919)
-    detail = getattr(exc, "detail", None)
-    if status is not None:
-        return EngineRequestError(str(detail if detail is not None else exc), status_code=int(status), rid=rid)
-    if isinstance(exc, ValueError):  # 400 aborts (:1917-1918) and tokenizer-manager validation
-        return EngineRequestError(str(exc), status_code=400, rid=rid)
-    return EngineRequestError(f"{type(exc).__name__}: {exc}", rid=rid)
-
-
-def _update_result(result: Any) -> tuple[bool, str]:
-    """``(success, message, num_paused_requests)`` (0.5.23), ``(success, message)``, or an object."""
-    if isinstance(result, tuple):
-        success = bool(result[0]) if result else False
-        message = str(result[1]) if len(result) > 1 else ""
-        return success, message
-    if hasattr(result, "success"):
-        return bool(result.success), str(getattr(result, "message", ""))
-    return bool(result), ""
 
 
 __all__ = ["ENGINE_NAME", "EngineCommandRefused", "EngineRequestError", "SGLANG_VERSION", "SGLangEngine",
