@@ -19,6 +19,11 @@ history. Any weight change empties it. ``prefill_tokens_computed`` / ``prefill_t
 count the prompt tokens fed to the model / served without it; each output's ``cached_tokens``
 is its request's share of the latter.
 
+The engine is this module (lifecycle, validation, queueing and batching, results) and, by
+concern: :mod:`.transformers_batch` (the bookkeeping of a batch), :mod:`.transformers_steps` (the
+model steps and their KV tensors, a mixin), :mod:`.transformers_sampling` (token sampling and
+logprobs) and :mod:`.torch_weights` (new weights, a mixin).
+
 torch and transformers are imported lazily: importing this module needs neither.
 """
 
@@ -29,17 +34,18 @@ import collections
 import contextlib
 import inspect
 import logging
-import secrets
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from redroll.shared.codec import ValidationError
-from redroll.shared.types import GenerationRequest, SamplingParams
+from redroll.shared.types import GenerationRequest
 
 from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
-from .prefix_cache import KV, PrefixCache
+from .prefix_cache import PrefixCache
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
+from .transformers_batch import _Job, _Row, _Sampling
+from .transformers_sampling import _row_seed, _top_k
+from .transformers_steps import TransformersSteps, _check_prefix_cache_support
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -59,97 +65,10 @@ class _Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-# ---------------------------------------------------------------- bookkeeping
-
-
-@dataclass(eq=False)
-class _Row:
-    """One sample of one request inside a running batch."""
-
-    job: "_Job"
-    index: int
-    seed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    """The weight version that produced each token (an in-place update swaps between two steps)."""
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    """Per token, the most likely tokens and their logprobs (``top_logprobs_num``)."""
-    finish_reason: str | None = None
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.job.request.sampling_params
-
-    @property
-    def active(self) -> bool:
-        return self.finish_reason is None and not self.job.future.done()
-
-
-@dataclass(eq=False)
-class _Job:
-    """One generate() call: queued, then running as ``n`` rows, then resolved."""
-
-    request: GenerationRequest
-    handle: str
-    prompt_ids: list[int]
-    future: asyncio.Future[EngineOutput]
-    rows: list[_Row] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
-    cached_tokens: int = 0
-    """Prompt tokens whose KV this request did not compute: a prefix cache hit, or the whole prompt
-    when an earlier request of its batch had the same prompt (that one's prefill served both)."""
-
-    @property
-    def width(self) -> int:
-        return self.request.sampling_params.n
-
-
-@dataclass
-class _Sampling:
-    """Per-row sampling settings of a batch, as tensors on the model's device."""
-
-    temperature: "torch.Tensor"  # [B], 0 = greedy
-    top_k: "torch.Tensor"  # [B], vocab size when off
-    top_p: "torch.Tensor"  # [B]
-    min_p: "torch.Tensor"  # [B]
-    generators: list["torch.Generator"]
-    top_logprobs: int = 0
-    """The largest ``top_logprobs_num`` of the batch (0: none asked)."""
-
-
-@dataclass
-class _Decoder:
-    """The tensors one batch carries from step to step."""
-
-    cache: Any
-    attention_mask: "torch.Tensor"  # [B, seen]
-    next_position: "torch.Tensor"  # [B]
-    width: int = 0
-    """Prefill width: row i's prompt sits at cache positions ``width - len(prompt) .. width - 1``, its
-    j-th generated token (from 0) at ``width + j``."""
-
-
-@dataclass(eq=False)
-class _Prefill:
-    """One distinct prompt of a batch with the prefix cache on: prefilled once for all its rows."""
-
-    prompt: tuple[int, ...]
-    rows: list[int]
-    """The batch rows with this prompt."""
-    cached: int = 0
-    """Leading prompt tokens whose KV comes from the prefix cache (``past``)."""
-    past: KV | None = None
-    all_logits: bool = False
-    """A row wants prompt logprobs: no cache lookup, every position's logits."""
-    kv: KV | None = None
-    """Set by the prefill: the whole prompt's KV (``[1, heads, len, head_dim]`` per layer)."""
-
-
 # ---------------------------------------------------------------- the engine
 
 
-class TransformersEngine(TorchWeights):
+class TransformersEngine(TransformersSteps, TorchWeights):
     """Engine protocol on a transformers causal LM (``"tiny-random"`` or a local HF directory)."""
 
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
@@ -492,58 +411,6 @@ class TransformersEngine(TorchWeights):
         if self.prefix_cache is not None:
             await self._store_conversations(rows, decoder, str(version), generation)
 
-    # ------------------------------------------------------------ the prefix cache (event loop)
-
-    async def _prefill_cached(
-        self, rows: list[_Row], banned: list[tuple[int, int]], sampling: _Sampling
-    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
-        """Prefill with the prefix cache (under the step lock): look up each distinct prompt, run
-        the suffixes, store the prompts' KV."""
-        cache = self.prefix_cache
-        assert cache is not None
-        version, generation = str(self.info.weight_version), self._weights_generation
-        prefills: dict[tuple[int, ...], _Prefill] = {}
-        owners: dict[tuple[int, ...], _Job] = {}
-        for i, row in enumerate(rows):
-            prompt = tuple(row.job.prompt_ids)
-            prefill = prefills.setdefault(prompt, _Prefill(prompt, []))
-            prefill.rows.append(i)
-            prefill.all_logits |= row.index == 0 and row.job.request.logprob_start_len is not None
-            owners.setdefault(prompt, row.job)
-        for prefill in prefills.values():
-            if not prefill.all_logits:  # (prompt logprobs need every position's logits)
-                prefill.cached, prefill.past = cache.lookup(prefill.prompt, version, limit=len(prefill.prompt) - 1)
-        jobs = list(dict.fromkeys(row.job for row in rows))
-        for job in jobs:
-            prompt = tuple(job.prompt_ids)
-            job.cached_tokens = prefills[prompt].cached if owners[prompt] is job else len(prompt)
-            self.prefill_tokens_cached += job.cached_tokens
-        result = await asyncio.to_thread(self._prefill_step_cached, rows, list(prefills.values()), banned, sampling)
-        if generation == self._weights_generation:
-            for prefill in prefills.values():
-                if prefill.kv is not None:
-                    cache.insert(prefill.prompt, prefill.kv, version)
-        return result
-
-    async def _store_conversations(self, rows: list[_Row], decoder: _Decoder, version: str, generation: int) -> None:
-        """Store each row's prompt + output but the last token (whose KV was never computed), unless
-        the weights changed since the prefill (the KV would mix two versions)."""
-        cache = self.prefix_cache
-        assert cache is not None
-        wanted: dict[tuple[int, ...], int] = {}
-        for i, row in enumerate(rows):
-            sequence = (*row.job.prompt_ids, *row.token_ids[:-1])
-            if len(row.token_ids) > 1 and len(sequence) <= cache.capacity_tokens:
-                wanted.setdefault(sequence, i)
-        if not wanted or generation != self._weights_generation:
-            return
-        slices = [(i, len(rows[i].job.prompt_ids), len(sequence)) for sequence, i in wanted.items()]
-        kvs = await asyncio.to_thread(_slice_rows, decoder, slices)
-        if generation != self._weights_generation:
-            return
-        for sequence, kv in zip(wanted, kvs):
-            cache.insert(sequence, kv, version)
-
     # ------------------------------------------------------------ per-step bookkeeping (event loop)
 
     def _advance(self, rows: list[_Row], tokens: list[int], logprobs: list[float],
@@ -613,272 +480,8 @@ class TransformersEngine(TorchWeights):
             top_logprobs=_top_k(rows),
         )
 
-    # ------------------------------------------------------------ torch work (worker thread)
-
-    def _prefill_step(
-        self, rows: list[_Row], banned: list[tuple[int, int]], sampling: _Sampling
-    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
-        """Run the left-padded prompts through the model and sample every row's first token (and
-        the prompt logprobs of the jobs that asked for them)."""
-        import torch
-
-        device = self._model.device
-        prompts = [row.job.prompt_ids for row in rows]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[i, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        self.prefill_tokens_computed += sum(len(p) for p in prompts)
-        want_prompt = [row.index == 0 and row.job.request.logprob_start_len is not None for row in rows]
-        with torch.inference_mode():
-            logits, cache = self._forward(input_ids, attention_mask, position_ids, cache=None,
-                                          all_positions=any(want_prompt))
-            if any(want_prompt):
-                for i, row in enumerate(rows):
-                    if want_prompt[i]:
-                        row.job.input_logprobs = _prompt_logprobs(logits[i], prompts[i], sampling.temperature[i],
-                                                                  row.job.request.logprob_start_len)
-                logits = logits[:, -1, :]
-            decoder = _Decoder(cache, attention_mask, position_ids[:, -1] + 1, width)
-            tokens, logprobs, tops = _sample(logits, sampling, [True] * len(rows), banned, _top_k(rows))
-        return decoder, tokens, logprobs, tops
-
-    def _prefill_step_cached(
-        self, rows: list[_Row], prefills: list[_Prefill], banned: list[tuple[int, int]], sampling: _Sampling
-    ) -> tuple[_Decoder, list[int], list[float], list[list[tuple[int, float]]] | None]:
-        """Prefill each distinct prompt alone, on top of its cached prefix, then lay the rows out as
-        :meth:`_prefill_step` does (left padded, positions 0..len-1) and sample the first tokens."""
-        import torch
-
-        device = self._model.device
-        last_logits: list[Any] = [None] * len(rows)
-        with torch.inference_mode():
-            for prefill in prefills:
-                prompt, start = prefill.prompt, prefill.cached
-                suffix = torch.tensor([prompt[start:]], dtype=torch.long, device=device)
-                positions = torch.arange(start, len(prompt), dtype=torch.long, device=device).unsqueeze(0)
-                attention_mask = torch.ones((1, len(prompt)), dtype=torch.long, device=device)
-                past = _dynamic_cache(prefill.past) if prefill.past is not None else None
-                logits, cache = self._forward(suffix, attention_mask, positions, past, all_positions=prefill.all_logits)
-                self.prefill_tokens_computed += suffix.shape[-1]
-                prefill.kv = _kv_layers(cache)
-                if prefill.all_logits:
-                    for i in prefill.rows:
-                        row = rows[i]
-                        if row.index == 0 and row.job.request.logprob_start_len is not None:
-                            row.job.input_logprobs = _prompt_logprobs(logits[0], list(prompt), sampling.temperature[i],
-                                                                      row.job.request.logprob_start_len)
-                    logits = logits[:, -1, :]
-                for i in prefill.rows:
-                    last_logits[i] = logits[0]
-            lengths = [len(row.job.prompt_ids) for row in rows]
-            width = max(lengths)
-            attention_mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-            for i, length in enumerate(lengths):
-                attention_mask[i, width - length:] = 1
-            layers: KV = []
-            for layer, (keys0, values0) in enumerate(prefills[0].kv or []):
-                keys = keys0.new_zeros((len(rows), keys0.shape[1], width, keys0.shape[3]))
-                values = values0.new_zeros((len(rows), values0.shape[1], width, values0.shape[3]))
-                for prefill in prefills:
-                    k, v = (prefill.kv or [])[layer]
-                    for i in prefill.rows:
-                        keys[i, :, width - lengths[i]:] = k[0]
-                        values[i, :, width - lengths[i]:] = v[0]
-                layers.append((keys, values))
-            next_position = torch.tensor(lengths, dtype=torch.long, device=device)
-            decoder = _Decoder(_dynamic_cache(layers), attention_mask, next_position, width)
-            tokens, logprobs, tops = _sample(torch.stack(last_logits), sampling, [True] * len(rows), banned,
-                                             _top_k(rows))
-        return decoder, tokens, logprobs, tops
-
-    def _decode_step(
-        self,
-        decoder: _Decoder,
-        tokens: list[int],
-        active: list[bool],
-        banned: list[tuple[int, int]],
-        sampling: _Sampling,
-    ) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
-        """Feed the last sampled tokens (pad for finished rows) and sample the next ones."""
-        import torch
-
-        device = self._model.device
-        fed = [token if on else self._pad_id for token, on in zip(tokens, active)]
-        input_ids = torch.tensor(fed, dtype=torch.long, device=device).unsqueeze(-1)
-        ones = torch.ones((len(fed), 1), dtype=decoder.attention_mask.dtype, device=device)
-        with torch.inference_mode():
-            decoder.attention_mask = torch.cat([decoder.attention_mask, ones], dim=-1)
-            position_ids = decoder.next_position.unsqueeze(-1)
-            logits, decoder.cache = self._forward(input_ids, decoder.attention_mask, position_ids, decoder.cache)
-            decoder.next_position = decoder.next_position + 1
-            return _sample(logits, sampling, active, banned, sampling.top_logprobs)
-
-    def _forward(
-        self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", position_ids: "torch.Tensor", cache: Any,
-        all_positions: bool = False,
-    ) -> tuple["torch.Tensor", Any]:
-        """Last-position logits (float32; every position's with ``all_positions``) and the updated KV cache."""
-        kwargs = dict(self._extra_forward_kwargs)
-        if all_positions and "logits_to_keep" in kwargs:
-            kwargs["logits_to_keep"] = 0  # (0: every position)
-        if cache is not None:
-            kwargs[self._cache_kwarg] = cache
-        out = self._model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs
-        )
-        new_cache = getattr(out, "cache", None)
-        if new_cache is None:
-            new_cache = out.past_key_values
-        return (out.logits if all_positions else out.logits[:, -1, :]).float(), new_cache
-
-
-# ---------------------------------------------------------------- KV tensors
-
-
-def _kv_layers(cache: Any) -> KV:
-    """Per layer (keys, values) ``[batch, heads, positions, head_dim]`` of a transformers cache that
-    keeps every position (a DynamicCache of full-attention layers); ValueError for any other."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        kinds = {type(layer).__name__ for layer in layers}
-        if kinds != {"DynamicLayer"}:
-            raise ValueError(f"cache layers {sorted(kinds)} do not keep every position")
-        return [(layer.keys, layer.values) for layer in layers]
-    if hasattr(cache, "key_cache"):  # transformers 4.x before cache layers
-        return list(zip(cache.key_cache, cache.value_cache))
-    raise ValueError(f"{type(cache).__name__} is not a dynamic KV cache")
-
-
-def _dynamic_cache(layers: KV) -> Any:
-    """A DynamicCache holding copies of ``layers`` (the tensors given are never written to)."""
-    from transformers import DynamicCache
-
-    return DynamicCache([(k, v) for k, v in layers])
-
-
-def _slice_rows(decoder: _Decoder, slices: list[tuple[int, int, int]]) -> list[KV]:
-    """For each (row, prompt length, sequence length), the KV of that row's first ``sequence
-    length`` real tokens, copied out of the batch cache (``[1, heads, length, head_dim]``)."""
-    import torch
-
-    layers = _kv_layers(decoder.cache)
-    out: list[KV] = []
-    with torch.inference_mode():
-        for row, prompt_length, length in slices:
-            start = decoder.width - prompt_length
-            out.append([(k[row:row + 1, :, start:start + length].clone(), v[row:row + 1, :, start:start + length].clone())
-                        for k, v in layers])
-    return out
-
-
-def _check_prefix_cache_support(model: Any) -> None:
-    """Refuse a model whose KV cache does not keep every position of every layer (sliding
-    window, linear attention): its KV cannot be sliced by prefix."""
-    import torch
-
-    with torch.inference_mode():
-        ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
-        out = model(input_ids=ids, use_cache=True)
-    cache = getattr(out, "cache", None)
-    try:
-        _kv_layers(cache if cache is not None else out.past_key_values)
-    except ValueError as exc:
-        raise ValueError(f"prefix_cache_tokens needs a model with a full-attention KV cache: {exc}") from None
-
-
-# ---------------------------------------------------------------- sampling
-
-
-def _top_k(rows: list[_Row]) -> int:
-    return max((row.job.request.top_logprobs_num for row in rows), default=0)
-
-
-def _prompt_logprobs(logits: "torch.Tensor", prompt: list[int], temperature: "torch.Tensor",
-                     start: int) -> list[float | None]:
-    """The logprob of each prompt token from ``start`` on under ``softmax(logits / T)`` of the
-    position before it (the prompt is right-aligned in ``logits`` [width, vocab]); the first
-    token has none."""
-    import torch
-
-    t = float(temperature) if float(temperature) > 0 else 1.0
-    width = logits.shape[0]
-    first = width - len(prompt)
-    scaled = torch.log_softmax(logits[first:width - 1] / t, dim=-1)
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
-    values = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
-    return ([None] + values)[start:]
-
-
-def _sample(
-    logits: "torch.Tensor", sampling: _Sampling, active: list[bool], banned: list[tuple[int, int]],
-    top_logprobs: int = 0,
-) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
-    """One token per row, and its logprob under ``softmax(logits / T)`` before any filtering (and
-    the ``top_logprobs`` most likely tokens of that distribution).
-
-    Rows are independent: a row's draw depends only on its logits and its own generator, which
-    is advanced once per step the row is active and sampling. Greedy rows (T == 0) take the argmax.
-    """
-    import torch
-
-    temperature = sampling.temperature
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    logprobs = torch.log_softmax(scaled, dim=-1)
-
-    masked = scaled
-    if banned:
-        masked = scaled.clone()
-        index = torch.tensor(banned, dtype=torch.long, device=logits.device)
-        masked[index[:, 0], index[:, 1]] = float("-inf")
-
-    uniforms = torch.zeros(len(active), dtype=torch.float32, device=logits.device)
-    for i, (gen, on, is_greedy) in enumerate(zip(sampling.generators, active, greedy.tolist())):
-        if on and not is_greedy:
-            uniforms[i] = torch.rand((), generator=gen, device=logits.device)
-    tokens = torch.where(greedy, masked.argmax(dim=-1), _filtered_draw(masked, sampling, uniforms))
-    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    tops = None
-    if top_logprobs:
-        values, ids = logprobs.topk(top_logprobs, dim=-1)
-        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-    return tokens.tolist(), chosen.tolist(), tops
-
-
-def _filtered_draw(masked: "torch.Tensor", sampling: _Sampling, uniforms: "torch.Tensor") -> "torch.Tensor":
-    """Inverse-CDF draw after SGLang-style top-k, top-p and min-p filtering (all from the same probs)."""
-    import torch
-
-    probs = torch.softmax(masked, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-    top_p = sampling.top_p.unsqueeze(-1)
-    drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p) & (top_p < 1.0)
-    drop |= ranks >= sampling.top_k.unsqueeze(-1)
-    drop |= sorted_probs < sorted_probs[:, :1] * sampling.min_p.unsqueeze(-1)
-    drop[:, 0] = False  # the most likely token always survives
-    kept = sorted_probs.masked_fill(drop, 0.0)
-    cdf = kept.cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    position = torch.searchsorted(cdf, target, right=True)
-    last_kept = (kept > 0).sum(dim=-1, keepdim=True) - 1
-    position = torch.minimum(position, last_kept.clamp_min(0))
-    return order.gather(-1, position).squeeze(-1)
-
 
 # ---------------------------------------------------------------- helpers
-
-
-def _row_seed(params: SamplingParams, index: int) -> int:
-    """``sampling_seed + index`` when a seed is given (reproducible, distinct per sample), else random."""
-    if params.sampling_seed is None:
-        return secrets.randbits(63)
-    return params.sampling_seed + index
 
 
 def _check_supported(request: GenerationRequest) -> None:
