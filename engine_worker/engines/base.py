@@ -137,6 +137,10 @@ class Engine(Protocol):
       (:class:`PrefillCounters`): counters the heartbeat and the metrics report;
     * ``tokenizer`` (:class:`HasTokenizer`): ids decoded to text (the demo).
 
+    An engine declares them as a class attribute, ``capabilities = EngineCapabilities(
+    weights_from_disk=True, partial_output=True)``, or in ``__init__`` where they depend on its
+    options (the synthetic engine's ``instant``).
+
     A declared capability the engine cannot serve in its present configuration (SGLang's memory
     release without the memory saver) stays declared; its method refuses with a message that says
     what to change. ``check_declaration(engine)`` lists where a declaration and the engine's
