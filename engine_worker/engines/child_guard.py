@@ -3,8 +3,10 @@
 Engines such as vLLM start their own processes (vLLM: an engine core, which starts a model
 worker) and none of them watches its parent: a SIGKILLed redroll worker would leave them running,
 holding memory and accelerators. :class:`ChildGuard` starts a small separate process before the
-engine starts. While the worker lives, the guard notes the worker's descendants (pid and start
-time, from ``/proc``) every ``poll_s``; when its standard input closes — the worker exited, in
+engine starts. While the worker lives, the guard notes the engine's processes (pid and start
+time, from ``/proc``) every ``poll_s``: the worker's descendants that appear after the guard
+started, and once the engine is up, only the children the worker names (those that appeared while
+the engine started) and their descendants; when its standard input closes — the worker exited, in
 any way, SIGKILL included, since the kernel closes the pipe — it SIGKILLs every noted process that
 is still the same process (same start time: a recycled pid is left alone). A clean shutdown
 closes the pipe too (:meth:`ChildGuard.close`), so whatever the engine's own shutdown missed goes
@@ -12,7 +14,7 @@ the same way.
 
 Linux only (``/proc``); elsewhere :meth:`ChildGuard.start` returns None and logs why.
 
-    python -m redroll.engine_worker.engines.child_guard PARENT_PID [POLL_S]
+    python -m redroll.engine_worker.engines.child_guard PARENT_PID [POLL_S [OLDER_PID ...]]
 """
 
 from __future__ import annotations
@@ -68,26 +70,62 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def guard(parent: int, poll_s: float = 0.5) -> int:
-    """The guard process's body: note ``parent``'s descendants until stdin closes, then kill them."""
+def _children(parent: int) -> set[int]:
+    return {pid for pid, ppid in _parents().items() if ppid == parent}
+
+
+def guard(parent: int, poll_s: float = 0.5, baseline: set[int] | None = None) -> int:
+    """The guard process's body: note the engine's processes until stdin closes, then kill them.
+
+    Processes that were ``parent``'s descendants before the guard started (``baseline``, as the
+    parent saw them) are never noted. Until
+    the worker names the engine's processes (a line ``keep PID ...``), every new descendant is
+    noted (the engine is starting: a death then still takes its processes along); after it, only
+    the named processes and their descendants."""
     me = os.getpid()
+    baseline = set(descendants(parent)) if baseline is None else baseline
+    roots: set[int] | None = None
     seen: dict[int, int] = {}
     closed = threading.Event()
+    lock = threading.Lock()
 
-    def wait_for_eof() -> None:
+    def read_stdin() -> None:
+        nonlocal roots
         try:
-            while sys.stdin.buffer.read(4096):
-                pass
+            for line in sys.stdin.buffer:
+                words = line.split()
+                if words[:1] == [b"keep"]:
+                    with lock:
+                        roots = {int(w) for w in words[1:]}
         finally:
             closed.set()
 
-    threading.Thread(target=wait_for_eof, daemon=True).start()
-    while not closed.wait(poll_s):
-        for pid in descendants(parent):
+    def watched() -> list[int]:
+        with lock:
+            if roots is None:
+                return [p for p in descendants(parent) if p not in baseline]
+            out = [r for r in roots if _start_time(r) is not None]
+            for r in list(out):
+                out.extend(descendants(r))
+            for pid in list(seen):  # named ones only from now on
+                if pid not in out:
+                    del seen[pid]
+            return out
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    while True:
+        for pid in watched():
             if pid != me and pid not in seen:
                 started = _start_time(pid)
                 if started is not None:
                     seen[pid] = started
+        if closed.wait(poll_s):
+            break
+    for pid in watched():  # (the last ones started since the last poll)
+        if pid != me and pid not in seen and roots is not None:
+            started = _start_time(pid)
+            if started is not None:
+                seen[pid] = started
     for pid, started in seen.items():
         if _start_time(pid) == started:
             try:
@@ -109,9 +147,21 @@ class ChildGuard:
             log.warning("no /proc: engine processes are not guarded against this worker's death")
             return None
         process = subprocess.Popen(
-            [sys.executable, "-m", "redroll.engine_worker.engines.child_guard", str(os.getpid()), str(poll_s)],
+            [sys.executable, "-m", "redroll.engine_worker.engines.child_guard", str(os.getpid()), str(poll_s),
+             *map(str, descendants(os.getpid()))],
             stdin=subprocess.PIPE, start_new_session=True)  # (its own session: a Ctrl-C does not stop it first)
         return cls(process)
+
+    def children_now(self) -> set[int]:
+        """This process's children, but the guard (snapshot before the engine starts)."""
+        return _children(os.getpid()) - {self.process.pid}
+
+    def keep(self, pids: set[int]) -> None:
+        """Name the engine's processes (children that appeared while it started): only they and
+        their descendants are killed from now on."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.write(("keep " + " ".join(map(str, sorted(pids))) + "\n").encode())
+            self.process.stdin.flush()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Let the guard kill what is left of the engine's processes, and wait for it."""
@@ -126,4 +176,5 @@ class ChildGuard:
 
 
 if __name__ == "__main__":  # pragma: no cover - runs as the guard process
-    raise SystemExit(guard(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.5))
+    raise SystemExit(guard(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.5,
+                           {int(x) for x in sys.argv[3:]}))

@@ -122,8 +122,11 @@ class VLLMProcess:
             self._request_output_kind = getattr(factory, "RequestOutputKind", None)
             self._sampling_params_class = getattr(factory, "SamplingParams", None)
         self.guard = ChildGuard.start()
+        before = self.guard.children_now() if self.guard is not None else set()
         try:
             self.llm = await asyncio.to_thread(factory)
+            if self.guard is not None:
+                self.guard.keep(self.guard.children_now() - before)
             await self._read_facts()
         except BaseException:
             await self.close()
