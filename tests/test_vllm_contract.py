@@ -19,7 +19,8 @@ from tests.conftest import ROOT
 OLDER = ("vllm", "0.10.1.1")
 """An older official release the contract must refuse (no pause_generation, no stream_interval, ...)."""
 
-ADAPTER = ROOT / "engine_worker" / "engines" / "vllm_engine.py"
+ADAPTERS = [ROOT / "engine_worker" / "engines" / f"vllm_{part}.py" for part in ("engine", "process", "weights")]
+"""The adapter's modules: generation, process, weights."""
 
 download = pytest.mark.timeout(900)
 
@@ -123,11 +124,9 @@ def _called(node: ast.Call) -> str | None:
 
 
 def test_the_adapter_uses_only_names_the_contract_lists():
-    if not ADAPTER.exists():
-        pytest.skip("engine_worker/engines/vllm_engine.py does not exist yet (the vLLM adapter is being written)")
-    tree = ast.parse(ADAPTER.read_text(encoding="utf-8"), str(ADAPTER))
+    trees = [ast.parse(path.read_text(encoding="utf-8"), str(path)) for path in ADAPTERS]
     llm_used, class_used, kwargs, env, modes = set(), {}, {}, set(), set()
-    for node in ast.walk(tree):
+    for node in (n for tree in trees for n in ast.walk(tree)):
         if isinstance(node, ast.Attribute):
             if _is_llm(node.value):
                 llm_used.add(node.attr)
@@ -166,3 +165,25 @@ def test_the_adapter_uses_only_names_the_contract_lists():
     assert env <= set(contract.ENV_VARS), env - set(contract.ENV_VARS)
     allowed_modes = {("mode", m) for m in contract.PAUSE_MODES} | {("logprobs_mode", m) for m in contract.LOGPROBS_MODES}
     assert modes <= allowed_modes, modes - allowed_modes
+
+
+def test_every_sampling_key_the_adapter_passes_is_a_vllm_field():
+    """``VLLMProcess.sampling_params`` builds vLLM's SamplingParams from a dict: every key it can
+    set, for a request that sets every option, is a field the contract lists."""
+    from redroll.engine_worker.engines.vllm_process import VLLMProcess
+    from redroll.producer.client import make_request
+
+    class Kinds:
+        DELTA, FINAL_ONLY = "DELTA", "FINAL_ONLY"
+
+    process = VLLMProcess("unused")
+    process._request_output_kind, process._sampling_params_class = Kinds, dict
+    request = make_request(request_id="all", input_ids=[1, 2], return_logprob=True, top_logprobs_num=2,
+                           logprob_start_len=0, sampling_params={
+                               "stop": ["x"], "stop_token_ids": [3], "no_stop_trim": True, "logit_bias": {"4": 1.0},
+                               "spaces_between_special_tokens": False, "top_k": 5, "min_new_tokens": 1})
+    keys = set(process.sampling_params(request, 7, stream_interval=16))
+    assert keys <= set(contract.SAMPLING_PARAMS_FIELDS), keys - set(contract.SAMPLING_PARAMS_FIELDS)
+    assert {"seed", "logprobs", "prompt_logprobs", "stream_interval", "output_kind", "logit_bias"} <= keys
+    kwargs = process.engine_kwargs(on_cpu=True)
+    assert set(kwargs) <= set(contract.ENGINE_ARGS_FIELDS), set(kwargs) - set(contract.ENGINE_ARGS_FIELDS)

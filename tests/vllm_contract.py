@@ -165,6 +165,13 @@ def check(root: Path) -> list[str]:
     have = finish_reasons(root)
     missing += [f"FinishReason.{m} ({s!r})" for m, s in contract.FINISH_REASONS.items() if have.get(m) != s]
 
+    missing += _missing_fields(root, "ModelConfig", contract.MODEL_CONFIG_FIELDS)
+    missing += _missing_methods(root, "ModelConfig", contract.MODEL_CONFIG_METHODS)
+    missing += _missing_methods(root, "Platform", contract.PLATFORM_METHODS)
+    prompts = _classes(root / contract.SOURCES["_PromptOptions"])
+    have = set().union(*(_fields(c) for c in prompts.values())) if prompts else set()
+    missing += [f"prompt field {f!r} (inputs/llm.py)" for f in contract.PROMPT_FIELDS if f not in have]
+
     have = env_vars(root)
     missing += [f"envs.{v}" for v in contract.ENV_VARS if v not in have]
     return missing

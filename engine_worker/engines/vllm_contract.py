@@ -49,6 +49,10 @@ SOURCES = {
     "Worker": "v1/worker/gpu_worker.py",  # :192 (the CPU build's CPUWorker subclasses it, cpu_worker.py:32)
     "GPUModelRunner": "v1/worker/gpu_model_runner.py",  # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23)
     "envs": "envs.py",
+    "ModelConfig": "config/model.py",  # what AsyncLLM.model_config holds
+    "Platform": "platforms/interface.py",  # vllm.platforms.current_platform is one
+    "WeightVersionSpan": "outputs.py",  # CompletionOutput.weight_versions entries
+    "_PromptOptions": "inputs/llm.py",  # the fields of TextPrompt / TokensPrompt dicts (cache_salt)
 }
 """Where each name below is defined."""
 
@@ -91,7 +95,18 @@ ASYNC_LLM_METHODS = {
     "shutdown": (),  # :296
     "get_tokenizer": (),  # :1079
     "check_health": (),  # :1089
+    "update_weight_version": ("new_version",),  # :1357 (outputs carry it; per-token spans on finish)
 }
+
+MODEL_CONFIG_FIELDS = ("max_model_len", "skip_tokenizer_init", "hf_config")
+"""config/model.py ``ModelConfig`` fields the adapter reads (:245, :315, :212)."""
+
+MODEL_CONFIG_METHODS = {"get_vocab_size": ()}  # config/model.py:1616
+
+PLATFORM_METHODS = {"is_cpu": ()}  # platforms/interface.py: the CPU defaults of vllm_process.py
+
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_salt")
+"""inputs/llm.py TextPrompt / TokensPrompt (``_PromptOptions`` holds ``cache_salt``)."""
 
 ASYNC_LLM_ATTRIBUTES = (
     # v1/engine/async_llm.py AsyncLLM.__init__
@@ -123,6 +138,8 @@ SAMPLING_PARAMS_FIELDS = (
     "include_stop_str_in_output",  # :381
     "output_kind",  # :383
     "stream_interval",  # :384
+    "spaces_between_special_tokens",  # :379
+    "logit_bias",  # :406
 )
 
 REQUEST_OUTPUT_KINDS = ("CUMULATIVE", "DELTA", "FINAL_ONLY")
@@ -133,7 +150,9 @@ OUTPUT_FIELDS = {
     "RequestOutput": ("request_id", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
                       "num_cached_tokens"),  # :163-173
     # outputs.py CompletionOutput (a dataclass)
-    "CompletionOutput": ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason"),  # :79-86
+    "CompletionOutput": ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason",
+                         "weight_versions"),  # :79-90
+    "WeightVersionSpan": ("version", "start", "end"),  # :42-47
     # logprobs.py Logprob (a dataclass)
     "Logprob": ("logprob", "rank"),  # :23-24
 }
