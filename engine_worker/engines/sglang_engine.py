@@ -53,7 +53,6 @@ import inspect
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from redroll.shared.codec import ValidationError
@@ -61,7 +60,7 @@ from redroll.shared.types import GenerationRequest
 
 from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids
 from .sglang_contract import SGLANG_VERSION
-from .sglang_output import EngineRequestError, SGLangOutput, _request_error, _Sample
+from .sglang_output import EngineRequestError, SGLangOutput, _Job, _request_error, _Sample
 from .sglang_process import SGLangProcess
 from .sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
 
@@ -71,23 +70,6 @@ ENGINE_NAME = "sglang"
 
 _ABORTED_MEMORY = 8192
 """How many aborted-but-not-yet-started handles are remembered (handles are unique per attempt)."""
-
-
-@dataclass(eq=False)
-class _Job:
-    """One ``generate`` call: n samples, each its own SGLang request."""
-
-    handle: str
-    rids: list[str]
-    aborted: bool = False
-    calls: dict[str, asyncio.Task] = field(default_factory=dict)
-    """rid → the task running its ``async_generate`` call (while it runs)."""
-    started: set[str] = field(default_factory=set)
-    """rids whose call has begun (SGLang may hold state for them)."""
-    streamed: dict[str, tuple[list[int], list]] = field(default_factory=dict)
-    """rid → (output ids, output_token_logprobs entries) received so far, for streaming samples
-    (copies: SGLang hands out its live lists, tokenizer_manager.py:2655-2662)."""
-    return_logprob: bool = False
 
 
 class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):

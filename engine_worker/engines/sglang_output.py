@@ -6,16 +6,14 @@ References are to files under ``sglang/srt/`` of sglang 0.5.23, as in :mod:`.sgl
 
 from __future__ import annotations
 
+import asyncio
 import base64
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineInfo, EngineOutput, SampleOutput
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .sglang_engine import _Job
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -32,6 +30,23 @@ class EngineRequestError(RuntimeError):
         self.message = message
         self.status_code = status_code
         self.rid = rid
+
+
+@dataclass(eq=False)
+class _Job:
+    """One ``generate`` call: n samples, each its own SGLang request."""
+
+    handle: str
+    rids: list[str]
+    aborted: bool = False
+    calls: dict[str, asyncio.Task] = field(default_factory=dict)
+    """rid → the task running its ``async_generate`` call (while it runs)."""
+    started: set[str] = field(default_factory=set)
+    """rids whose call has begun (SGLang may hold state for them)."""
+    streamed: dict[str, tuple[list[int], list]] = field(default_factory=dict)
+    """rid → (output ids, output_token_logprobs entries) received so far, for streaming samples
+    (copies: SGLang hands out its live lists, tokenizer_manager.py:2655-2662)."""
+    return_logprob: bool = False
 
 
 @dataclass
