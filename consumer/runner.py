@@ -24,7 +24,7 @@ import redis
 from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, decode_record
-from redroll.shared.connection import connect, open_connections, read_groups
+from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
@@ -133,6 +133,7 @@ class ConsumerRunner:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis)
+        await reach(self.redis, self.settings)
         await self._ensure_groups()
         await open_connections(self.redis, 4)  # (a blocking read, a batch's markers and acks, reclaim, trim)
         log.info("consumer %s on %s group %s: handlers %s", self.name, ", ".join(self.streams), self.group,

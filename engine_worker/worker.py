@@ -23,7 +23,7 @@ import redis
 from redis.asyncio import Redis
 
 from redroll.shared.commands import Command, SyncWeights
-from redroll.shared.connection import connect, open_connections, read_groups
+from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
@@ -216,6 +216,7 @@ class Worker:
         if self._redis is None:
             self._redis = connect(self.settings)
         ctx, claimer, control, liveness, outcomes = self._wire()
+        await reach(self.redis, self.settings)
         await ctx.scripts.load_all()
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()

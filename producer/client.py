@@ -21,6 +21,7 @@ import msgspec
 import redis
 from redis.asyncio import Redis
 
+from redroll.errors import RedrollError
 from redroll.shared.codec import (
     ValidationError,
     check_request_id,
@@ -28,7 +29,7 @@ from redroll.shared.codec import (
     decode_sampling_params,
     encode_request,
 )
-from redroll.shared.connection import connect, open_connections, read_groups
+from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
 from redroll.shared.keys import PRODUCER_GROUP, Keys, lane_index
@@ -88,7 +89,7 @@ def request_stream(keys: Keys, request: GenerationRequest) -> str:
     return keys.requests
 
 
-class BeforeAckError(RuntimeError):
+class BeforeAckError(RedrollError, RuntimeError):
     """The producer's ``before_ack`` raised (its error is the cause): the records it was to make
     last were applied here, and their reply entries were not acked."""
 
@@ -202,6 +203,7 @@ class Producer:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self._redis)
+        await reach(self._redis, self.settings)
         await open_connections(self._redis, 4)  # (its reply and dead-letter readers block; submits, acks)
         await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
         for stream in self.reply_streams:

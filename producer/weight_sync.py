@@ -37,6 +37,7 @@ from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from redroll.engine_worker.weight_group import WeightGroup, dtype_name
+from redroll.errors import RedrollError
 from redroll.shared.commands import SyncAbort, SyncCommit, SyncWeights, TensorSpec, UpdateMode
 from redroll.shared.control import live_workers, send_command
 from redroll.shared.streams import text
@@ -44,7 +45,7 @@ from redroll.shared.streams import text
 log = logging.getLogger("redroll.producer")
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RedrollError, RuntimeError):
     """A push that did not reach the fleet after every attempt (the message says why)."""
 
 

@@ -10,6 +10,9 @@ Installed, the repository's folders are one namespace: ``redroll.shared`` (the w
 ``redroll.producer``, ``redroll.engine_worker``, ``redroll.consumer``, beside this command-line
 package. The names below are imported on first use, so ``import redroll.shared.codec`` loads
 only the wire contract.
+
+Every error redroll raises on purpose is a :class:`RedrollError` (see :mod:`redroll.errors`), and
+each is exported here.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from redroll.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "CompletionRecord": "redroll.shared.types",
     "ConsumerRunner": "redroll.consumer.runner",
-    "DuplicateRequestError": "redroll.shared.scripts",
     "GenerationRequest": "redroll.shared.types",
     "Keys": "redroll.shared.keys",
     "Producer": "redroll.producer.client",
@@ -30,11 +34,14 @@ _EXPORTS = {
     "SamplingParams": "redroll.shared.types",
     "Settings": "redroll.shared.settings",
     "SyncProducer": "redroll.producer.sync",
-    "ValidationError": "redroll.shared.codec",
     "Worker": "redroll.engine_worker.worker",
     "make_request": "redroll.producer.client",
     "send": "redroll.producer.client",
 }
+
+# Every error of the family (redroll.errors), each from where it is defined.
+_EXPORTS.update({"RedrollError": "redroll.errors", "ConnectionUnavailableError": "redroll.errors"})
+_EXPORTS.update(_ERRORS_DEFINED_IN)
 
 __all__ = sorted(_EXPORTS)
 

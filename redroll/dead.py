@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import msgspec
 from redis.asyncio import Redis
 
+from redroll.errors import RedrollError
 from redroll.shared.codec import ValidationError, decode_record, decode_request
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import StreamRefusedError
@@ -63,7 +64,7 @@ async def list_dead(r: Redis, keys: Keys, *, reason: str | None = None, count: i
     return entries
 
 
-class RequeueRefused(ValueError):
+class RequeueRefused(RedrollError, ValueError):
     """The entry is still invalid (or its request_id is live again); the message says why."""
 
 

@@ -21,6 +21,7 @@ from typing import IO
 import msgspec
 from redis.asyncio import Redis
 
+from redroll.errors import RedrollError
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.keys import PRODUCER_GROUP
 from redroll.shared.streams import text
@@ -30,7 +31,7 @@ RUN_SUFFIX = ".run"
 FINISHED = RecordStatus.FINISHED.value
 
 
-class ResumeError(ValueError):
+class ResumeError(RedrollError, ValueError):
     """OUT or its run file cannot be used as asked (the message says why and what to do)."""
 
 

@@ -10,6 +10,7 @@ from typing import IO, Callable, Iterable
 
 import msgspec
 
+from redroll.errors import RedrollError
 from redroll.producer.client import Producer, request_stream, send_each
 from redroll.resume import RunFile, move_records, records_written, write_all
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
@@ -26,7 +27,7 @@ ACCEPTED_FIELDS = {
 }
 
 
-class InputError(ValueError):
+class InputError(RedrollError, ValueError):
     """A line of the input file is not a valid request (line number and reason in the message)."""
 
 

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import msgspec
 
+from redroll.errors import RedrollError
+
 from .types import (
     RECORD_DATA_FIELDS,
     REQUEST_ID_PATTERN,
@@ -38,7 +40,7 @@ from .types import (
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 
 
-class ValidationError(ValueError):
+class ValidationError(RedrollError, ValueError):
     """A payload broke the wire contract. ``field`` names where, ``rule`` says what."""
 
     def __init__(self, field: str, rule: str, *, request_id: str | None = None, reply_to: str | None = None):

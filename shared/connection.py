@@ -10,6 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 
+from redroll.errors import ConnectionUnavailableError, RedrollError
+
 try:
     import hiredis
 except ImportError:  # redis-py works without it, only slower
@@ -23,7 +25,7 @@ from .settings import Settings
 T = TypeVar("T")
 
 
-class RedisConfigError(RuntimeError):
+class RedisConfigError(RedrollError, RuntimeError):
     """The Redis settings cannot work (bad URL, unreadable password file, ...)."""
 
 
@@ -168,6 +170,16 @@ async def open_connections(r: Any, count: int) -> None:
     if isinstance(r, redis.asyncio.RedisCluster):
         return
     await asyncio.gather(*(r.ping() for _ in range(count)))
+
+
+async def reach(client: Any, settings: Settings) -> None:
+    """The first command of a producer, worker or consumer: a PING. A Redis that cannot be reached
+    (or refuses the login) raises :class:`~redroll.errors.ConnectionUnavailableError`, one line
+    naming the URL (:func:`describe_error`), the client's error chained."""
+    try:
+        await client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, OSError) as exc:
+        raise ConnectionUnavailableError(describe_error(exc, settings)) from exc
 
 
 def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redis:

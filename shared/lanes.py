@@ -15,13 +15,15 @@ import time
 import redis
 from redis.asyncio import Redis
 
+from redroll.errors import RedrollError
+
 from .keys import WORKERS_GROUP, Keys
 from .streams import text
 
 FIELD = "affinity_lanes"
 
 
-class LanesMismatchError(RuntimeError):
+class LanesMismatchError(RedrollError, RuntimeError):
     """This process's ``affinity_lanes`` differs from the pipeline's."""
 
 

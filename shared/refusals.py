@@ -15,6 +15,8 @@ from typing import Awaitable, Callable, TypeVar
 
 import redis
 
+from redroll.errors import RedrollError
+
 T = TypeVar("T")
 log = logging.getLogger("redroll")
 
@@ -47,7 +49,7 @@ def describe(message: str) -> str:
     return "transient" if code in TRANSIENT else "other"
 
 
-class StreamRefusedError(redis.ResponseError):
+class StreamRefusedError(RedrollError, redis.ResponseError):
     """``key`` refused a write with ``message``; nothing of that item was written."""
 
     def __init__(self, key: str, message: str):

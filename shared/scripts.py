@@ -14,6 +14,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
+from redroll.errors import RedrollError
+
 from .codec import encode_record
 from .connection import is_cluster, large_argument
 from .refusals import StreamRefusedError
@@ -34,7 +36,7 @@ CLAIM_LANES_LUA = _load("claim_lanes.lua")
 CHECKPOINT_LUA = _load("checkpoint.lua")
 
 
-class DuplicateRequestError(RuntimeError):
+class DuplicateRequestError(RedrollError, RuntimeError):
     """A different submit already holds this request_id and it has not finished yet."""
 
     def __init__(self, request_id: str):

@@ -7,8 +7,8 @@ import dataclasses
 import threading
 
 import pytest
-import redis
 
+from redroll.errors import ConnectionUnavailableError
 from redroll.producer import SyncProducer
 from redroll.shared.types import RecordStatus
 from tests.test_producer import SP, running_worker
@@ -65,7 +65,7 @@ def test_options_are_checked_before_a_thread_starts(settings):
 
 def test_a_producer_that_cannot_start_leaves_no_thread_behind(settings):
     unreachable = dataclasses.replace(settings, redis_url="redis://127.0.0.1:1/0")
-    with pytest.raises(redis.ConnectionError):
+    with pytest.raises(ConnectionUnavailableError, match="redis://127.0.0.1:1/0"):
         SyncProducer(unreachable)
     assert not _producer_threads()
 

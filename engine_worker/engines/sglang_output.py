@@ -11,6 +11,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from redroll.errors import RedrollError
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineInfo, EngineOutput, SampleOutput
@@ -18,7 +19,7 @@ from .base import EngineInfo, EngineOutput, SampleOutput
 _FINISH_TYPES = ("stop", "length", "abort")
 
 
-class EngineRequestError(RuntimeError):
+class EngineRequestError(RedrollError, RuntimeError):
     """SGLang refused or failed one request for a reason other than an abort we asked for.
 
     ``status_code`` is the HTTP status SGLang attached (400 for bad input, 503 for a full queue,

@@ -16,17 +16,19 @@ import logging
 import sys
 from typing import Any, Callable, Sequence
 
+from redroll.errors import RedrollError
+
 from .base import EngineInfo
 from .sglang_contract import MEMORY_TAGS
 
 log = logging.getLogger(__name__)
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(RedrollError, RuntimeError):
     """``update_weights_from_disk`` reported failure (SGLang keeps, or rolls back to, the old weights)."""
 
 
-class EngineCommandRefused(RuntimeError):
+class EngineCommandRefused(RedrollError, RuntimeError):
     """A weight or memory command the adapter refuses because SGLang would crash on it, or it would
     do nothing (the message says which and what to do)."""
 

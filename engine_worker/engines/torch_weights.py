@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable, Sequence
 
+from redroll.errors import RedrollError
+
 from ..weight_group import WeightGroup, torch_dtype
 
 
-class WeightsRefused(ValueError):
+class WeightsRefused(RedrollError, ValueError):
     """The pushed tensors do not fit the model (unknown name, shape or dtype): nothing was staged."""
 
 

@@ -1,0 +1,83 @@
+"""One family for the errors redroll raises on purpose: ``except redroll.RedrollError`` catches them all.
+
+Each keeps the built-in base it had before the family existed, so ``except ValueError`` (or
+``RuntimeError``, ``ConnectionError``, ``redis.ResponseError``) still works too.
+
+=============================  ==============================  ============================================
+error                          also a                          raised when
+=============================  ==============================  ============================================
+``RedrollError``               ``Exception``                   (the root)
+``ConnectionUnavailableError`` ``ConnectionError``             Redis cannot be reached (the message names
+                                                               the URL; the cause is chained)
+``RedisConfigError``           ``RuntimeError``                the Redis settings cannot work (bad URL,
+                                                               unreadable password file)
+``ValidationError``            ``ValueError``                  a request or record breaks the wire contract
+``NewerSchemaError``           ``ValidationError``             an entry was written for a newer schema
+``DuplicateRequestError``      ``RuntimeError``                a request_id is already queued or done
+``StreamRefusedError``         ``redis.ResponseError``         Redis refused a write to a stream
+``LanesMismatchError``         ``RuntimeError``                a process's affinity lanes differ from the
+                                                               pipeline's
+``BeforeAckError``             ``RuntimeError``                a record was lost before the producer acked
+``WeightSyncError``            ``RuntimeError``                a weight push to the workers failed
+``WeightUpdateError``          ``RuntimeError``                an engine could not load new weights
+``EngineCommandRefused``       ``RuntimeError``                an engine refused a command
+``EngineRequestError``         ``RuntimeError``                an engine failed one request
+``WeightsRefused``             ``ValueError``                  tensors do not fit the model
+``RequeueRefused``             ``ValueError``                  a dead letter cannot be requeued
+``ResumeError``                ``ValueError``                  ``redroll submit --resume`` cannot resume
+``InputError``                 ``ValueError``                  ``redroll submit``'s input file is invalid
+=============================  ==============================  ============================================
+
+This module imports nothing from redroll (the modules that define the errors import
+:class:`RedrollError` from here); the others are looked up where they are defined on first use,
+as ``redroll.errors.ValidationError`` or ``redroll.ValidationError``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class RedrollError(Exception):
+    """The root of every error redroll raises on purpose."""
+
+
+class ConnectionUnavailableError(RedrollError, ConnectionError):
+    """Redis cannot be reached: the one-line message names the (redacted) URL; ``__cause__`` is the
+    error of the Redis client."""
+
+
+_DEFINED_IN = {
+    "RedisConfigError": "redroll.shared.connection",
+    "ValidationError": "redroll.shared.codec",
+    "NewerSchemaError": "redroll.shared.codec",
+    "DuplicateRequestError": "redroll.shared.scripts",
+    "StreamRefusedError": "redroll.shared.refusals",
+    "LanesMismatchError": "redroll.shared.lanes",
+    "BeforeAckError": "redroll.producer.client",
+    "WeightSyncError": "redroll.producer.weight_sync",
+    "WeightUpdateError": "redroll.engine_worker.engines.sglang_weights",
+    "EngineCommandRefused": "redroll.engine_worker.engines.sglang_weights",
+    "EngineRequestError": "redroll.engine_worker.engines.sglang_output",
+    "WeightsRefused": "redroll.engine_worker.engines.torch_weights",
+    "RequeueRefused": "redroll.dead",
+    "ResumeError": "redroll.resume",
+    "InputError": "redroll.submit",
+}
+"""Where each error that is not defined here lives (imported on first use: no import cycle)."""
+
+__all__ = sorted(["RedrollError", "ConnectionUnavailableError", *_DEFINED_IN])
+
+
+def __getattr__(name: str) -> Any:
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module 'redroll.errors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_DEFINED_IN])
