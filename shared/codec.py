@@ -29,7 +29,9 @@ from redroll.errors import RedrollError
 from .types import (
     RECORD_DATA_FIELDS,
     REQUEST_ID_PATTERN,
+    REQUEST_ID_RULE,
     SCHEMA_VERSION,
+    SCHEMA_VERSION_RULE,
     CompletionRecord,
     GenerationRequest,
     RecordData,
@@ -99,6 +101,7 @@ def _encode_value(obj: Any, field: str) -> bytes:
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$")
 _MISSING = re.compile(r"^Object missing required field `(.*)`$")
+_GOT = re.compile(r", got `(\w+)`$")
 _COLLAPSE = ("sampling_params.stop[", "sampling_params.stop_regex", "sampling_params.logit_bias",
              "sampling_params.custom_params", "meta_info")
 """Paths reported at their field, not deeper (a stop string, a key inside meta_info)."""
@@ -120,6 +123,13 @@ def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationE
         path = _join(path, m.group(1))
         rule = "is required"
     path = prefix + path if path else prefix.rstrip(".")
+    # The rule in words, not msgspec's regex or bound (the one pattern is the request_id's).
+    if rule.startswith("Expected `str` matching regex") or (path == "request_id" and rule.startswith("Expected")):
+        got = _GOT.search(rule)
+        rule = REQUEST_ID_RULE + (f", got {got.group(1)}" if got else "")
+    elif path == "v" and rule.startswith("Expected"):
+        got = _GOT.search(rule)
+        rule = SCHEMA_VERSION_RULE + (f", got {got.group(1)}" if got else "")
     for short in _COLLAPSE:
         if path.startswith(short):
             path = short.rstrip("[")
@@ -157,7 +167,7 @@ def check_request_id(value: Any, field: str = "request_id") -> str:
     if not isinstance(value, str):
         raise ValidationError(field, f"must be a string, got {type(value).__name__}")
     if not REQUEST_ID_RE.match(value):
-        raise ValidationError(field, "must be 1-128 printable ASCII characters without whitespace or braces")
+        raise ValidationError(field, REQUEST_ID_RULE)
     return value
 
 
@@ -183,7 +193,7 @@ def check_sampling_params(sp: SamplingParams, limits: Limits, prefix: str = "sam
 def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
     try:
         if req.v == 0:
-            raise ValidationError("v", "schema version must be a positive integer")
+            raise ValidationError("v", SCHEMA_VERSION_RULE)
         if req.submitted_at is None:
             raise ValidationError("submitted_at", "must be unix seconds (a number)")
         if (req.input_ids is None) == (req.prompt is None):

@@ -31,6 +31,12 @@ REQUEST_ID_PATTERN = r"^[!-z|~]{1,128}\Z"
 """1–128 printable ASCII characters, no whitespace, no braces (``\\Z``, not ``$``: ``$`` also
 matches before a final newline)."""
 
+REQUEST_ID_RULE = "must be 1-128 printable ASCII characters, without whitespace or braces"
+""":data:`REQUEST_ID_PATTERN` in words, as a refusal says it."""
+
+SCHEMA_VERSION_RULE = "schema version must be a positive integer"
+"""How a refusal names the schema version field ``v``, whether missing, of the wrong type or out of range."""
+
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 UnixSeconds = Annotated[float, Meta(ge=-1e15, le=1e15)]

@@ -858,3 +858,25 @@ def test_plain_values_over_the_payload_limit_are_refused_like_their_encoding():
             except ValidationError as exc:
                 refused.append(exc.field)
         assert refused == ([None, None] if m is small else ["data", "data"])
+
+
+# ---------------------------------------------------------------- refusals a person can act on
+
+
+@pytest.mark.parametrize("rid", ["bad id", "x" * 129, "{tag}", "", "tab\there", "é", 5])
+def test_a_refused_request_id_names_the_rule_in_words(rid):
+    from redroll.shared.codec import request_from_values
+
+    for err in (field_error(valid_map(request_id=rid)), record_error(valid_record_map(request_id=rid))):
+        assert err.field == "request_id"
+        assert "regex" not in err.rule and "[!-z" not in err.rule, err.rule
+        assert "1-128 printable ASCII characters" in err.rule and "whitespace" in err.rule and "braces" in err.rule
+    with pytest.raises(ValidationError, match="1-128 printable ASCII characters") as caught:
+        request_from_values({"request_id": rid, "prompt": "x"})
+    assert "regex" not in str(caught.value)
+
+
+@pytest.mark.parametrize("v", [0, -1, "1", 1.0, None, True, [1], _DROP])
+def test_the_schema_version_is_named_the_same_way_whatever_is_wrong(v):
+    err = field_error(valid_map(v=v))
+    assert (err.field, err.rule.split(",")[0]) == ("v", "schema version must be a positive integer"), err.rule
