@@ -1,4 +1,17 @@
-"""Claiming new entries (XREADGROUP) and reclaiming idle ones from dead or paused workers."""
+"""Claiming new entries (XREADGROUP) and reclaiming idle ones from dead or paused workers.
+
+Fair claiming: a worker claims no more than its engine can start now plus ``claim_prefetch``
+(:func:`claim_limit`): it holds at most ``min(capacity + claim_prefetch, max_inflight)`` entries
+that take or wait for an engine slot (``Flights.claim_limit``), so a burst that comes while several
+workers are idle spreads over them instead of queueing inside the engine of the first to wake, and
+the entries it cannot start stay in the stream for the others. Under steady load the engine stays
+full: the prefetched entries take the slots that finishes free, and the claim loop refills the
+rest as soon as they are free. Reclaimed entries (hand-backs, a dead worker's) count against the
+same bound. With affinity lanes (:mod:`.lanes`) the same bound applies to what a worker takes from
+its own lanes, the shared stream and steals: a hot lane's entries beyond it stay in the lane, where
+other workers with free slots steal them after ``steal_after_ms``, or at once beyond the steal
+depth (``STEAL_DEPTH_FACTOR`` x the claim limit).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +31,53 @@ from .flights import Flights, InFlight
 from .outcomes import hand_back_entries
 
 log = logging.getLogger("redroll.worker")
+
+_CAPACITY_ARGS = ("max_running_requests", "max_num_seqs")
+"""Engine arguments that bound how many requests run at once (SGLang, vLLM)."""
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def engine_capacity(engine: Any) -> int | None:
+    """How many requests ``engine`` runs at once, when it says so; None when it does not.
+
+    Looked up in this order: a ``capacity`` attribute (an engine may declare it), the synthetic
+    engine's ``slots``, the transformers engine's ``max_batch_size``, SGLang's resolved
+    ``server_args.max_running_requests`` (once started), then the engine arguments it was given
+    (``engine_kwargs()``: SGLang's ``max_running_requests``, vLLM's ``max_num_seqs``). An engine
+    left to pick its own (vLLM, SGLang without the argument) says nothing here."""
+    for attr in ("capacity", "slots", "max_batch_size"):
+        found = _positive_int(getattr(engine, attr, None))
+        if found is not None:
+            return found
+    found = _positive_int(getattr(getattr(engine, "server_args", None), "max_running_requests", None))
+    if found is not None:
+        return found
+    kwargs_of = getattr(engine, "engine_kwargs", None)
+    if callable(kwargs_of):
+        try:
+            kwargs = kwargs_of()
+        except Exception:  # (an engine that cannot say yet: treated as saying nothing)
+            kwargs = None
+        if isinstance(kwargs, dict):
+            for name in _CAPACITY_ARGS:
+                found = _positive_int(kwargs.get(name))
+                if found is not None:
+                    return found
+    return None
+
+
+def claim_limit(engine: Any, max_inflight: int, prefetch: int) -> int:
+    """The most entries a worker holds that take or wait for an engine slot: what the engine can
+    run at once plus ``prefetch`` (the ``claim_prefetch`` setting), at most ``max_inflight``;
+    ``max_inflight`` when the engine does not say its capacity (:func:`engine_capacity`)."""
+    max_inflight = max(1, int(max_inflight))
+    capacity = engine_capacity(engine)
+    if capacity is None:
+        return max_inflight
+    return max(1, min(max_inflight, capacity + max(0, int(prefetch))))
 
 
 class Claimer:
@@ -51,7 +111,7 @@ class Claimer:
             await flights.wait_for_slot()
             if ctx.stopping.is_set():
                 return
-            free = -(-(flights.max_inflight - flights.occupied) // loops)
+            free = -(-flights.free_to_claim // loops)
             refused: list[str] = []
             if plain:
                 # One XREADGROUP over the high-priority and the request stream. COUNT applies per
@@ -141,7 +201,7 @@ class Claimer:
         # Even with every slot taken, look: suspects are run in isolation, which waits for the
         # slots to empty, so a busy worker still takes over a dead one's work. One round trip for
         # every request stream (with affinity lanes there are hundreds, mostly empty).
-        count = max(flights.max_inflight - flights.occupied, 16) * 4
+        count = max(flights.free_to_claim, 16) * 4
         streams = self.reclaim_streams()
         async with ctx.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
@@ -166,7 +226,7 @@ class Claimer:
                 delivered_at = now - int(p["time_since_delivered"]) / 1000.0
                 never_ran = text(p["consumer"]) == ctx.name and delivered_at >= ctx.started_at + 0.1
                 if note is not None or never_ran or deliveries > ctx.settings.max_deliveries:
-                    if len(bulk) < flights.max_inflight - flights.occupied:
+                    if len(bulk) < flights.free_to_claim:
                         bulk.append((stream, entry_id, deliveries))
                 else:
                     suspects.append((stream, entry_id, deliveries))

@@ -68,6 +68,10 @@ class Flights:
 
     def __init__(self, max_inflight: int, run: Run, stopping: asyncio.Event, run_batch: RunBatch | None = None):
         self.max_inflight = max(1, int(max_inflight))
+        self.claim_limit = self.max_inflight
+        """The most entries claimed that take or wait for an engine slot: the claim loops wait
+        below it and read no more than the difference (set at start to the engine's capacity plus
+        ``claim_prefetch``, at most ``max_inflight``: see :func:`.claim.claim_limit`)."""
         self._run = run
         self._run_batch = run_batch
         """Runs the entries of one claim that start at once in one task (None: a task each)."""
@@ -107,6 +111,11 @@ class Flights:
         ones have given theirs back, so the next claim overlaps the finish round trip; held-back
         ones take none until they are released)."""
         return len(self._by_key) - self._released - len(self._held)
+
+    @property
+    def free_to_claim(self) -> int:
+        """How many more entries a claim may take now (fair claiming: see :mod:`.claim`)."""
+        return max(0, min(self.claim_limit, self.max_inflight) - self.occupied)
 
     @property
     def generating(self) -> int:
@@ -259,8 +268,9 @@ class Flights:
         await self._changed.wait()
 
     async def wait_for_slot(self) -> None:
-        """Until a slot is free and claiming is not paused (or the worker stops)."""
-        while (self.occupied >= self.max_inflight or self.claiming_paused) and not self._stopping.is_set():
+        """Until a slot is free to claim for (below :attr:`claim_limit`) and claiming is not paused
+        (or the worker stops)."""
+        while (not self.free_to_claim or self.claiming_paused) and not self._stopping.is_set():
             await self._wait_change()
 
     async def wait_idle(self) -> None:

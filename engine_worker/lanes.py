@@ -25,6 +25,13 @@ For the same reason a worker's reclaim passes (``XPENDING … IDLE``) look at th
 watches, not at all of them (:meth:`LaneTable.reclaim_streams`): every lane still has its owner and
 its watchers among the claiming workers, and a dead one drops out of every lane's plan within a
 few heartbeats, long before an entry it held is ``claim_idle`` old.
+
+Fair claiming (see :mod:`.claim`) holds here too: every claim, from the worker's own lanes, the
+shared stream or a steal, takes at most what its engine can start now plus ``claim_prefetch``, and
+a worker counts as having room in the heartbeat (:func:`has_room`) only below that bound. The
+entries of a hot lane beyond it wait in the lane, where the workers that scan it steal them after
+``steal_after_ms``, or at once when they lie beyond ``STEAL_DEPTH_FACTOR`` x the claim limit: a
+burst on one key costs the owner's prefix cache some hits, not a queue inside one engine.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ CLAIMING_STATES = ("running",)
 
 STEAL_DEPTH_FACTOR = 2
 """A worker with free slots also takes from another worker's lane what lies beyond the first
-``STEAL_DEPTH_FACTOR x max_inflight`` undelivered entries (that owner cannot start them soon: a hot
+``STEAL_DEPTH_FACTOR x claim limit`` undelivered entries (the claim limit: ``Flights.claim_limit``) (that owner cannot start them soon: a hot
 key), without waiting ``steal_after_ms``; a steal ends at the end of one key's run where it can."""
 """Heartbeat states of a worker that owns lanes."""
 
@@ -92,9 +99,10 @@ def lane_plan(workers: Iterable[str], lanes: int, watchers: int = WATCHERS,
 
 
 def has_room(beat: dict[str, Any] | None) -> bool:
-    """Whether a worker's heartbeat says it had a free slot (False when it does not say)."""
+    """Whether a worker's heartbeat says it had a free slot (False when it does not say): fewer
+    entries in flight than its claim limit (``claim_limit``; ``max_inflight`` in an older beat)."""
     try:
-        return int(beat["inflight"]) < int(beat["max_inflight"])  # type: ignore[index]
+        return int(beat["inflight"]) < int(beat.get("claim_limit", beat["max_inflight"]))  # type: ignore[union-attr]
     except (KeyError, TypeError, ValueError):
         return False
 
@@ -191,7 +199,7 @@ class LaneClaimer:
             await flights.wait_for_slot()
             if ctx.stopping.is_set():
                 return
-            free = -(-(flights.max_inflight - flights.occupied) // loops)
+            free = -(-flights.free_to_claim // loops)
             got: list[tuple[str, str, dict, str]] = []
             for part in parts:
                 if free - len(got) > 0:
@@ -222,6 +230,6 @@ class LaneClaimer:
             high=part.requests_high, own=[part.lane(j) for j in self.table.owned], shared=part.requests,
             others=[part.lane(j) for j in self.table.scanned], group=WORKERS_GROUP,
             consumer=ctx.name, budget=budget, steal_after_ms=ctx.settings.steal_after_ms,
-            steal_depth=STEAL_DEPTH_FACTOR * self.flights.max_inflight)
+            steal_depth=STEAL_DEPTH_FACTOR * self.flights.claim_limit)
         return [(stream, text(entry_id), script_fields(flat), kind)
                 for stream, kind, entries in got for entry_id, flat in entries]

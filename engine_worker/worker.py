@@ -29,7 +29,7 @@ from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
 
-from .claim import Claimer
+from .claim import Claimer, claim_limit
 from .context import WorkerContext, WorkerStats
 from .control import AbortedSet, ControlListener
 from .engines.base import Engine, capabilities_of
@@ -220,14 +220,16 @@ class Worker:
         await ctx.scripts.load_all()
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
+        # Fair claiming: what the engine can start at once plus the prefetch (known once started).
+        self.flights.claim_limit = claim_limit(self.engine, self.max_inflight, self.settings.claim_prefetch)
         await self._ensure_groups(ctx)
         await open_connections(self.redis, WORKER_CONNECTIONS)
         await control.start()
         assert self._weights is not None
         await self._weights.load_desired()
         await liveness.heartbeat()
-        log.info("worker %s started: engine=%s model=%s max_inflight=%d", self.name,
-                 self.engine.info.name, self.engine.info.model, self.max_inflight)
+        log.info("worker %s started: engine=%s model=%s max_inflight=%d claim_limit=%d", self.name,
+                 self.engine.info.name, self.engine.info.model, self.max_inflight, self.flights.claim_limit)
         self.started.set()
         groups = read_groups(self.redis, self.parts)  # one claim loop per group
         loops = [

@@ -33,6 +33,19 @@ class Settings:
     """Entries idle longer than this in a dead process's pending list are reclaimed."""
     max_deliveries: int = 5
     """An entry delivered more often than this is dead-lettered."""
+    claim_prefetch: int = 2
+    """A worker claims what its engine can start now plus this many (so that a slot freed by a
+    finish is refilled without waiting for a claim's round trip): it holds at most the engine's
+    capacity (the synthetic engine's ``slots``, SGLang's ``max_running_requests``, vLLM's
+    ``max_num_seqs``, the transformers engine's ``max_batch_size``) plus ``claim_prefetch``
+    entries, and never more than ``max_inflight``. A burst thus spreads over idle workers instead of
+    queueing in the engine of the first to wake; under steady load the engine stays full. 2 covers
+    the round trip of a claim on a local network (a finish frees one slot at a time; when many
+    finish at once, the claim loop refills the rest within a round trip or two). With an engine
+    that does not say its capacity the bound is ``max_inflight``, as before; a prefetch as large as
+    ``max_inflight`` restores the old behaviour (claim up to ``max_inflight`` at once). With
+    affinity lanes the bound applies to what a worker takes from its own lanes too: the rest of a
+    hot lane waits in the lane, where other workers steal it (``steal_after_ms``)."""
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
 
@@ -112,7 +125,7 @@ class Settings:
 
 
 _LEAST: dict[str, float] = {
-    "claim_idle_ms": 1, "max_deliveries": 1, "heartbeat_s": 0.001, "drain_timeout_s": 0,
+    "claim_idle_ms": 1, "max_deliveries": 1, "claim_prefetch": 0, "heartbeat_s": 0.001, "drain_timeout_s": 0,
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
     "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0,
