@@ -91,7 +91,8 @@ class _Job:
 class VLLMEngine(VLLMWeights):
     """Engine protocol on ``vllm.v1.engine.async_llm.AsyncLLM`` (0.32 and 0.33)."""
 
-    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, memory_release=True,
+    capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
+                                      memory_release=True,
                                       partial_output=True, progress_counters=True, prefill_counters=True,
                                       tokenizer=True)
 

@@ -26,6 +26,7 @@ from redroll.shared.types import MAX_TOP_LOGPROBS, GenerationRequest
 from .base import EngineInfo
 from .child_guard import ChildGuard
 from .vllm_contract import check_version
+from .vllm_extension import EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,14 @@ class VLLMProcess:
         self.kv_cache_gib = kv_cache_gib
         self.enable_sleep_mode = enable_sleep_mode
         self._kwargs: dict[str, Any] = {"model": model_path, "logprobs_mode": "processed_logprobs",
-                                        "max_logprobs": MAX_TOP_LOGPROBS, "disable_log_stats": True}
+                                        "max_logprobs": MAX_TOP_LOGPROBS, "disable_log_stats": True,
+                                        "worker_extension_cls": EXTENSION_CLASS}
         self._kwargs.update({k: v for k, v in named.items() if v is not None})
         self._kwargs.update(extra)
         self._factory = llm_factory
+        # (one rank in a trainer's push whatever the tensor-parallel size: this process receives it)
         self.info = EngineInfo(name="vllm", model=model_path, weight_version=weight_version or "0",
-                               max_context=max_model_len, weight_ranks=int(tensor_parallel_size or 1))
+                               max_context=max_model_len, weight_ranks=1)
         self.llm: Any = None
         self.tokenizer: Any = None
         self.on_cpu = False

@@ -10,6 +10,15 @@ and the refusal of a memory release that would free nothing.
   their KV cache is dropped and recomputed under the new weights. Either way every request is
   salted with the weight version it starts under (``cache_salt``), so none reuses KV made by
   other weights, without a prefix-cache reset (which vLLM refuses while requests hold blocks).
+* **A trainer's push** (``producer.weight_sync``, torch.distributed): this worker process joins the
+  trainer's group (one rank, whatever the tensor-parallel size) and receives the broadcast into
+  staging buffers; the engine keeps serving. On the trainer's commit the staged tensors are written
+  to one safetensors file in shared memory and every vLLM model worker loads it in place through
+  :class:`~.vllm_extension.RedrollWorkerExtension` (tensors as ``collective_rpc`` arguments do not
+  work on the CPU build). A push must carry every tensor of the checkpoint the engine serves, with
+  its shape: vLLM reloads layer by layer and a layer left without all its tensors stays on the
+  meta device, which kills the engine, so anything else is refused before a byte is received.
+  Direct NCCL transfer into vLLM's workers (its weight-transfer engine, CUDA IPC) is not used.
 * **Memory release** (``sleep``/``wake_up``, colocated training) needs an engine started with
   sleep mode, which vLLM supports on GPUs only; on CPU ``AsyncLLM.sleep()`` succeeds, frees
   nothing and aborts everything in flight, so redroll refuses the release there before touching
@@ -19,9 +28,15 @@ and the refusal of a memory release that would free nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
+from ..weight_group import WeightGroup, torch_dtype
 from .sglang_engine import EngineCommandRefused, WeightUpdateError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +57,8 @@ class VLLMWeights:
     pause_mode: str
     loaded_model_path: str
     _released: bool = False
+    _group: "WeightGroup | None" = None
+    _staged: "tuple[str, dict[str, Any], bool] | None" = None
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        load_format: str | None = None, *, in_place: bool = False) -> str:
@@ -67,6 +84,88 @@ class VLLMWeights:
         self.loaded_model_path = model_path
         self.info.weight_version = str(version)
         return f"reloaded {model_path}"
+
+    # ------------------------------------------------------------------ a trainer's push
+
+    async def join_weight_group(self, *, address: str, port: int, rank_offset: int, world_size: int,
+                                group_name: str, backend: str, timeout_s: float) -> None:
+        self.process.require()
+        await self.leave_weight_group()
+        self._group = await asyncio.to_thread(WeightGroup.open, address=address, port=port, rank=rank_offset,
+                                              world_size=world_size, name=group_name, backend=backend,
+                                              timeout_s=timeout_s)
+
+    async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
+                              in_place: bool = True) -> None:
+        """Receive the broadcast, in order, into staging (vLLM keeps serving the old weights)."""
+        group = self._group
+        if group is None or group.name != group_name:
+            raise RuntimeError(f"not in weight-update group {group_name!r}")
+        problem = self._incomplete(specs)
+        import torch
+
+        buffers = [(spec.name, torch.empty(list(spec.shape), dtype=torch_dtype(spec.dtype))) for spec in specs]
+
+        def receive() -> None:
+            for _, tensor in buffers:
+                group.broadcast(tensor, 0)
+
+        # (an incomplete push is still received, into scratch: the collective stays in step and the
+        # trainer hears why this worker refused it, instead of a connection closed by a peer)
+        await asyncio.to_thread(receive)
+        if problem is not None:
+            raise WeightUpdateError(problem)
+        self._staged = (version, dict(buffers), in_place)
+
+    def _incomplete(self, specs: Sequence[Any]) -> str | None:
+        """Why ``specs`` is not every tensor of the served checkpoint, each with its shape (None: it is)."""
+        want = checkpoint_shapes(self.loaded_model_path)
+        got = {spec.name: tuple(spec.shape) for spec in specs}
+        missing = sorted(set(want) - set(got))
+        unknown = sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        if not (missing or unknown or wrong):
+            return None
+        parts = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                 for label, names in (("missing", missing), ("not in the checkpoint", unknown),
+                                      ("other shape", wrong)) if names]
+        return ("a push to a vllm worker must carry every tensor of its checkpoint with its shape "
+                f"({len(want)} tensors); " + "; ".join(parts))
+
+    async def commit_weights(self, version: str) -> None:
+        """Hand the staged tensors to vLLM (in place: generation paused around the load)."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged[0] != version:
+            raise RuntimeError(f"no staged weights for version {version!r}")
+        llm = self.process.require()
+        _, tensors, in_place = staged
+        directory = tempfile.mkdtemp(prefix="redroll-push-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            path = str(Path(directory) / "weights.safetensors")
+            await asyncio.to_thread(_save, tensors, path)
+            if in_place:
+                await llm.pause_generation(mode="keep", clear_cache=self.pause_mode == "retract")
+            try:
+                await llm.collective_rpc("redroll_load_weights", kwargs={"path": path})
+                await llm.update_weight_version(str(version))
+            finally:
+                if in_place:
+                    await llm.resume_generation()
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.info.weight_version = str(version)
+
+    async def discard_weights(self) -> bool:
+        """Drop the staged tensors; vLLM was not touched (True: it serves its version still)."""
+        self._staged = None
+        return True
+
+    async def leave_weight_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await asyncio.to_thread(group.close)
+
+    # ------------------------------------------------------------------ memory
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free the engine's memory (vLLM ``sleep``): GPU engines started with sleep mode only."""
@@ -97,4 +196,25 @@ class VLLMWeights:
         return list(MEMORY_TAGS) if self._released else []
 
 
-__all__ = ["MEMORY_TAGS", "VLLMWeights"]
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the ``*.safetensors`` files of ``model_path`` (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"{model_path} has no .safetensors files: a push cannot be checked against it")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _save(tensors: dict[str, Any], path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors.items()}, path)
+
+
+__all__ = ["MEMORY_TAGS", "VLLMWeights", "checkpoint_shapes"]

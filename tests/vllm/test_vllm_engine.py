@@ -198,3 +198,18 @@ async def test_an_in_place_reload_changes_the_weights_under_a_running_request(en
     assert max(abs(a - b) for a, b in zip(new_ref, old_ref)) > 0.1
     await engine.update_weights_from_disk(str(tiny_checkpoints[0]), "2")  # back, between requests
     assert engine.info.weight_version == "2"
+
+
+async def test_an_unsupported_vllm_or_sleep_mode_on_cpu_is_refused_before_anything_starts(monkeypatch, tiny_checkpoints):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    other = VLLMEngine(str(tiny_checkpoints[0]), **engine_options())
+    with pytest.raises(RuntimeError, match=r"redroll supports vllm 0\.32\.x .* and 0\.33\.x; 0\.31\.0 is installed"):
+        await other.start()
+    assert other.llm is None and other.process.guard is None
+    monkeypatch.undo()
+    sleepy = VLLMEngine(str(tiny_checkpoints[0]), enable_sleep_mode=True, **engine_options())
+    with pytest.raises(RuntimeError, match="no sleep mode on CPU"):
+        await sleepy.start()
+    assert sleepy.llm is None and sleepy.process.guard is None

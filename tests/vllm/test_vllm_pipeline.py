@@ -125,6 +125,16 @@ async def test_an_abort_publishes_the_partial_output(producer, first_worker, set
     assert 0 < len(record.output_token_ids[0]) < 1500
 
 
+async def test_a_deadline_mid_generation_expires_the_request_with_its_partial_output(producer, first_worker):
+    import time
+
+    request = make_request(request_id="api-deadline", input_ids=PROMPT, collect_unfinished=True,
+                           deadline=time.time() + 2.0, sampling_params={"max_new_tokens": 2000, "ignore_eos": True})
+    record = await asyncio.wait_for(await producer.submit(request), 60)
+    assert record.status is RecordStatus.EXPIRED and record.finish_reasons == ["abort"]
+    assert 0 < len(record.output_token_ids[0]) < 2000
+
+
 async def test_a_weight_reload_from_disk_gives_the_new_weights_logprobs(settings, producer, first_worker,
                                                                           tiny_checkpoints, reference):
     proc = await asyncio.create_subprocess_exec(
@@ -177,10 +187,49 @@ async def test_a_sigkilled_worker_leaves_no_engine_and_its_resumable_request_res
                                                               ids[cp.tokens:], 1.0)) < 1e-3
 
 
-async def test_sigterm_drains_the_requests_in_flight_and_leaves_no_engine(settings, producer, tiny_checkpoints,
-                                                                           tmp_path):
+@pytest.fixture(scope="module")
+def second_worker(settings, tiny_checkpoints, tmp_path_factory):
+    """A worker on the fleet's weights (version 1 from the reload), started after the SIGKILL."""
     proc = spawn(settings, *worker_args(tiny_checkpoints[1]), "--name", "drained", "--weight-version", "1",
-                 log=tmp_path / "w2.log")
+                 log=tmp_path_factory.mktemp("w2") / "worker.log")
+    yield proc
+    if proc.poll() is None:
+        stop_process(proc, 60)
+
+
+async def test_a_trainer_push_reaches_vllm_and_a_partial_push_is_refused_untouched(
+        settings, producer, second_worker, tiny_checkpoints, reference):
+    import torch
+
+    async with connect(settings) as r:
+        await wait_until(lambda: _live(r, settings, "drained"), 150)
+    model = load_tiny_checkpoint(tiny_checkpoints[1])
+    with torch.no_grad():  # a training step, as far as the weights go
+        gen = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    async with producer.weight_sync(timeout_s=60) as sync:
+        partial = [(n, p) for n, p in model.named_parameters() if "layers.1." not in n]
+        with pytest.raises(Exception, match="every tensor of its checkpoint"):
+            await asyncio.wait_for(sync.push(partial, version="9"), 120)
+        before = await asyncio.wait_for(await producer.submit(make_request(
+            request_id="push-before", input_ids=PROMPT, return_logprob=True,
+            sampling_params={"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 4})), 60)
+        assert before.meta_info["weight_version"] == "1"  # the refused push changed nothing
+        assert max_error(before.output_logprobs[0], teacher_forced_logprobs(
+            reference[1], PROMPT, before.output_token_ids[0], 1.0)) < 1e-3
+        await asyncio.wait_for(sync.push(model.named_parameters(), version="2"), 120)
+    record = await asyncio.wait_for(await producer.submit(make_request(
+        request_id="push-after", input_ids=PROMPT, return_logprob=True,
+        sampling_params={"max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 4})), 60)
+    ids, lps = record.output_token_ids[0], record.output_logprobs[0]
+    assert record.meta_info["weight_version"] == "2" and record.meta_info["worker"] == "drained"
+    assert max_error(lps, teacher_forced_logprobs(model, PROMPT, ids, 1.0)) < 1e-3
+    assert max_error(lps, teacher_forced_logprobs(reference[1], PROMPT, ids, 1.0)) > 0.01
+
+
+async def test_sigterm_drains_the_requests_in_flight_and_leaves_no_engine(settings, producer, second_worker):
+    proc = second_worker
     try:
         futures = [await producer.submit(make_request(request_id=f"drain-{i}", input_ids=PROMPT,
                                                       sampling_params={"max_new_tokens": 400, "ignore_eos": True}))
@@ -197,6 +246,12 @@ async def test_sigterm_drains_the_requests_in_flight_and_leaves_no_engine(settin
     assert [r.status for r in records] == [RecordStatus.FINISHED] * 6
     assert all(len(r.output_token_ids[0]) == 400 and r.meta_info["worker"] == "drained" for r in records)
     assert engine_pids and not any(_alive(p) for p in engine_pids)
+
+
+async def _live(r, settings, name: str) -> bool:
+    from redroll.shared.control import live_workers
+
+    return name in await live_workers(r, settings.keys)
 
 
 async def _pending(r, settings, at_least: int = 1) -> bool:
