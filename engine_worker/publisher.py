@@ -10,6 +10,7 @@ a MB on this project's machine). Between calls, Redis serves the others."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import redis
@@ -20,6 +21,8 @@ from redroll.shared.codec import encode_record
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, raising_first_error, refusal
 from redroll.shared.types import CompletionRecord
+
+log = logging.getLogger("redroll.worker")
 
 
 @dataclass
@@ -38,7 +41,9 @@ class Finish:
 
 
 Outcome = bool | Exception
-"""Of one finish: True published, False fenced (the entry is no longer this worker's), or the
+"""Of one finish: True published (by this call, or by an earlier one whose reply was lost: the
+script finds the entry in this worker's finish marker), False fenced (the entry is no longer this
+worker's and it did not finish it), or the
 :class:`redroll.shared.refusals.StreamRefusedError` of a reply stream that refused the record."""
 
 
@@ -63,6 +68,8 @@ class Publisher(Coalescer[list[_Queued]]):
         self.max_call_bytes = max_call_bytes
         self.max_call_items = max_batch
         self.flushes = 0
+        self.found_published = 0
+        """Finishes retried after a lost reply that found their record published by the first try."""
 
     async def finish(self, finish: Finish) -> bool:
         """Publish the record if this worker still owns the entry (True), else drop it (False).
@@ -106,8 +113,15 @@ class Publisher(Coalescer[list[_Queued]]):
         self.flushes += 1
         for items, reply in zip(calls, replies):
             for item, outcome in zip(items, reply):
-                # (a refusal of this item's reply stream, or 1 published / 0 fenced)
+                # (a refusal of this item's reply stream, or 1 published / 2 published by an earlier
+                # try whose reply was lost / 0 fenced)
                 item.outcome = refusal(outcome, item.finish.reply_key) or bool(int(outcome))
+                if item.outcome is True and int(outcome) == 2:
+                    self.found_published += 1
+                    log.info("entry %s: a retried finish found its record published by the first try "
+                             "(whose reply was lost)", item.finish.entry_id,
+                             extra={"request_id": item.finish.record.request_id,
+                                    "entry_id": item.finish.entry_id})
         for group, fut in batch:
             if not fut.done():
                 fut.set_result([item.outcome for item in group])

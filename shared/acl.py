@@ -99,6 +99,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     partial = f"{pt}:partial:*"
+    finished = f"{pt}:finished:*"
     replies = f"{pt}:reply:*"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
@@ -139,7 +140,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "worker":
         return [
             Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, partial, results, replies, dead),
+                  rw(requests, requests_high, lanes, rid, partial, finished, results, replies, dead),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
@@ -155,6 +156,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
                   "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
+            Grant(("type", "lrange", "rpush", "ltrim", "pexpire"), rw(finished),
+                  "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
+                  "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "

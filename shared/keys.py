@@ -54,6 +54,12 @@ def lane_index(affinity_key: str, lanes: int) -> int:
     return int.from_bytes(digest, "big") % lanes
 
 
+def finish_marker_key(stream: str, consumer: str) -> str:
+    """``Keys.finished(consumer)`` of the partition whose request stream is ``stream`` (its hash tag)."""
+    tag = stream[: stream.index("}") + 1] if stream.startswith("{") and "}" in stream else stream
+    return f"{tag}:finished:{consumer}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """All key names of a pipeline in namespace ``namespace``.
@@ -148,6 +154,12 @@ class Keys:
 
     def rid(self, request_id: str) -> str:
         return f"{self.tag}:rid:{request_id}"
+
+    def finished(self, consumer: str) -> str:
+        """List: the entries ``consumer`` (a worker) finished lately, so that a retry of a finish
+        whose reply was lost is told from a lost lease (written by finish_many.lua; it expires:
+        :data:`redroll.shared.scripts.FINISH_MARKER_TTL_MS`)."""
+        return finish_marker_key(self.requests, consumer)
 
     def partial(self, request_id: str) -> str:
         """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""

@@ -18,6 +18,7 @@ from redroll.errors import RedrollError
 
 from .codec import encode_record
 from .connection import is_cluster, large_argument
+from .keys import finish_marker_key
 from .refusals import StreamRefusedError
 from .types import CompletionRecord
 
@@ -34,6 +35,16 @@ SUBMIT_MANY_LUA = _load("submit_many.lua")
 CLAIM_LUA = _load("claim.lua")
 CLAIM_LANES_LUA = _load("claim_lanes.lua")
 CHECKPOINT_LUA = _load("checkpoint.lua")
+
+FINISH_MARKER_TTL_MS = 300_000
+"""How long a worker's finish marker (``Keys.finished``: the entries it finished lately) lives
+after its last finish in that partition: 5 minutes, far beyond a retry of a finish whose reply was
+lost (the worker retries at once, then for about 10 s of backoff)."""
+FINISH_MARKER_CAP = 10_000
+"""The most entries a finish marker keeps (the latest): it bounds the marker's memory (about
+0.3 MB) and the one read of it that a call with an entry no longer owned makes. A retried finish is
+recognised while fewer than this many later finishes of the same worker in the partition came
+between its first run and the retry."""
 
 
 class DuplicateRequestError(RedrollError, RuntimeError):
@@ -200,7 +211,8 @@ class Scripts:
     async def finish(self, *, requests_key: str, reply_key: str, rid_key: str, group: str, consumer: str,
                      entry_id: str, record: CompletionRecord, reply_cap: int = 0,
                      partial_key: str | None = None) -> int:
-        """The fenced finish of one entry now: 1 published, 0 fenced; raises
+        """The fenced finish of one entry now: 1 published, 2 published by an earlier call (see
+        :meth:`finish_many_in`), 0 fenced; raises
         :class:`StreamRefusedError` when the reply stream refused the record (nothing written)."""
         (reply,) = await self.finish_many_in(self.redis, requests_key=requests_key, group=group, consumer=consumer,
                                              worker=record.worker or "", checked=True,
@@ -217,11 +229,14 @@ class Scripts:
 
         ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None), the record
         a :class:`CompletionRecord` or its stream fields from ``encode_record``. Result:
-        per item 1 (published), 0 (fenced) or the error its reply stream answered (see :func:`refusal`).
-        A resumable request's checkpoint (when it names this entry) is deleted with the finish.
+        per item 1 (published), 2 (published by an earlier call of this consumer: a retry whose
+        first reply was lost; nothing is written again), 0 (fenced) or the error its reply stream
+        answered (see :func:`refusal`). A resumable request's checkpoint (when it names this entry)
+        is deleted with the finish. The entries published are noted in ``consumer``'s finish marker
+        (``Keys.finished``) for :data:`FINISH_MARKER_TTL_MS`.
         """
-        keys: list[Any] = [requests_key]
-        args: list[Any] = [group, consumer, worker]
+        keys: list[Any] = [requests_key, finish_marker_key(requests_key, consumer)]
+        args: list[Any] = [group, consumer, worker, FINISH_MARKER_TTL_MS, FINISH_MARKER_CAP]
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
             f = encode_record(record) if isinstance(record, CompletionRecord) else record

@@ -10,10 +10,18 @@ import pytest
 import redis
 
 from redroll.producer.client import make_request, send
+from redroll.shared import scripts as scripts_module
 from redroll.shared.codec import decode_record
 from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, DuplicateRequestError, Scripts, raising_first_error
+from redroll.shared.scripts import (
+    FINISH_MARKER_TTL_MS,
+    DeadLetter,
+    DeadLetterOutcome,
+    DuplicateRequestError,
+    Scripts,
+    raising_first_error,
+)
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 
@@ -155,8 +163,9 @@ async def test_finish_by_owner_publishes_once_acks_and_deletes(r, settings):
     assert decode_record(fields) == record("req-1", worker="c1")
     assert await r.xlen(keys.requests) == 0
     assert (await r.xpending(keys.requests, G))["pending"] == 0
-    # a second finish of the same entry (e.g. a retried call) publishes nothing
-    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 0
+    # a second finish of the same entry (a retried call whose reply was lost) publishes nothing
+    # again, and says the record was published (2), not fenced
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry)) == 2
     assert await r.xlen(keys.results) == 1
 
 
@@ -234,6 +243,57 @@ async def test_finish_of_a_batch_publishes_only_the_entries_this_consumer_owns(r
     assert [int(x) for x in reply] == [1, 0, 1, 1, 0]
     assert sorted(f[b"rid"].decode() for _, f in await r.xrange(keys.results)) == ["r-100", "r-11", "r-9"]
     assert [e.decode() for e, _ in await r.xrange(keys.requests)] == [f"{ms}-10"]  # c2's, untouched
+
+
+async def test_a_retried_finish_is_told_from_a_lost_lease(r, settings):
+    # The marker {ns}:finished:<consumer> says who finished what, for FINISH_MARKER_TTL_MS.
+    keys, scripts = settings.keys, Scripts(r)
+    mine = await add_and_claim(r, keys, "c1", rid="mine")
+    taken = await add_and_claim(r, keys, "c1", rid="taken")
+    await r.xclaim(keys.requests, G, "c2", 0, [taken])  # c1's lease on it is lost
+    items = [(mine, keys.results, keys.rid("mine"), record("mine", worker="c1"), 0),
+             (taken, keys.results, keys.rid("taken"), record("taken", worker="c1"), 0)]
+    for expected in ([1, 0], [2, 0]):  # the first call, then its retry (same arguments)
+        async with r.pipeline(transaction=False) as pipe:
+            scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1",
+                                   checked=True, items=items)
+            (reply,) = await pipe.execute()
+        assert [int(x) for x in reply] == expected
+    assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"mine"]
+    marker = keys.finished("c1")
+    assert marker == f"{keys.tag}:finished:c1"
+    assert await r.lrange(marker, 0, -1) == [f"{mine} requests".encode()]
+    assert 0 < await r.pttl(marker) <= FINISH_MARKER_TTL_MS
+    # The new owner finishes its entry; c1 still cannot, and another consumer's marker is not c1's.
+    assert await scripts.finish(**finish_kwargs(keys, "c2", taken, rid="taken")) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", taken, rid="taken")) == 0
+    assert await scripts.finish(**finish_kwargs(keys, "c2", mine, rid="mine")) == 0
+
+
+async def test_the_finish_marker_is_per_stream_and_capped(r, settings, monkeypatch):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests_high, G)
+    await r.xadd(keys.requests_high, {"rid": "h", "data": data_for("h")}, id="5-1")
+    await r.xreadgroup(G, "c1", {keys.requests_high: ">"}, count=1)
+    high = dict(finish_kwargs(keys, "c1", "5-1", rid="h"), requests_key=keys.requests_high)
+    assert await scripts.finish(**high) == 1
+    # The same id in the normal stream is another entry: not published by c1.
+    await ensure_group(r, keys.requests, G)
+    assert await scripts.finish(**finish_kwargs(keys, "c1", "5-1", rid="h")) == 0
+    assert await scripts.finish(**high) == 2
+    # It keeps the latest FINISH_MARKER_CAP entries.
+    monkeypatch.setattr(scripts_module, "FINISH_MARKER_CAP", 2)
+    done = [await add_and_claim(r, keys, "c1", rid=f"c{i}") for i in range(3)]
+    for i, entry in enumerate(done):
+        assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid=f"c{i}")) == 1
+    assert await r.lrange(keys.finished("c1"), 0, -1) == [f"{e} requests".encode() for e in done[1:]]
+    # A marker of another type is left alone: the finish publishes, only the marker is missing.
+    await r.delete(keys.finished("c1"))
+    await r.set(keys.finished("c1"), "x")
+    entry = await add_and_claim(r, keys, "c1", rid="plain")
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="plain")) == 1
+    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="plain")) == 0
+    assert await r.get(keys.finished("c1")) == b"x"
 
 
 async def test_finish_refused_for_unknown_entry(r, settings):

@@ -1,20 +1,34 @@
 -- Fenced finish of many requests of one stream in one call.
--- KEYS[1] request stream, then per item i (1-based): KEYS[3i-1] reply stream, KEYS[3i] rid key,
--- KEYS[3i+1] checkpoint key ({tag}:partial:<rid>)
--- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker
+-- KEYS[1] request stream, KEYS[2] this consumer's finish marker ({tag}:finished:<consumer>, a list),
+-- then per item i (1-based): KEYS[3i] reply stream, KEYS[3i+1] rid key,
+-- KEYS[3i+2] checkpoint key ({tag}:partial:<rid>)
+-- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker  ARGV[4] marker TTL (ms)  ARGV[5] marker cap
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
 -- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
--- Returns one value per item: 1 published, 0 fenced (this consumer no longer owns the entry, or the
--- entry came earlier in this call), or the error the reply stream answered (a string: nothing of
--- that item was written; it stays pending for the worker to dead-letter, hold or retry).
+-- Returns one value per item: 1 published, 2 published by an earlier call of this consumer (a
+-- retried finish whose first reply was lost: nothing is written again), 0 fenced (this consumer no
+-- longer owns the entry and did not finish it, or the entry came earlier in this call), or the
+-- error the reply stream answered (a string: nothing of that item was written; it stays pending for
+-- the worker to dead-letter, hold or retry).
 --
 -- All or nothing per item: Redis keeps the writes a script made before a failing redis.call, so
 -- an item's reads come first and its first write, the XADD, goes through pcall; its ack, delete
 -- and rid release follow only once that XADD succeeded (and cannot fail: the request stream and
 -- group were read above). One item's refusal never changes another item's fate.
+--
+-- The finish marker: every published entry is appended to KEYS[2] as '<entry id> <stream>' (the
+-- stream named after its hash tag), the list trimmed to its last ARGV[5] elements and its TTL set
+-- to ARGV[4] ms, after the acks (a key of another type found at the start is left alone: no marker
+-- then). An entry this consumer no longer owns is looked up there, so a retry of a finish whose
+-- reply was lost tells its own earlier success from a lost lease.
 local out = {}
 local done = {}
-local n = (#KEYS - 1) / 3
+local n = (#KEYS - 2) / 3
+local marker = KEYS[2]
+local sname = string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]
+local marked = nil  -- (this consumer's finished entries, read once, when an item is not owned)
+local mtype = redis.call('TYPE', marker)['ok']
+local use_marker = mtype == 'none' or mtype == 'list'
 
 -- Which of the entries this consumer still owns: one XPENDING over the batch's id range, filtered
 -- by consumer (its own pending entries there: at most what it has in flight), instead of one call
@@ -31,7 +45,7 @@ local function less(a, b)
 end
 local lo, hi
 for i = 1, n do
-  local entry = ARGV[3 + (i - 1) * 6 + 1]
+  local entry = ARGV[5 + (i - 1) * 6 + 1]
   if not lo or less(entry, lo) then lo = entry end
   if not hi or less(hi, entry) then hi = entry end
 end
@@ -45,13 +59,17 @@ while n > 0 do
 end
 
 for i = 1, n do
-  local a = 3 + (i - 1) * 6
+  local a = 5 + (i - 1) * 6
   local entry = ARGV[a + 1]
   if not owned[entry] then
-    out[i] = 0
+    if use_marker and marked == nil then
+      marked = {}
+      for _, e in ipairs(redis.call('LRANGE', marker, 0, -1)) do marked[e] = true end
+    end
+    if marked and marked[entry .. ' ' .. sname] then out[i] = 2 else out[i] = 0 end
   else
     owned[entry] = nil  -- (an entry listed twice is published once)
-    local reply, ridkey, partial = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
+    local reply, ridkey, partial = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
     -- The cap goes to XADD as the string it came as: a Lua number would be formatted back with
     -- printf for every item.
@@ -85,5 +103,15 @@ for j = 1, #done, 4000 do
   local chunk = {unpack(done, j, math.min(j + 3999, #done))}
   redis.call('XACK', KEYS[1], ARGV[1], unpack(chunk))
   redis.call('XDEL', KEYS[1], unpack(chunk))
+end
+-- Who finished what, for a retry of this call (after the first writes: it cannot be refused now).
+if use_marker and #done > 0 then
+  for j = 1, #done, 4000 do
+    local chunk = {}
+    for k = j, math.min(j + 3999, #done) do chunk[#chunk + 1] = done[k] .. ' ' .. sname end
+    redis.call('RPUSH', marker, unpack(chunk))
+  end
+  redis.call('LTRIM', marker, -tonumber(ARGV[5]), -1)
+  redis.call('PEXPIRE', marker, ARGV[4])
 end
 return out
