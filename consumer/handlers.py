@@ -17,13 +17,21 @@ def load_handler(spec: str) -> Handler:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"handler {spec!r} must look like module.path:function")
-    module = importlib.import_module(module_name)
-    fn = module
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"handler {spec!r}: cannot import {module_name} ({exc})") from exc
+    except Exception as exc:  # (the module itself raised while importing)
+        raise ValueError(f"handler {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from exc
+    fn: Any = module
     for part in attr.split("."):
-        fn = getattr(fn, part)
+        try:
+            fn = getattr(fn, part)
+        except AttributeError:
+            raise ValueError(f"handler {spec!r}: {module_name} has no {attr}") from None
     if not callable(fn):
-        raise TypeError(f"handler {spec!r} is not callable")
-    return fn  # type: ignore[return-value]
+        raise ValueError(f"handler {spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
 
 
 def parse_handler_flag(flag: str) -> tuple[str, Handler]:

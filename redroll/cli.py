@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from typing import Any, Sequence
@@ -36,11 +37,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
     g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
                    help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
-    g.add_argument("--tls-ca-file", default=argparse.SUPPRESS)
-    g.add_argument("--tls-cert-file", default=argparse.SUPPRESS)
-    g.add_argument("--tls-key-file", default=argparse.SUPPRESS)
-    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
-    g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"])
+    g.add_argument("--tls-ca-file", default=argparse.SUPPRESS,
+                   help="with rediss://: the CA that signed the server's certificate (env REDROLL_TLS_CA_FILE; "
+                        "default: the system's CAs)")
+    g.add_argument("--tls-cert-file", default=argparse.SUPPRESS,
+                   help="with rediss://: this client's certificate, for servers that require one "
+                        "(env REDROLL_TLS_CERT_FILE)")
+    g.add_argument("--tls-key-file", default=argparse.SUPPRESS,
+                   help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")
+    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
+                   help="log level (env REDROLL_LOG_LEVEL; default info)")
+    g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                   help="log lines as text or one JSON object each (env REDROLL_LOG_FORMAT; default text)")
 
 
 def _positive_int(value: str) -> int:
@@ -87,20 +95,27 @@ def _seconds_from_zero(raw: str) -> float:
     return value
 
 
+ENGINES = ["vllm", "sglang", "transformers", "synthetic"]
+"""The engines ``redroll worker --engine`` runs (no default: a worker is told which)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redroll", description="Queue-driven LLM generation on Redis Streams.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="run the whole pipeline once on the embedded default")
     _common(p)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--engine", choices=["transformers", "synthetic"], default=None)
+    p.add_argument("--prompts", type=int, default=4, help="how many prompts the demo submits")
+    p.add_argument("--engine", choices=["transformers", "synthetic"], default=None,
+                   help="the demo's engine (default: transformers when torch is installed, else synthetic)")
 
     p = sub.add_parser("worker", help="run an engine worker")
     _common(p)
-    p.add_argument("--engine", choices=["vllm", "sglang", "transformers", "synthetic"], default=os.environ.get("REDROLL_ENGINE", "synthetic"))
+    p.add_argument("--engine", choices=ENGINES, default=os.environ.get("REDROLL_ENGINE") or None,
+                   help="the engine to run (env REDROLL_ENGINE; required: synthetic makes fake tokens, for tests)")
     p.add_argument("--model-path", default=os.environ.get("REDROLL_MODEL_PATH", "tiny-random"),
-                   help="local model directory, or 'tiny-random' for the built-in tiny model")
+                   help="local model directory (env REDROLL_MODEL_PATH), or for transformers 'tiny-random', "
+                        "the built-in tiny model")
     p.add_argument("--max-inflight", type=int, default=int(os.environ.get("REDROLL_MAX_INFLIGHT", "32")),
                    help="requests in the engine at once (enough for it to batch; for a continuous-batching "
                         "engine about 2x its capacity keeps it busy while finished work is published)")
@@ -124,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers engine: keep the KV of recent prompts and conversations, up to this many "
                         "tokens (env REDROLL_PREFIX_CACHE_TOKENS; default 0 = off); records report "
                         "meta_info.cached_tokens")
-    p.add_argument("--weight-version", default=None)
+    p.add_argument("--weight-version", default=None,
+                   help="the weight_version the worker's records carry at start (default: the engine's)")
     g = p.add_argument_group("sglang and vllm engines")
     g.add_argument("--tp-size", type=int, default=int(os.environ.get("REDROLL_SGLANG_TP_SIZE", "1")),
                    help="tensor-parallel size (vllm: tensor_parallel_size)")
@@ -135,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-running-requests", type=int, default=None,
                    help="requests the engine runs at once (vllm: max_num_seqs)")
     g.add_argument("--context-length", type=int, default=None, help="model context (vllm: max_model_len)")
-    g.add_argument("--random-seed", type=int, default=None)
+    g.add_argument("--random-seed", type=int, default=None, help="the engine's random seed")
     g.add_argument("--enable-memory-saver", action="store_true",
                    help="needed for release/resume of GPU memory (colocated training; vllm: enable_sleep_mode, "
                         "GPU only)")
@@ -156,22 +172,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="turn vLLM's prefix cache off (on by default: affinity lanes exist to feed it)")
     g.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs argument (repeatable); VALUE is parsed as JSON when it can be")
-    p.add_argument("--claim-idle-ms", type=int, default=None)
-    p.add_argument("--max-deliveries", type=int, default=None)
-    p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight work on SIGTERM")
-    p.add_argument("--name", default=None, help="consumer name (default: host-pid-random, unique per start)")
+    p.add_argument("--claim-idle-ms", type=int, default=None,
+                   help="take over a request another worker has held this long without progress "
+                        "(env REDROLL_CLAIM_IDLE_MS)")
+    p.add_argument("--max-deliveries", type=int, default=None,
+                   help="dead-letter a request after this many deliveries (env REDROLL_MAX_DELIVERIES)")
+    p.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to finish in-flight work on SIGTERM (env REDROLL_DRAIN_TIMEOUT_S)")
+    p.add_argument("--name", default=None,
+                   help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     p = sub.add_parser("consume", help="apply callbacks to records through a consumer group")
     _common(p)
-    p.add_argument("--group", required=True)
+    p.add_argument("--group", required=True, help="the consumer group (each group sees every record once)")
     p.add_argument("--handler", action="append", default=[], metavar="NAME=module:function",
                    help="register a handler (repeatable); records select one by their callback name")
     p.add_argument("--default-handler", default=None, metavar="module:function",
                    help="handler for records that name no callback")
     p.add_argument("--stream", default=None, help="reply stream to consume (default {ns}:results)")
-    p.add_argument("--claim-idle-ms", type=int, default=None)
-    p.add_argument("--max-deliveries", type=int, default=None)
+    p.add_argument("--claim-idle-ms", type=int, default=None,
+                   help="take over a record another consumer of the group has held this long "
+                        "(env REDROLL_CLAIM_IDLE_MS)")
+    p.add_argument("--max-deliveries", type=int, default=None,
+                   help="dead-letter a record after this many deliveries (env REDROLL_MAX_DELIVERIES)")
     p.add_argument("--batch", type=int, default=128,
                    help="most records per read (fewer after large ones: see --batch-bytes)")
     p.add_argument("--batch-bytes", type=_positive_int, default=1 << 20,
@@ -197,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true", help="stable JSON for scripts")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
-    p.add_argument("--interval", type=_positive_seconds, default=2.0)
+    p.add_argument("--interval", type=_positive_seconds, default=2.0, help="seconds between --watch refreshes")
 
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
     _common(p)
@@ -210,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update: swap the weights under the requests in flight (between two decode steps; "
                         "their records carry per-token versions) instead of waiting for them")
     p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
-    p.add_argument("--timeout", type=_positive_seconds, default=600.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=600.0,
+                   help="seconds to wait for the workers (release and resume: at most 120)")
 
     p = sub.add_parser("lanes", help="show or change the pipeline's affinity lanes (backlog and owner per lane)")
     _common(p)
@@ -219,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="set: change it even though lanes still hold entries (they stay there, unread, "
                         "until L is set back: see the README)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON for scripts")
 
     p = sub.add_parser("repair", help="give streams whose ids were exhausted (XADD with the largest id) their ids back")
     _common(p)
@@ -230,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rebuild", type=int, default=None, metavar="N",
                    help="on servers that need the stream rebuilt (Valkey 8), copy at most N entries in the one "
                         "script (default 200000; the server is blocked meanwhile)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON for scripts")
 
     p = sub.add_parser("drain", help="ask workers to drain and exit (through the control stream)")
     _common(p)
@@ -243,25 +268,28 @@ def build_parser() -> argparse.ArgumentParser:
     d = dsub.add_parser("list", help="dead letters, oldest first")
     _common(d)
     d.add_argument("--reason", default=None, help="only those whose reason contains this text")
-    d.add_argument("--json", action="store_true")
-    d.add_argument("--count", type=_positive_int, default=1000)
+    d.add_argument("--json", action="store_true", help="JSON for scripts (every field whole)")
+    d.add_argument("--count", type=_positive_int, default=1000, help="at most this many per partition")
     d = dsub.add_parser("requeue", help="re-validate and requeue dead letters")
     _common(d)
     d.add_argument("ids", nargs="*", help="dead-letter entry ids (see dead list)")
-    d.add_argument("--all", action="store_true")
+    d.add_argument("--all", action="store_true", help="every dead letter")
     d.add_argument("--set", action="append", default=[], metavar="FIELD.PATH=JSON",
                    help="patch the request before requeueing, e.g. sampling_params.temperature=0.7")
     d = dsub.add_parser("purge", help="delete dead letters")
     _common(d)
-    d.add_argument("ids", nargs="*")
-    d.add_argument("--older-than", type=_seconds_from_zero, default=None, metavar="SECONDS")
-    d.add_argument("--all", action="store_true")
+    d.add_argument("ids", nargs="*", help="dead-letter entry ids (see dead list)")
+    d.add_argument("--older-than", type=_seconds_from_zero, default=None, metavar="SECONDS",
+                   help="every dead letter older than this")
+    d.add_argument("--all", action="store_true", help="every dead letter")
 
     p = sub.add_parser("gc", help="remove reply streams of producers that never came back, gone workers' heartbeats")
     _common(p)
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--stale-worker-s", type=_seconds_from_zero, default=3600.0)
-    p.add_argument("--idle-consumer-s", type=_seconds_from_zero, default=3600.0)
+    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("--stale-worker-s", type=_seconds_from_zero, default=3600.0,
+                   help="remove heartbeats of workers not seen for this many seconds")
+    p.add_argument("--idle-consumer-s", type=_seconds_from_zero, default=3600.0,
+                   help="remove consumers idle this many seconds that hold nothing")
 
     p = sub.add_parser("bench", help="the benchmark suite (from a source checkout): python -m benchmarks.bench",
                        add_help=False)
@@ -269,9 +297,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
-    p.add_argument("request_ids", nargs="*")
-    p.add_argument("--group", action="append", default=[], help="abort every request of this group_id")
+    p.add_argument("request_ids", nargs="*", help="request ids to abort")
+    p.add_argument("--group", action="append", default=[], help="abort every request of this group_id (repeatable)")
+    for each in _parsers(parser):
+        each.formatter_class = _HelpFormatter
     return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, False, [], argparse.SUPPRESS) or "default" in text
+                or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every sub-command's parser, depth first."""
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                out.extend(_parsers(child))
+    return out
 
 
 def parse_key_values(pairs: Sequence[str], flag: str = "--sglang-arg") -> dict[str, Any]:
@@ -410,6 +461,8 @@ async def _run_consume(args: argparse.Namespace) -> int:
     from redroll.consumer.runner import ConsumerRunner
 
     settings = _settings(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # handler modules of the current directory
+        sys.path.insert(0, os.getcwd())                     # are found, as celery and rq find them
     handlers = dict(parse_handler_flag(h) for h in args.handler)
     default = load_handler(args.default_handler) if args.default_handler else None
     if not handlers and default is None:
@@ -444,6 +497,12 @@ async def _run_status(args: argparse.Namespace) -> int:
         if not args.watch:
             Console().print(render_status(await snapshot()))
             return 0
+        if not sys.stdout.isatty():  # piped or redirected: plain frames, each flushed as it is printed
+            console = Console()
+            while True:
+                console.print(render_status(await snapshot()))
+                sys.stdout.flush()
+                await asyncio.sleep(args.interval)
         with Live(render_status(await snapshot()), refresh_per_second=4) as live:
             while True:
                 await asyncio.sleep(args.interval)
@@ -638,8 +697,17 @@ async def _run_drain(args: argparse.Namespace) -> int:
     if not args.workers and not args.all:
         print("redroll drain: name workers or --all", file=sys.stderr)
         return 2
+    from redroll.shared.control import live_workers
+
     settings = _settings(args)
     async with connect(settings) as r:
+        if not args.all:
+            live = await live_workers(r, settings.keys)
+            unknown = [name for name in args.workers if name not in live]
+            if unknown:  # (a typo, or a worker already gone: nothing would ever read the command)
+                print(f"redroll drain: no live worker named {', '.join(unknown)}; nothing sent (live workers: "
+                      f"{', '.join(sorted(live)) or 'none'})", file=sys.stderr)
+                return 1
         for target in (["*"] if args.all else args.workers):
             await send_command(r, settings.keys, Drain(target=None if target == "*" else target))
     print("drain sent to " + ("every worker" if args.all else ", ".join(args.workers)))
@@ -671,6 +739,28 @@ def _run_bench(argv: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "benchmarks.bench", *argv], cwd=root)
 
 
+def _worker_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``redroll worker`` with these arguments must not start, or None: no engine named (no
+    silent default: a worker without one would serve fake tokens), or a model directory that is not
+    there (instead of a Hugging Face Hub error about repo ids)."""
+    if args.engine is None:
+        return f"name the engine with --engine or REDROLL_ENGINE: one of {', '.join(ENGINES)}"
+    if args.engine not in ENGINES:
+        return f"REDROLL_ENGINE={args.engine!r} is not an engine: one of {', '.join(ENGINES)}"
+    path = args.model_path
+    if args.engine == "synthetic" or os.path.isdir(path):
+        return None
+    if args.engine == "transformers" and (path == "tiny-random" or path.startswith("tiny-random:")):
+        return None
+    if args.engine in ("sglang", "vllm") and _HUB_REPO_ID.match(path):
+        return None  # (SGLang and vLLM download a Hub repo id: ORG/NAME, not a path)
+    return f"no such model directory: {path}"
+
+
+_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""A Hugging Face Hub repo id, ``ORG/NAME`` (SGLang and vLLM take one for a model directory)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from redroll.logs import setup_logging
 
@@ -684,6 +774,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings_for_errors = Settings.from_env(redis_url=getattr(args, "redis_url", None))
     except ValueError as exc:  # (a REDROLL_* variable that is not a valid value)
         print(f"redroll {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "worker" and (refusal := _worker_refusal(args)):
+        print(f"redroll worker: {refusal}", file=sys.stderr)
         return 2
     try:
         if args.command == "demo":

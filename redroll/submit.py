@@ -43,22 +43,33 @@ _only_accepted_fields = msgspec.json.Decoder(msgspec.defstruct(
 _typed_request = msgspec.json.Decoder(GenerationRequest).decode
 
 
+MAX_REPORTED = 20
+"""The most bad lines :func:`read_requests` names in its :class:`InputError` (the rest are counted)."""
+
+
 def read_requests(lines: Iterable[str], settings: Settings, source: str = "input") -> list[GenerationRequest]:
-    """Parse and validate every line before anything is sent: a bad file sends nothing."""
+    """Parse and validate every line before anything is sent: a bad file sends nothing, and its
+    :class:`InputError` names every bad line (one a line, up to :data:`MAX_REPORTED`)."""
     out: list[GenerationRequest] = []
     seen: set[str] = set()
     limits = settings.limits
+    bad: list[str] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             req = request_from_line(line, limits)
         except InputError as exc:
-            raise InputError(f"{source}:{n}: {exc}") from None
+            bad.append(f"{source}:{n}: {exc}")
+            continue
         if req.request_id in seen:
-            raise InputError(f"{source}:{n}: request_id {req.request_id!r} appears twice")
+            bad.append(f"{source}:{n}: request_id {req.request_id!r} appears twice")
+            continue
         seen.add(req.request_id)
         out.append(req)
+    if bad:  # every bad line in one run (up to MAX_REPORTED), not one a run
+        more = len(bad) - MAX_REPORTED
+        raise InputError("\n".join(bad[:MAX_REPORTED] + ([f"and {more} more bad line(s)"] if more > 0 else [])))
     return out
 
 
@@ -239,7 +250,7 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
             sink.flush()
         except OSError as exc:
             write_error = OSError(exc.errno, f"writing the records to {out or 'stdout'} failed ({exc.strerror or exc})"
-                                  + (f"; those not written stay on the reply stream: --resume writes them"
+                                  + ("; those not written stay on the reply stream: --resume writes them"
                                      if out else ""))
             wake.set()
             raise write_error from exc

@@ -818,7 +818,9 @@ async def test_sigterm_drains_on_sglang_like_on_the_other_engines(settings, r, t
     env = {"PYTHONPATH": f"{ROOT / 'tests' / 'fake_sglang'}{os.pathsep}{ROOT}",
            "REDROLL_STANDIN_OPTIONS": json_.dumps({"token_delay_s": 0.01, "watchdog_interval_s": 0.2})}
     log = tmp_path / "worker.log"
-    proc = spawn(settings, "worker", "--engine", "sglang", "--model-path", "/models/m", "--max-inflight", "4",
+    model = tmp_path / "model"  # (the stand-in loads nothing from it; the worker refuses a directory not there)
+    model.mkdir()
+    proc = spawn(settings, "worker", "--engine", "sglang", "--model-path", str(model), "--max-inflight", "4",
                  log=log, **env)
     try:
         keys = settings.keys

@@ -1,0 +1,179 @@
+"""The command line without traps: each test is one a new user fell into (issue 45)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from redroll.cli import ENGINES, build_parser, main
+from tests.conftest import ROOT, redroll_env, stop_process
+
+
+def run_cli(settings, *args: str, timeout: float = 60, drop: tuple[str, ...] = (), **env: str):
+    environ = {k: v for k, v in redroll_env(settings, **env).items() if k not in drop}
+    return subprocess.run([sys.executable, "-m", "redroll.cli", *args], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    return err
+
+
+# ---------------------------------------------------------------- worker
+
+
+def test_a_worker_without_an_engine_refuses_to_start_naming_the_choices(settings):
+    """It used to run the synthetic engine (fake tokens) and ignore --model-path."""
+    proc = run_cli(settings, "worker", "--model-path", str(ROOT), drop=("REDROLL_ENGINE",))
+    assert proc.returncode == 2
+    err = one_line(proc)
+    assert "--engine" in err and "REDROLL_ENGINE" in err and all(engine in err for engine in ENGINES), err
+
+
+def test_a_worker_with_an_unknown_engine_in_the_environment_refuses_too(settings):
+    proc = run_cli(settings, "worker", REDROLL_ENGINE="sglangg")
+    assert proc.returncode == 2 and "sglangg" in one_line(proc)
+
+
+@pytest.mark.parametrize("engine", ["transformers", "sglang", "vllm"])
+def test_a_missing_model_directory_is_named(settings, tmp_path, engine):
+    """Instead of a Hugging Face Hub error about repo ids."""
+    missing = tmp_path / "no-such-model"
+    proc = run_cli(settings, "worker", "--engine", engine, "--model-path", str(missing))
+    assert proc.returncode == 2
+    assert one_line(proc) == f"redroll worker: no such model directory: {missing}"
+
+
+def test_transformers_keeps_its_built_in_tiny_model_and_synthetic_needs_no_model():
+    from redroll.cli import _worker_refusal
+
+    parser = build_parser()
+    for argv in (["worker", "--engine", "transformers"], ["worker", "--engine", "transformers", "--model-path",
+                                                          "tiny-random:7"],
+                 ["worker", "--engine", "synthetic", "--model-path", "/nowhere"],
+                 ["worker", "--engine", "sglang", "--model-path", "Qwen/Qwen2.5-0.5B-Instruct"]):
+        assert _worker_refusal(parser.parse_args(argv)) is None, argv
+    assert _worker_refusal(parser.parse_args(["worker", "--engine", "sglang"])) is not None  # (tiny-random)
+
+
+# ---------------------------------------------------------------- drain
+
+
+async def test_drain_of_an_unknown_worker_says_so_and_fails(settings, r):
+    await r.hset(settings.keys.workers, "alive-1", json.dumps({"seen": time.time()}))
+    await r.hset(settings.keys.workers, "dead-1", json.dumps({"seen": time.time() - 3600}))
+    for name in ("nobody", "dead-1"):
+        proc = run_cli(settings, "drain", name)
+        assert proc.returncode == 1, proc.stdout
+        err = one_line(proc)
+        assert f"no live worker named {name}" in err and "alive-1" in err, err
+        assert "drain sent" not in proc.stdout
+    assert await r.xlen(settings.keys.control) == 0  # nothing sent
+    proc = run_cli(settings, "drain", "alive-1")
+    assert proc.returncode == 0 and "drain sent to alive-1" in proc.stdout, proc.stderr
+
+
+# ---------------------------------------------------------------- consume
+
+
+def test_a_handler_typo_is_one_line(settings):
+    proc = run_cli(settings, "consume", "--group", "g", "--handler", "s=tests.handlers:apend_to_file")
+    assert proc.returncode == 2
+    err = one_line(proc)
+    assert "tests.handlers:apend_to_file" in err and "apend_to_file" in err, err
+
+
+def test_a_missing_handler_module_is_one_line(settings):
+    proc = run_cli(settings, "consume", "--group", "g", "--handler", "s=no_such_module_here:fn")
+    assert proc.returncode == 2 and "no_such_module_here" in one_line(proc)
+
+
+def test_a_handler_module_in_the_current_directory_is_found(settings, tmp_path, monkeypatch, capsys):
+    """As celery and rq do: the console script's sys.path does not hold the current directory."""
+    (tmp_path / "my_handlers_in_cwd.py").write_text("def apply(record):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), os.getcwd())])
+    monkeypatch.setenv("REDROLL_REDIS_URL", settings.redis_url)
+    # (a typo in the function's name: refused before connecting, and only once the module was found)
+    assert main(["consume", "--group", "g", "--handler", "s=my_handlers_in_cwd:aply"]) == 2
+    err = capsys.readouterr().err
+    assert "my_handlers_in_cwd has no aply" in err, err
+
+
+# ---------------------------------------------------------------- help
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "redroll"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _parsers(child, f"{name} {sub}")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    missing = [f"{name} {action.option_strings[0]}" for name, parser in _parsers(build_parser())
+               for action in parser._actions
+               if action.option_strings and not isinstance(action, argparse._HelpAction) and not action.help]
+    assert not missing, missing
+    worker = dict(_parsers(build_parser()))["redroll worker"]
+    text = worker.format_help()
+    assert "--max-inflight" in text and "(default: 32)" in " ".join(text.split())
+    name = next(a for a in worker._actions if "--name" in a.option_strings)
+    assert "worker's name" in name.help and "consumer" not in name.help
+
+
+# ---------------------------------------------------------------- status --watch
+
+
+def test_status_watch_piped_to_a_file_flushes_each_frame(settings, tmp_path):
+    out = tmp_path / "status.txt"
+    with open(out, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "redroll.cli", "status", "--watch", "--interval", "0.2"],
+                                cwd=ROOT, env=redroll_env(settings, PYTHONUNBUFFERED=""), stdout=fh,
+                                stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while out.read_text().count("redroll pipeline") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop_process(proc)  # SIGTERM: what was printed is in the file
+    text = out.read_text()
+    assert text.count("redroll pipeline") >= 2, text
+    assert "\x1b[" not in text  # plain frames, no cursor movement
+
+
+# ---------------------------------------------------------------- submit
+
+
+def test_submit_reports_every_bad_line_in_one_run(settings, tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [{"request_id": "ok-1", "prompt": "x"}, {"request_id": "bad id", "prompt": "x"},
+             {"request_id": "ok-2"}, {"request_id": "ok-1", "prompt": "y"}, {"prompt": "x", "promt": "y"}]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = run_cli(settings, "submit", str(src))
+    assert proc.returncode == 2, proc.stdout
+    assert "Traceback" not in proc.stderr
+    for n in (2, 3, 4, 5):
+        assert f"{src}:{n}: " in proc.stderr, proc.stderr
+    assert f"{src}:1:" not in proc.stderr
+
+
+def test_read_requests_names_at_most_twenty_bad_lines_and_counts_the_rest():
+    from redroll.shared.settings import Settings
+    from redroll.submit import InputError, read_requests
+
+    lines = [json.dumps({"request_id": f"r{i}", "prompt": "x", "sampling_params": {"n": 0}}) for i in range(25)]
+    with pytest.raises(InputError) as caught:
+        read_requests(lines, Settings(), source="f.jsonl")
+    message = str(caught.value).splitlines()
+    assert message[0].startswith("f.jsonl:1: ") and message[19].startswith("f.jsonl:20: ")
+    assert message[20] == "and 5 more bad line(s)" and len(message) == 21
