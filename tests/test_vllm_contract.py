@@ -139,7 +139,7 @@ def test_the_adapter_uses_only_names_the_contract_lists():
                     _is_llm(node.func.value) or (isinstance(node.func.value, ast.Name)
                                                  and node.func.value.id == "AsyncLLM")):
                 kwargs.setdefault(f"AsyncLLM.{node.func.attr}", set()).update(names)
-            elif _called(node) in ("SamplingParams", "AsyncEngineArgs", "EngineArgs"):
+            elif _called(node) in ("SamplingParams", "AsyncEngineArgs", "EngineArgs", *contract.WEIGHT_TRANSFER_FIELDS):
                 kwargs.setdefault(_called(node), set()).update(names)
             else:
                 continue
@@ -159,6 +159,8 @@ def test_the_adapter_uses_only_names_the_contract_lists():
     for call, names in kwargs.items():
         if call.startswith("AsyncLLM."):
             params = set(contract.ASYNC_LLM_METHODS.get(call.split(".", 1)[1], ()))
+        elif call in contract.WEIGHT_TRANSFER_FIELDS:
+            params = set(contract.WEIGHT_TRANSFER_FIELDS[call])
         else:
             params = set(contract.SAMPLING_PARAMS_FIELDS if call == "SamplingParams" else contract.ENGINE_ARGS_FIELDS)
         assert names <= params, (call, names - params)

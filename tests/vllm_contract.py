@@ -16,7 +16,15 @@ import zipfile
 from pathlib import Path
 
 from redroll.engine_worker.engines import vllm_contract as contract
-from tests.sglang_contract import _annotated, _classes, _methods, _params, _parse, _self_attributes
+from tests.sglang_contract import (
+    _annotated,
+    _classes,
+    _methods,
+    _params,
+    _parse,
+    _self_attributes,
+    _string_constants,
+)
 
 
 def cache_dir() -> Path:
@@ -165,6 +173,12 @@ def check(root: Path) -> list[str]:
     have = finish_reasons(root)
     missing += [f"FinishReason.{m} ({s!r})" for m, s in contract.FINISH_REASONS.items() if have.get(m) != s]
 
+    for cls_name, names in contract.WEIGHT_TRANSFER_FIELDS.items():
+        missing += _missing_fields(root, cls_name, names)
+    factory = root / "distributed" / "weight_transfer" / "factory.py"
+    if not factory.exists() or contract.WEIGHT_TRANSFER_BACKEND not in _string_constants(factory):
+        missing.append(f"weight transfer backend {contract.WEIGHT_TRANSFER_BACKEND!r} (distributed/weight_transfer/"
+                       "factory.py)")
     missing += _missing_fields(root, "ModelConfig", contract.MODEL_CONFIG_FIELDS)
     missing += _missing_methods(root, "ModelConfig", contract.MODEL_CONFIG_METHODS)
     missing += _missing_methods(root, "Platform", contract.PLATFORM_METHODS)

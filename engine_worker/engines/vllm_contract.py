@@ -53,6 +53,12 @@ SOURCES = {
     "Platform": "platforms/interface.py",  # vllm.platforms.current_platform is one
     "WeightVersionSpan": "outputs.py",  # CompletionOutput.weight_versions entries
     "_PromptOptions": "inputs/llm.py",  # the fields of TextPrompt / TokensPrompt dicts (cache_salt)
+    # a trainer's NCCL push on GPUs, handed to the model workers by CUDA IPC (vllm_weights.py)
+    "WeightTransferInitRequest": "distributed/weight_transfer/base.py",  # :319
+    "WeightTransferUpdateRequest": "distributed/weight_transfer/base.py",  # :326
+    "IPCWeightTransferInitInfo": "distributed/weight_transfer/ipc_engine.py",  # :36
+    "IPCWeightTransferUpdateInfo": "distributed/weight_transfer/ipc_engine.py",  # :62
+    "WeightTransferConfig": "config/weight_transfer.py",  # :9
 }
 """Where each name below is defined."""
 
@@ -77,6 +83,7 @@ ENGINE_ARGS_FIELDS = (
     "worker_extension_cls",  # :762
     "enable_sleep_mode",  # :780
     "enable_log_requests",  # AsyncEngineArgs :3193
+    "weight_transfer_config",  # :844 (a dict is turned into WeightTransferConfig, :880-882)
 )
 """``AsyncEngineArgs`` fields (its own and those of ``EngineArgs``) the adapter passes."""
 
@@ -96,7 +103,23 @@ ASYNC_LLM_METHODS = {
     "get_tokenizer": (),  # :1079
     "check_health": (),  # :1089
     "update_weight_version": ("new_version",),  # :1357 (outputs carry it; per-token spans on finish)
+    "init_weight_transfer_engine": ("request",),  # :1315
+    "start_weight_update": (),  # :1332
+    "update_weights": ("request",),  # :1340
+    "finish_weight_update": ("weight_version",),  # :1351
 }
+
+WEIGHT_TRANSFER_FIELDS = {
+    # dataclasses: class -> the fields the adapter fills (the GPU push by CUDA IPC)
+    "WeightTransferInitRequest": ("init_info",),
+    "WeightTransferUpdateRequest": ("update_info",),
+    "IPCWeightTransferInitInfo": ("packed",),
+    "IPCWeightTransferUpdateInfo": ("names", "dtype_names", "shapes", "ipc_handles"),
+    "WeightTransferConfig": ("backend",),
+}
+
+WEIGHT_TRANSFER_BACKEND = "ipc"
+"""The backend key registered in distributed/weight_transfer/factory.py (:229)."""
 
 MODEL_CONFIG_FIELDS = ("max_model_len", "skip_tokenizer_init", "hf_config")
 """config/model.py ``ModelConfig`` fields the adapter reads (:245, :315, :212)."""
@@ -166,7 +189,9 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 WORKER_METHODS = {
     # called through AsyncLLM.collective_rpc(method, kwargs=...): class -> method -> parameters
-    "Worker": {"reload_weights": ()},  # v1/worker/gpu_worker.py:629-631 (*args, **kwargs to the model runner)
+    "Worker": {"reload_weights": (),  # v1/worker/gpu_worker.py:629-631 (*args, **kwargs to the model runner)
+               "init_weight_transfer_engine": ("init_info",), "start_weight_update": (),  # :1484, :1507
+               "update_weights": ("update_info",), "finish_weight_update": ()},  # :1550, :1587
     "GPUModelRunner": {
         "reload_weights": ("weights_iterator", "weights_path", "is_checkpoint_format"),  # gpu_model_runner.py:5287-5292
     },

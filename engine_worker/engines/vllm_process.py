@@ -95,8 +95,11 @@ class VLLMProcess:
                                                           or not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
                 gib = self.kv_cache_gib if self.kv_cache_gib is not None else DEFAULT_CPU_KV_CACHE_GIB
                 kwargs["kv_cache_memory_bytes"] = int(gib * (1 << 30))
-        elif self.kv_cache_gib is not None:
-            kwargs.setdefault("kv_cache_memory_bytes", int(self.kv_cache_gib * (1 << 30)))
+        else:
+            if self.kv_cache_gib is not None:
+                kwargs.setdefault("kv_cache_memory_bytes", int(self.kv_cache_gib * (1 << 30)))
+            # a trainer's NCCL push reaches the model workers by CUDA IPC (vllm_weights.py)
+            kwargs.setdefault("weight_transfer_config", {"backend": "ipc"})
         return kwargs
 
     async def start(self) -> None:

@@ -17,8 +17,10 @@ and the refusal of a memory release that would free nothing.
   :class:`~.vllm_extension.RedrollWorkerExtension` (tensors as ``collective_rpc`` arguments do not
   work on the CPU build). A push must carry every tensor of the checkpoint the engine serves, with
   its shape: vLLM reloads layer by layer and a layer left without all its tensors stays on the
-  meta device, which kills the engine, so anything else is refused before a byte is received.
-  Direct NCCL transfer into vLLM's workers (its weight-transfer engine, CUDA IPC) is not used.
+  meta device, which kills the engine, so anything else is received into scratch and refused.
+  On GPUs, a push over NCCL is staged on this process's GPU and handed over by CUDA IPC through
+  vLLM's own weight-transfer engine (``weight_transfer_config={"backend": "ipc"}``, set by
+  default there): written from vLLM's source, contract-tested, untested on hardware.
 * **Memory release** (``sleep``/``wake_up``, colocated training) needs an engine started with
   sleep mode, which vLLM supports on GPUs only; on CPU ``AsyncLLM.sleep()`` succeeds, frees
   nothing and aborts everything in flight, so redroll refuses the release there before touching
@@ -59,6 +61,7 @@ class VLLMWeights:
     _released: bool = False
     _group: "WeightGroup | None" = None
     _staged: "tuple[str, dict[str, Any], bool] | None" = None
+    _ipc_ready: bool = False
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                        load_format: str | None = None, *, in_place: bool = False) -> str:
@@ -104,7 +107,9 @@ class VLLMWeights:
         problem = self._incomplete(specs)
         import torch
 
-        buffers = [(spec.name, torch.empty(list(spec.shape), dtype=torch_dtype(spec.dtype))) for spec in specs]
+        device = "cuda" if group.backend == "nccl" else "cpu"  # (NCCL: staged on this GPU, handed over by IPC)
+        buffers = [(spec.name, torch.empty(list(spec.shape), dtype=torch_dtype(spec.dtype), device=device))
+                   for spec in specs]
 
         def receive() -> None:
             for _, tensor in buffers:
@@ -133,27 +138,54 @@ class VLLMWeights:
                 f"({len(want)} tensors); " + "; ".join(parts))
 
     async def commit_weights(self, version: str) -> None:
-        """Hand the staged tensors to vLLM (in place: generation paused around the load)."""
+        """Hand the staged tensors to vLLM (in place: generation paused around the load): CPU tensors
+        through a file in shared memory, CUDA tensors (an NCCL push) through CUDA IPC."""
         staged, self._staged = self._staged, None
         if staged is None or staged[0] != version:
             raise RuntimeError(f"no staged weights for version {version!r}")
         llm = self.process.require()
         _, tensors, in_place = staged
+        on_gpu = any(getattr(t, "is_cuda", False) for t in tensors.values())
+        if in_place:
+            await llm.pause_generation(mode="keep", clear_cache=self.pause_mode == "retract")
+        try:
+            if on_gpu:
+                await self._load_by_ipc(llm, tensors, str(version))
+            else:
+                await self._load_from_file(llm, tensors)
+                await llm.update_weight_version(str(version))
+        finally:
+            if in_place:
+                await llm.resume_generation()
+        self.info.weight_version = str(version)
+
+    async def _load_from_file(self, llm: Any, tensors: dict[str, Any]) -> None:
         directory = tempfile.mkdtemp(prefix="redroll-push-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
             path = str(Path(directory) / "weights.safetensors")
             await asyncio.to_thread(_save, tensors, path)
-            if in_place:
-                await llm.pause_generation(mode="keep", clear_cache=self.pause_mode == "retract")
-            try:
-                await llm.collective_rpc("redroll_load_weights", kwargs={"path": path})
-                await llm.update_weight_version(str(version))
-            finally:
-                if in_place:
-                    await llm.resume_generation()
+            await llm.collective_rpc("redroll_load_weights", kwargs={"path": path})
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        self.info.weight_version = str(version)
+
+    async def _load_by_ipc(self, llm: Any, tensors: dict[str, Any], version: str) -> None:
+        """vLLM's own weight-transfer engine, IPC backend (started with ``weight_transfer_config``
+        ``{"backend": "ipc"}`` on GPUs): each of its model workers rebuilds every tensor from the CUDA
+        IPC handle made for its GPU (copies on every GPU this process sees) and loads it in place.
+        Written from vLLM's source (distributed/weight_transfer/ipc_engine.py); untested on hardware."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        handles, keep_alive = await asyncio.to_thread(ipc_handles, list(tensors.values()))
+        update_info = {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.")
+                                                               for t in tensors.values()],
+                       "shapes": [list(t.shape) for t in tensors.values()], "ipc_handles": handles}
+        if not self._ipc_ready:
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"packed": False}))
+            self._ipc_ready = True
+        await llm.start_weight_update()
+        await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await llm.finish_weight_update(weight_version=version)
+        del keep_alive  # (the copies live until every worker loaded them)
 
     async def discard_weights(self) -> bool:
         """Drop the staged tensors; vLLM was not touched (True: it serves its version still)."""
@@ -211,10 +243,30 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def ipc_handles(tensors: Sequence[Any]) -> tuple[list[dict[str, tuple]], list[Any]]:
+    """Per tensor, ``{GPU UUID: rebuild_cuda_tensor args}`` for every GPU this process sees (a copy
+    on each GPU that does not hold it), as vLLM's IPC weight-transfer engine reads them; and the
+    copies, which must stay alive until vLLM loaded them."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    devices = range(torch.cuda.device_count())
+    uuids = {d: str(torch.cuda.get_device_properties(d).uuid) for d in devices}
+    handles, copies = [], []
+    for tensor in tensors:
+        per_gpu = {}
+        for d in devices:
+            on_d = tensor if tensor.device.index == d else tensor.to(f"cuda:{d}")
+            copies.append(on_d)
+            per_gpu[uuids[d]] = tuple(reduce_tensor(on_d)[1])
+        handles.append(per_gpu)
+    return handles, copies
+
+
 def _save(tensors: dict[str, Any], path: str) -> None:
     from safetensors.torch import save_file
 
     save_file({name: t.contiguous() for name, t in tensors.items()}, path)
 
 
-__all__ = ["MEMORY_TAGS", "VLLMWeights", "checkpoint_shapes"]
+__all__ = ["MEMORY_TAGS", "VLLMWeights", "checkpoint_shapes", "ipc_handles"]

@@ -213,3 +213,43 @@ async def test_an_unsupported_vllm_or_sleep_mode_on_cpu_is_refused_before_anythi
     with pytest.raises(RuntimeError, match="no sleep mode on CPU"):
         await sleepy.start()
     assert sleepy.llm is None and sleepy.process.guard is None
+
+
+async def test_a_gpu_push_is_handed_to_vllms_ipc_weight_transfer_engine_in_the_shape_it_parses(monkeypatch,
+                                                                                               tiny_checkpoints):
+    """The CUDA path cannot run here (no GPU): what it sends vLLM is built by vLLM's own classes."""
+    import torch
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+
+    from redroll.engine_worker.engines import vllm_weights
+
+    calls = []
+
+    class FakeLLM:
+        async def init_weight_transfer_engine(self, request):
+            calls.append(("init", IPCWeightTransferInitInfo(**request.init_info)))
+
+        async def start_weight_update(self):
+            calls.append(("start",))
+
+        async def update_weights(self, request):
+            calls.append(("update", IPCWeightTransferUpdateInfo(**request.update_info)))
+
+        async def finish_weight_update(self, weight_version=None):
+            calls.append(("finish", weight_version))
+
+    monkeypatch.setattr(vllm_weights, "ipc_handles", lambda tensors: (
+        [{"GPU-uuid": (f"handle-{i}",)} for i in range(len(tensors))], list(tensors)))
+    engine = VLLMEngine(str(tiny_checkpoints[0]), **engine_options())
+    tensors = {"lm_head.weight": torch.zeros(4, 2), "model.norm.weight": torch.ones(2, dtype=torch.bfloat16)}
+    await engine._load_by_ipc(FakeLLM(), tensors, "3")
+    await engine._load_by_ipc(FakeLLM(), tensors, "4")
+    kinds = [c[0] for c in calls]
+    assert kinds == ["init", "start", "update", "finish", "start", "update", "finish"]  # init once
+    update = calls[2][1]
+    assert update.names == list(tensors) and update.shapes == [[4, 2], [2]]
+    assert update.dtype_names == ["float32", "bfloat16"] and update.ipc_handles[1] == {"GPU-uuid": ("handle-1",)}
+    assert calls[1 + 2][1] == "3" and calls[-1][1] == "4" and calls[0][1].packed is False
+    # on a GPU the engine starts vLLM with that backend; on CPU the file hand-over needs none
+    assert engine.process.engine_kwargs(on_cpu=False)["weight_transfer_config"] == {"backend": "ipc"}
+    assert "weight_transfer_config" not in engine.process.engine_kwargs(on_cpu=True)
