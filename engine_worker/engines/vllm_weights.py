@@ -220,8 +220,10 @@ class VLLMWeights:
         llm = self.process.require()
         if not self._released:
             raise EngineCommandRefused("no engine memory is released: nothing to resume")
-        await llm.wake_up(tags=list(tags) if tags else None)
-        self._released = False
+        awake = await llm.wake_up(tags=list(tags) if tags else None)
+        if not tags and not awake:  # (vLLM returns whether every tag is back)
+            raise EngineCommandRefused("vLLM did not take all of its memory back (wake_up returned False)")
+        self._released = bool(tags) and not awake
 
     @property
     def released_tags(self) -> list[str]:
