@@ -567,6 +567,31 @@ async def _run_weights(args: argparse.Namespace) -> int:
             return 1
 
 
+def dead_table(entries: Sequence[Any], title: str, width: int) -> Any:
+    """``redroll dead list`` as a table of one line a row that fits ``width`` columns: the reason,
+    then the request_id, are cut short with an ellipsis (``--json`` has them whole)."""
+    from rich import box
+    from rich.table import Table
+
+    rows = [(e.id, e.request_id or "-", e.source, str(e.deliveries), f"{e.age_s:.0f}", e.reason) for e in entries]
+    heads = ("id", "request_id", "source", "tries", "age s")
+    fits = [max([len(head), *(len(row[i]) for row in rows)]) for i, head in enumerate(heads)]
+    fits[1] = min(fits[1], 32)
+    between = 3 * len(heads)  # (a space each side of a column and a rule between two)
+    spare = width - sum(fits) - between
+    if spare < 30:  # the request_id gives way first, down to 12 characters
+        fits[1] = max(min(fits[1], 12), fits[1] - (30 - spare))
+        spare = width - sum(fits) - between
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left")
+    for head, fit in zip(heads, fits):
+        table.add_column(head, no_wrap=True, overflow="ellipsis", min_width=fit, max_width=fit)
+    reason = max(8, spare)
+    table.add_column("reason", no_wrap=True, overflow="ellipsis", min_width=min(reason, 8), max_width=reason)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 async def _run_dead(args: argparse.Namespace) -> int:
     from redroll import dead
 
@@ -579,14 +604,9 @@ async def _run_dead(args: argparse.Namespace) -> int:
                 print(json.dumps([e.to_json() for e in entries], indent=2))
                 return 0
             from rich.console import Console
-            from rich.table import Table
 
-            table = Table(title=f"dead letters in {settings.keys.dead} ({len(entries)})")
-            for col in ("id", "request_id", "source", "deliveries", "age s", "reason"):
-                table.add_column(col, overflow="fold")
-            for e in entries:
-                table.add_row(e.id, e.request_id or "-", e.source, str(e.deliveries), f"{e.age_s:.0f}", e.reason)
-            Console().print(table)
+            console = Console()
+            console.print(dead_table(entries, f"dead letters in {settings.keys.dead} ({len(entries)})", console.width))
             return 0
         if args.dead_command == "requeue":
             if not args.ids and not args.all:

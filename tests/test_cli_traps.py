@@ -177,3 +177,22 @@ def test_read_requests_names_at_most_twenty_bad_lines_and_counts_the_rest():
     message = str(caught.value).splitlines()
     assert message[0].startswith("f.jsonl:1: ") and message[19].startswith("f.jsonl:20: ")
     assert message[20] == "and 5 more bad line(s)" and len(message) == 21
+
+
+# ---------------------------------------------------------------- dead list
+
+
+async def test_dead_list_fits_80_columns_one_line_a_row(settings, r):
+    reason = "invalid sampling_params.max_new_tokens: 100000 out of range [0, 32768], " + "and more words " * 8
+    for i in range(3):
+        await r.xadd(settings.keys.dead, {"reason": reason, "source": "worker", "entry": f"{i + 1}-0",
+                                          "deliveries": "1", "rid": f"a-rather-long-request-id-{i}-" + "x" * 40,
+                                          "data": b"\xc1"})
+    proc = run_cli(settings, "dead", "list", COLUMNS="80", LINES="40")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, proc.stdout
+    rows = [line for line in lines if "worker" in line]
+    assert len(rows) == 3 and all(line.rstrip().endswith("…") for line in rows), proc.stdout
+    listed = json.loads(run_cli(settings, "dead", "list", "--json").stdout)
+    assert [e["reason"] for e in listed] == [reason] * 3  # (whole in --json)
