@@ -204,6 +204,9 @@ async def collect_pipeline_status(r: Redis, keys: Keys, parts: list[Keys]) -> di
                              if (a := await stream_problem(r, stream))]
     status["queued_total"] = (status["requests"]["backlog"] + status["requests_high"]["backlog"]
                               + (status["lanes"]["backlog"] if lanes else 0))
+    if status["queued_total"] and not status["workers_alive"]:  # (a namespace typo, or a fleet down)
+        status["warnings"].append(f"{status['queued_total']} request(s) queued and no live worker in namespace "
+                                  f"{keys.namespace!r}: nothing will run them until a worker starts")
     return status
 
 

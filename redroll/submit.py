@@ -6,15 +6,17 @@ import asyncio
 import gc
 import sys
 import uuid
-from typing import IO, Callable, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import msgspec
+import redis
 
 from redroll.errors import RedrollError
 from redroll.producer.client import Producer, request_stream, send_each
 from redroll.resume import RunFile, move_records, records_written, write_all
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
 from redroll.shared.connection import connect
+from redroll.shared.control import live_workers
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError
 from redroll.shared.settings import Settings
@@ -42,6 +44,10 @@ _only_accepted_fields = msgspec.json.Decoder(msgspec.defstruct(
 """Refuses a line that is not an object of accepted fields, without building any value (0.5 us)."""
 _typed_request = msgspec.json.Decoder(GenerationRequest).decode
 
+
+QUIET_CHECK_S = 10.0
+"""With ``--wait``: after this many seconds with no record, progress is reported again and, when no
+worker of the namespace is alive, that is said (once)."""
 
 MAX_REPORTED = 20
 """The most bad lines :func:`read_requests` names in its :class:`InputError` (the rest are counted)."""
@@ -284,8 +290,18 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                     raise write_error
 
             async def write_as_they_arrive() -> None:
+                warned = False
                 while pending:
-                    await wake.wait()
+                    try:
+                        await asyncio.wait_for(wake.wait(), QUIET_CHECK_S)
+                    except asyncio.TimeoutError:  # nothing arrived for a while: say so, and why if we can
+                        bar.tick()
+                        if not warned and not await _any_live_worker(producer.redis, settings):
+                            warned = True
+                            print(f"no live worker in namespace {settings.namespace!r}: the requests wait in the "
+                                  "queue until one starts (is REDROLL_NAMESPACE / --namespace the workers' one?)",
+                                  file=sys.stderr, flush=True)
+                        continue
                     wake.clear()
                     write_arrived()
 
@@ -315,6 +331,14 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
         finally:
             bar.close()
     return failed, pending == 0
+
+
+async def _any_live_worker(r: Any, settings: Settings) -> bool:
+    """Whether a worker of the namespace is alive (True when Redis cannot say: no false alarm)."""
+    try:
+        return bool(await live_workers(r, settings.keys))
+    except (redis.RedisError, OSError):
+        return True
 
 
 class _progress:
@@ -353,6 +377,13 @@ class _progress:
         elif now >= self._next_line:
             self._next_line = now + self._every_s
             self._line(elapsed)
+
+    def tick(self) -> None:
+        """Nothing arrived for a while: the plain line again (a bar refreshes itself)."""
+        if self._plain is not None:
+            now = asyncio.get_running_loop().time()
+            self._next_line = now + self._every_s
+            self._line(max(1e-6, now - self._t0))
 
     def _line(self, elapsed: float) -> None:
         assert self._plain is not None

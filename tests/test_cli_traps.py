@@ -196,3 +196,34 @@ async def test_dead_list_fits_80_columns_one_line_a_row(settings, r):
     assert len(rows) == 3 and all(line.rstrip().endswith("…") for line in rows), proc.stdout
     listed = json.loads(run_cli(settings, "dead", "list", "--json").stdout)
     assert [e["reason"] for e in listed] == [reason] * 3  # (whole in --json)
+
+
+# ---------------------------------------------------------------- no live worker
+
+
+async def test_submit_wait_without_a_live_worker_says_so_and_keeps_reporting(settings, tmp_path, monkeypatch, capsys):
+    import redroll.submit
+    from redroll.submit import submit_file
+
+    monkeypatch.setattr(redroll.submit, "QUIET_CHECK_S", 0.2)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"request_id": f"q-{i}", "prompt": "x"}) + "\n" for i in range(2)))
+    code = await submit_file(settings, str(src), wait=True, out=str(tmp_path / "out.jsonl"), progress=True,
+                             timeout=1.5)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.count("no live worker in namespace") == 1, err
+    assert settings.namespace in err
+    assert err.count("records 0/2") >= 3, err  # (progress goes on while nothing arrives)
+
+
+async def test_status_warns_when_work_is_queued_and_no_worker_is_alive(settings, r):
+    from redroll.producer.client import make_request, send
+
+    proc = run_cli(settings, "status", "--json")
+    assert not any("no live worker" in w for w in json.loads(proc.stdout)["warnings"])
+    await send(settings, r, [make_request(request_id="lonely", prompt="x")])
+    status = json.loads(run_cli(settings, "status", "--json").stdout)
+    assert any("1 request(s) queued and no live worker" in w for w in status["warnings"]), status["warnings"]
+    human = run_cli(settings, "status", COLUMNS="200")
+    assert "no live worker" in human.stdout
