@@ -107,6 +107,37 @@ async def test_top_logprobs_and_prompt_logprobs_from_logprob_start_len(engine, r
     assert max(abs(a - b) for a, b in zip(out.input_logprobs, ref)) < LOGPROB_BOUND
 
 
+async def test_temperature_and_top_k_shape_the_logprobs_as_the_docs_say(engine, reference):
+    """Processed logprobs: temperature-scaled like the other engines' (they agree without top-k/top-p);
+    with top-k, renormalised over the k kept tokens (the distribution the token was drawn from)."""
+    import torch
+
+    warm = await engine.generate(request("t07", return_logprob=True, sampling_params={
+        "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 3, "temperature": 0.7}), "h-t07")
+    ids = warm.samples[0].token_ids
+    assert max(abs(a - b) for a, b in zip(warm.samples[0].logprobs,
+                                          teacher_forced_logprobs(reference[0], PROMPT, ids, 0.7))) < LOGPROB_BOUND
+    k = 5
+    topk = await engine.generate(request("topk", return_logprob=True, sampling_params={
+        "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 3, "top_k": k}), "h-topk")
+    ids = topk.samples[0].token_ids
+    with torch.inference_mode():
+        logits = reference[0](input_ids=torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1].float()
+    full = torch.log_softmax(logits, -1)
+    kept = full.topk(k, -1).values.logsumexp(-1)
+    want = [float(full[i, t] - kept[i]) for i, t in enumerate(ids)]
+    assert all(float(full[i, t]) >= float(full[i].topk(k).values[-1]) for i, t in enumerate(ids))  # one of the k
+    assert max(abs(a - b) for a, b in zip(topk.samples[0].logprobs, want)) < LOGPROB_BOUND
+    greedy = await engine.generate(request("greedy", return_logprob=True, sampling_params={
+        "max_new_tokens": 12, "ignore_eos": True, "top_k": 1, "n": 2, "sampling_seed": 1}), "h-greedy")
+    assert greedy.samples[0].token_ids == greedy.samples[1].token_ids  # top_k 1: the seed does not matter
+    assert all(abs(lp) < 1e-5 for lp in greedy.samples[0].logprobs)  # one kept token: probability 1
+    penalised = await engine.generate(request("pen", sampling_params={
+        "max_new_tokens": 12, "ignore_eos": True, "top_k": 1, "repetition_penalty": 2.0,
+        "frequency_penalty": 1.0, "min_p": 0.0, "top_p": 0.9}), "h-pen")
+    assert penalised.samples[0].token_ids != greedy.samples[0].token_ids  # the penalties reached the sampler
+
+
 async def test_stop_token_ids_and_stop_strings_end_a_sample(engine):
     free = await engine.generate(request("free", sampling_params={"max_new_tokens": 30, "ignore_eos": True,
                                                                   "sampling_seed": 9}), "h-free")
@@ -117,11 +148,14 @@ async def test_stop_token_ids_and_stop_strings_end_a_sample(engine):
         "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 9, "stop_token_ids": [stop_at]}), "h-st")
     assert out.samples[0].finish_reason == "stop" and out.samples[0].token_ids == tokens[:first + 1]
     text = engine.tokenizer.decode(tokens)
-    needle = text[len(text) // 2:len(text) // 2 + 2]
-    if needle.strip():
-        out = await engine.generate(request("stopstr", sampling_params={
-            "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 9, "stop": [needle]}), "h-ss")
-        assert out.samples[0].finish_reason == "stop" and len(out.samples[0].token_ids) < 30
+    start = next(i for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].isprintable()
+                 and not text[i:i + 2].isspace() and "\ufffd" not in text[i:i + 2])
+    needle = text[start:start + 2]
+    out = await engine.generate(request("stopstr", sampling_params={
+        "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 9, "stop": [needle]}), "h-ss")
+    sample = out.samples[0]
+    assert sample.finish_reason == "stop" and len(sample.token_ids) < 30
+    assert sample.token_ids == tokens[:len(sample.token_ids)]  # the same sample, cut at the stop string
 
 
 async def test_an_abort_returns_the_partial_output_and_an_early_abort_starts_nothing(engine):
@@ -176,6 +210,10 @@ async def test_many_seeded_requests_at_once_do_not_kill_the_engine(engine):
 
 
 async def test_an_in_place_reload_changes_the_weights_under_a_running_request(engine, tiny_checkpoints, reference):
+    shared = request("cache", input_ids=list(range(100, 300)), sampling_params={"max_new_tokens": 2})
+    await engine.generate(shared, "h-cache-1")
+    cached = await engine.generate(shared, "h-cache-2")
+    assert cached.cached_tokens > 0  # vLLM's prefix cache served the prompt the second time
     long = request("swap", return_logprob=True, sampling_params={"max_new_tokens": 600, "ignore_eos": True,
                                                                  "sampling_seed": 3})
     task = asyncio.ensure_future(engine.generate(long, "h-swap"))
@@ -196,6 +234,8 @@ async def test_an_in_place_reload_changes_the_weights_under_a_running_request(en
     old_ref = teacher_forced_logprobs(reference[0], PROMPT, ids, 1.0)
     assert max(abs(a - b) for a, b in zip(fresh.samples[0].logprobs, new_ref)) < LOGPROB_BOUND
     assert max(abs(a - b) for a, b in zip(new_ref, old_ref)) > 0.1
+    after = await engine.generate(shared, "h-cache-3")
+    assert after.cached_tokens == 0  # salted by weight version: no KV computed by the old weights is reused
     await engine.update_weights_from_disk(str(tiny_checkpoints[0]), "2")  # back, between requests
     assert engine.info.weight_version == "2"
 
