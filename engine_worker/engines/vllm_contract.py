@@ -24,12 +24,13 @@ GPU_WHEEL = ("vllm", "0.33.0")
 
 
 def check_version(version: str | None) -> None:
-    """Raise RuntimeError, one line, unless ``version`` (``vllm.__version__``; None: no vllm) is
+    """Raise ImportError (as libraries do for an unusable version of an optional dependency), one
+    line, unless ``version`` (``vllm.__version__``; None: no vllm) is
     of a supported series."""
     m = re.match(r"(\d+)\.(\d+)(?!\d)", version or "")
     if m is None or f"{m[1]}.{m[2]}" not in SUPPORTED_SERIES:
         installed = f"{version} is installed" if version else "vllm is not installed"
-        raise RuntimeError(f"redroll supports {SUPPORTED}; {installed}")
+        raise ImportError(f"redroll supports {SUPPORTED}; {installed}")
 
 
 SOURCES = {

