@@ -180,6 +180,7 @@ def check(root: Path) -> list[str]:
         missing.append(f"weight transfer backend {contract.WEIGHT_TRANSFER_BACKEND!r} (distributed/weight_transfer/"
                        "factory.py)")
     missing += _missing_fields(root, "ModelConfig", contract.MODEL_CONFIG_FIELDS)
+    missing += _missing_fields(root, "SchedulerConfig", contract.SCHEDULER_CONFIG_FIELDS)
     missing += _missing_methods(root, "ModelConfig", contract.MODEL_CONFIG_METHODS)
     missing += _missing_methods(root, "Platform", contract.PLATFORM_METHODS)
     prompts = _classes(root / contract.SOURCES["_PromptOptions"])

@@ -60,6 +60,7 @@ SOURCES = {
     "IPCWeightTransferInitInfo": "distributed/weight_transfer/ipc_engine.py",  # :36
     "IPCWeightTransferUpdateInfo": "distributed/weight_transfer/ipc_engine.py",  # :62
     "WeightTransferConfig": "config/weight_transfer.py",  # :9
+    "SchedulerConfig": "config/scheduler.py",  # :25 (max_num_seqs: the engine's capacity)
 }
 """Where each name below is defined."""
 
@@ -122,6 +123,8 @@ WEIGHT_TRANSFER_FIELDS = {
 WEIGHT_TRANSFER_BACKEND = "ipc"
 """The backend key registered in distributed/weight_transfer/factory.py (:229)."""
 
+SCHEDULER_CONFIG_FIELDS = ("max_num_seqs",)  # config/scheduler.py:62
+
 MODEL_CONFIG_FIELDS = ("max_model_len", "skip_tokenizer_init", "hf_config")
 """config/model.py ``ModelConfig`` fields the adapter reads (:245, :315, :212)."""
 
@@ -134,6 +137,7 @@ PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_salt")
 
 ASYNC_LLM_ATTRIBUTES = (
     # v1/engine/async_llm.py AsyncLLM.__init__
+    "vllm_config",  # :134 (.scheduler_config.max_num_seqs: the capacity fair claiming reads)
     "model_config",  # :136
     "output_processor",  # :171
     "engine_core",  # :184

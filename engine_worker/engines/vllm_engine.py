@@ -124,6 +124,15 @@ class VLLMEngine(VLLMWeights):
         return self.process.llm
 
     @property
+    def capacity(self) -> int | None:
+        """Requests vLLM runs at once (``max_num_seqs``, as vLLM resolved it once started): a worker
+        claims about this many (see :func:`redroll.engine_worker.claim.claim_limit`)."""
+        llm = self.process.llm
+        if llm is not None:
+            return int(llm.vllm_config.scheduler_config.max_num_seqs)
+        return self.process.engine_kwargs().get("max_num_seqs")
+
+    @property
     def tokenizer(self) -> Any:
         """The model's tokenizer (None before :meth:`start`, or when vLLM runs without one)."""
         return self.process.tokenizer

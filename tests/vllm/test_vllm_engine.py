@@ -49,6 +49,7 @@ async def test_the_engine_declares_what_it_has_and_reads_the_model(engine, tiny_
     assert engine.info.vocab_size == len(tokenizer)
     assert engine.info.eos_token_id == tokenizer.eos_token_id and engine.info.pad_token_id == tokenizer.pad_token_id
     assert engine.info.max_context == 1024 and engine.info.logprob_mode.startswith("processed")
+    assert engine.capacity == 256  # max_num_seqs: what fair claiming bounds a worker's claims by
     kwargs = engine.engine_kwargs()
     assert kwargs["enable_prefix_caching"] is True and kwargs["logprobs_mode"] == "processed_logprobs"
     # the CPU defaults: a sized KV cache, eager, no chunked prefill (seeded requests must not kill the core)
