@@ -95,6 +95,9 @@ def _seconds_from_zero(raw: str) -> float:
     return value
 
 
+_DEFAULTS = Settings()
+"""The settings' own defaults, as the help shows them."""
+
 ENGINES = ["vllm", "sglang", "transformers", "synthetic"]
 """The engines ``redroll worker --engine`` runs (no default: a worker is told which)."""
 
@@ -174,11 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other vLLM AsyncEngineArgs argument (repeatable); VALUE is parsed as JSON when it can be")
     p.add_argument("--claim-idle-ms", type=int, default=None,
                    help="take over a request another worker has held this long without progress "
-                        "(env REDROLL_CLAIM_IDLE_MS)")
+                        f"(env REDROLL_CLAIM_IDLE_MS; default {_DEFAULTS.claim_idle_ms})")
     p.add_argument("--max-deliveries", type=int, default=None,
-                   help="dead-letter a request after this many deliveries (env REDROLL_MAX_DELIVERIES)")
+                   help="dead-letter a request after this many deliveries "
+                        f"(env REDROLL_MAX_DELIVERIES; default {_DEFAULTS.max_deliveries})")
     p.add_argument("--drain-timeout", type=float, default=None,
-                   help="seconds to finish in-flight work on SIGTERM (env REDROLL_DRAIN_TIMEOUT_S)")
+                   help=f"seconds to finish in-flight work on SIGTERM (env REDROLL_DRAIN_TIMEOUT_S; default "
+                        f"{_DEFAULTS.drain_timeout_s:g})")
     p.add_argument("--name", default=None,
                    help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -193,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", default=None, help="reply stream to consume (default {ns}:results)")
     p.add_argument("--claim-idle-ms", type=int, default=None,
                    help="take over a record another consumer of the group has held this long "
-                        "(env REDROLL_CLAIM_IDLE_MS)")
+                        f"(env REDROLL_CLAIM_IDLE_MS; default {_DEFAULTS.claim_idle_ms})")
     p.add_argument("--max-deliveries", type=int, default=None,
-                   help="dead-letter a record after this many deliveries (env REDROLL_MAX_DELIVERIES)")
+                   help="dead-letter a record after this many deliveries "
+                        f"(env REDROLL_MAX_DELIVERIES; default {_DEFAULTS.max_deliveries})")
     p.add_argument("--batch", type=int, default=128,
                    help="most records per read (fewer after large ones: see --batch-bytes)")
     p.add_argument("--batch-bytes", type=_positive_int, default=1 << 20,

@@ -102,6 +102,7 @@ def test_a_handler_module_in_the_current_directory_is_found(settings, tmp_path, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), os.getcwd())])
     monkeypatch.setenv("REDROLL_REDIS_URL", settings.redis_url)
+    monkeypatch.setattr("redroll.logs.setup_logging", lambda *args: None)  # (the suite's logging stays as it is)
     # (a typo in the function's name: refused before connecting, and only once the module was found)
     assert main(["consume", "--group", "g", "--handler", "s=my_handlers_in_cwd:aply"]) == 2
     err = capsys.readouterr().err
