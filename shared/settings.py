@@ -54,7 +54,7 @@ class Settings:
     max_n: int = 64
 
     partitions: int = 1
-    """P > 1 spreads the per-request keys over P hash tags ``{ns:i}`` (see DESIGN.md)."""
+    """P > 1 spreads the per-request keys over P hash tags ``{ns:i}`` (see docs/design.md)."""
     dedup_window_s: int = 3600
     """How long a consumer group remembers which request_ids it applied."""
     results_max_len: int = 1_000_000

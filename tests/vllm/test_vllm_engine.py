@@ -26,7 +26,18 @@ LOGPROB_BOUND = 1e-3
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def engine(tiny_checkpoints):
     engine = VLLMEngine(str(tiny_checkpoints[0]), **engine_options())
+    loop = asyncio.get_running_loop()
+    ticks: list[float] = []
+
+    async def tick() -> None:  # what leases and heartbeats need: the loop running while vLLM starts
+        while True:
+            ticks.append(loop.time())
+            await asyncio.sleep(0.05)
+
+    ticker = asyncio.ensure_future(tick())
     await engine.start()
+    ticker.cancel()
+    engine.start_loop_gaps = [b - a for a, b in zip(ticks, ticks[1:])]
     yield engine
     await engine.close()
 
@@ -39,6 +50,11 @@ def reference(tiny_checkpoints):
 def request(rid: str, **kw):
     kw.setdefault("input_ids", PROMPT)
     return make_request(request_id=rid, **kw)
+
+
+async def test_the_event_loop_runs_while_vllm_starts(engine):
+    gaps = engine.start_loop_gaps
+    assert len(gaps) > 20 and max(gaps) < 1.0, max(gaps)  # imports and build in a thread: no stall
 
 
 async def test_the_engine_declares_what_it_has_and_reads_the_model(engine, tiny_checkpoints):
