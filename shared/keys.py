@@ -1,4 +1,4 @@
-"""Key names of one pipeline (see DESIGN.md "Keys").
+"""Key names of one pipeline (see docs/design.md, "Keys").
 
 Every key that one request touches carries the same hash tag, so Lua scripts and MULTI stay
 inside one Redis Cluster slot.

@@ -2,7 +2,7 @@
 
 Each message is a msgspec ``Struct`` whose annotations are its schema: decoding MessagePack into
 it validates types and ``Meta`` constraints in C, with the path of a failure (``$.input_ids[3]``).
-The wire format is plain MessagePack maps (DESIGN.md "Wire format"); what a static schema cannot
+The wire format is plain MessagePack maps (docs/design.md, "Wire format"); what a static schema cannot
 say — limits from settings, cross-field rules, the newer-``v`` hand-back — is checked in
 :mod:`.codec`, small and explicit.
 """
