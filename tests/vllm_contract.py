@@ -66,7 +66,12 @@ def wheel_version(root: Path) -> str | None:
 
 
 def _class(root: Path, name: str) -> ast.ClassDef | None:
-    return _classes(root / contract.SOURCES[name]).get(name)
+    paths = contract.SOURCES[name]
+    for path in (paths,) if isinstance(paths, str) else paths:
+        found = _classes(root / path).get(name)
+        if found is not None:
+            return found
+    return None
 
 
 def _fields(cls: ast.ClassDef | None) -> set[str]:
@@ -148,8 +153,8 @@ _NOT_CLASSES = ("envs", "PauseMode", "LogprobsMode", "FINISH_REASON_STRINGS")
 def check(root: Path) -> list[str]:
     """The contract's names missing from the vllm source under ``root`` (the ``vllm/`` folder), one
     line each: a missing class or Literal once, as ``Name (its path)``, else each missing member."""
-    missing = [f"{name} ({path})" for name, path in contract.SOURCES.items()
-               if name not in _NOT_CLASSES and _class(root, name) is None]
+    missing = [f"{name} ({path if isinstance(path, str) else ' or '.join(path)})"
+               for name, path in contract.SOURCES.items() if name not in _NOT_CLASSES and _class(root, name) is None]
 
     fields = _fields(_class(root, "EngineArgs")) | _fields(_class(root, "AsyncEngineArgs"))
     missing += [f"AsyncEngineArgs.{n}" for n in contract.ENGINE_ARGS_FIELDS if n not in fields]

