@@ -253,8 +253,19 @@ async def test_an_in_place_reload_changes_the_weights_under_a_running_request(en
     assert max(abs(a - b) for a, b in zip(new_ref, old_ref)) > 0.1
     after = await engine.generate(shared, "h-cache-3")
     assert after.cached_tokens == 0  # salted by weight version: no KV computed by the old weights is reused
-    await engine.update_weights_from_disk(str(tiny_checkpoints[0]), "2")  # back, between requests
-    assert engine.info.weight_version == "2"
+    # back, with --pause-mode retract: running requests drop their KV and recompute it under the new weights
+    engine.pause_mode = "retract"
+    try:
+        task = asyncio.ensure_future(engine.generate(request("retract", return_logprob=True, sampling_params={
+            "max_new_tokens": 600, "ignore_eos": True, "sampling_seed": 6}), "h-retract"))
+        await asyncio.sleep(0.3)
+        await engine.update_weights_from_disk(str(tiny_checkpoints[0]), "2", in_place=True)
+        out = await task
+    finally:
+        engine.pause_mode = "in_place"
+    versions = out.samples[0].weight_versions
+    assert engine.info.weight_version == "2" and len(out.samples[0].token_ids) == 600
+    assert versions is not None and versions[0] == "1" and versions[-1] == "2"
 
 
 async def test_an_unsupported_vllm_or_sleep_mode_on_cpu_is_refused_before_anything_starts(monkeypatch, tiny_checkpoints):
