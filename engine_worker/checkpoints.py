@@ -29,6 +29,7 @@ from redroll.shared.types import GenerationRequest
 
 from .context import WorkerContext
 from .engines.base import EngineOutput, SampleOutput
+from .flights import DEATHS_SUFFIX
 
 log = logging.getLogger("redroll.worker")
 
@@ -262,5 +263,14 @@ class Saver:
         if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,
                                          flight.entry_id, self.base + start, piece):
             self.done = start + len(ids)
+            if getattr(flight, "suspect_cap", None) is not None:
+                # Its checkpoint advanced here, after the death of a worker that ran it: it is no
+                # suspect of that death any more (the next death counts from scratch), nor does it
+                # bound the group of the suspects running beside it.
+                flight.suspect_cap = None
+                try:
+                    await self.ctx.redis.hdel(self.ctx.keys.errors, flight.key + DEATHS_SUFFIX)
+                except redis.RedisError as exc:
+                    log.warning("death note of %s not cleared: %s", flight.entry_id, exc)
         else:
             self.broken = True

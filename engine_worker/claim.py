@@ -16,9 +16,11 @@ depth (``STEAL_DEPTH_FACTOR`` x the claim limit).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import redis
@@ -27,13 +29,40 @@ from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import read_group, script_fields, text
 
 from .context import WorkerContext
-from .flights import Flights, InFlight
+from .flights import DEATHS_SUFFIX, Flights, InFlight
 from .outcomes import hand_back_entries
 
 log = logging.getLogger("redroll.worker")
 
 _CAPACITY_ARGS = ("max_running_requests", "max_num_seqs")
 """Engine arguments that bound how many requests run at once (SGLang, vLLM)."""
+
+
+def deaths_field(flight_key: str) -> str:
+    return flight_key + DEATHS_SUFFIX
+
+
+def parse_deaths(raw: Any) -> tuple[int, int, int | None, bool, str | None]:
+    """A death note ``"<deaths witnessed> <of them alone> <group cap> <1: alone at the last> <the
+    consumer whose death it counts last>"``; no note: ``(0, 0, None, False, None)``."""
+    try:
+        deaths, alone, cap, last_alone, owner = text(raw).split(" ", 4)
+        return int(deaths), int(alone), max(1, int(cap)), last_alone == "1", owner
+    except (TypeError, ValueError, AttributeError):
+        return 0, 0, None, False, None
+
+
+@dataclass
+class _Plan:
+    """A suspect to take back (``recovery_split`` "halving")."""
+
+    stream: str
+    entry_id: str
+    retry: int
+    """Its delivery count once claimed (XCLAIM RETRYCOUNT)."""
+    cap: int
+    """The most suspects it may run with on one worker."""
+    condemned: str | None = None
 
 
 def _positive_int(value: Any) -> int | None:
@@ -88,6 +117,8 @@ class Claimer:
         self.reclaim_interval_s = reclaim_interval_s
         self.reclaim_streams = reclaim_streams or (lambda: ctx.request_streams)
         """The request streams a reclaim pass looks at (with affinity lanes: ``LaneTable.reclaim_streams``)."""
+        self._attempts = 0
+        """Suspects taken back by this process (their engine handles stay unique)."""
 
 
     # ------------------------------------------------------------ new entries
@@ -195,13 +226,18 @@ class Claimer:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
         ctx, flights = self.ctx, self.flights
         bulk: list[tuple[str, str, int]] = []
-        suspects: list[tuple[str, str, int]] = []
+        suspects: list[tuple[str, str, int, str]] = []
+        """(stream, entry id, times delivered so far, the consumer that died holding it)"""
         if flights.holds:
             return False
+        halving = ctx.settings.recovery_split == "halving"
         # Even with every slot taken, look: suspects are run in isolation, which waits for the
         # slots to empty, so a busy worker still takes over a dead one's work. One round trip for
-        # every request stream (with affinity lanes there are hundreds, mostly empty).
+        # every request stream (with affinity lanes there are hundreds, mostly empty). (Halving
+        # sizes groups by how many entries a dead worker held: look at enough of them.)
         count = max(flights.free_to_claim, 16) * 4
+        if halving:
+            count = max(count, 4 * flights.claim_limit, 256)
         streams = self.reclaim_streams()
         async with ctx.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
@@ -225,33 +261,156 @@ class Claimer:
                 # 0.1 s is taken as a suspect, which is only slower.)
                 delivered_at = now - int(p["time_since_delivered"]) / 1000.0
                 never_ran = text(p["consumer"]) == ctx.name and delivered_at >= ctx.started_at + 0.1
-                if note is not None or never_ran or deliveries > ctx.settings.max_deliveries:
+                # (Halving: a suspect's delivery count says nothing of the deaths it witnessed in
+                # a group; the death notes decide, below.)
+                if note is not None or never_ran or (deliveries > ctx.settings.max_deliveries and not halving):
                     if len(bulk) < flights.free_to_claim:
                         bulk.append((stream, entry_id, deliveries))
                 else:
-                    suspects.append((stream, entry_id, deliveries))
+                    suspects.append((stream, entry_id, deliveries - 1, text(p["consumer"])))
         if bulk:
-            await self._claim_and_start(bulk)
+            for flight in await self._claim_and_start(bulk):
+                flight.reclaimed = True
         if not suspects:
             return False
+        if halving:
+            return await self._reclaim_halving(suspects)
         # Isolation: stop claiming, let what runs finish, then take exactly one suspect (a random
         # one of the oldest, so workers reclaiming at once do not all contend for the same entry).
         flights.isolating = True
         await flights.wait_idle()
         if ctx.stopping.is_set():
             return False
-        for flight in await self._claim_and_start([random.choice(suspects[:8])]):
-            log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
-                        flight.entry_id, flight.deliveries, extra=flight.context())
-            if flight.task is not None:
-                # Until it ends, or the worker stops: then the drain waits for it (up to its
-                # timeout) and hands it back, as any flight.
-                stop = asyncio.ensure_future(ctx.stopping.wait())
-                try:
-                    await asyncio.wait([flight.task, stop], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stop.cancel()
+        stream, entry_id, times, _ = random.choice(suspects[:8])
+        for flight in await self._claim_and_start([(stream, entry_id, times + 1)]):
+            flight.reclaimed = True
+            await self._run_alone(flight)
         return True
+
+    async def _run_alone(self, flight: InFlight) -> None:
+        log.warning("entry %s was in flight on a worker that died (delivery %d): running it alone",
+                    flight.entry_id, flight.deliveries, extra=flight.context())
+        if flight.task is not None:
+            # Until it ends, or the worker stops: then the drain waits for it (up to its timeout)
+            # and hands it back, as any flight.
+            stop = asyncio.ensure_future(self.ctx.stopping.wait())
+            try:
+                await asyncio.wait([flight.task, stop], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+
+    async def _reclaim_halving(self, suspects: list[tuple[str, str, int, str]]) -> bool:
+        """Group testing over the entries of workers that died (``recovery_split`` "halving").
+
+        Each suspect's death note (``<flight key>#deaths`` in ``{ns}:errors``: deaths witnessed,
+        of them alone, group cap) says how large a group it may run in. The group it was in when
+        its worker died is the entries that worker held (as many as are idle under its name), at
+        most its previous cap; it now runs in groups of at most half that. One that was alone
+        when its worker died is counted as delivered once more; one in a group keeps its delivery
+        count (``XCLAIM … RETRYCOUNT``). It is dead-lettered when it was alone and has witnessed
+        ``max_deliveries`` deaths (or been delivered more often than that). Per pass this worker
+        takes, beside what it runs, the dead-lettered ones, then as many suspects as every
+        suspect's cap here allows (the suspects running on one worker form its group), and
+        otherwise one suspect down to running alone, in isolation (claiming stopped)."""
+        ctx, flights = self.ctx, self.flights
+        max_deliveries = ctx.settings.max_deliveries
+        fields = [deaths_field(ctx.flight_key(s, i)) for s, i, _, _ in suspects]
+        notes = await ctx.redis.hmget(ctx.keys.errors, fields)
+        held = collections.Counter(owner for _, _, _, owner in suspects)
+        condemned: list[_Plan] = []
+        grouped: list[_Plan] = []
+        alone: list[_Plan] = []
+        counted: dict[str, str] = {}
+        for (stream, entry_id, times, owner), field, raw in zip(suspects, fields, notes):
+            deaths, deaths_alone, cap, was_alone, noted_owner = parse_deaths(raw)
+            if noted_owner != owner:
+                # A death not counted yet: the first survivor to see it notes it for every entry
+                # the dead worker held (so the group is the whole of it, whoever takes which part).
+                group = held[owner] if cap is None else min(cap, held[owner])
+                was_alone = group <= 1
+                deaths, deaths_alone, cap = deaths + 1, deaths_alone + was_alone, max(1, group // 2)
+                counted[field] = f"{deaths} {deaths_alone} {cap} {int(was_alone)} {owner}"
+            assert cap is not None
+            retry = times + 1 if was_alone else times
+            plan = _Plan(stream, entry_id, retry, cap)
+            if was_alone and (deaths >= max_deliveries or retry > max_deliveries):
+                plan.condemned = (f"its worker died while it ran alone: {deaths} worker deaths witnessed "
+                                  f"({deaths_alone} alone), delivered {retry} times (max_deliveries={max_deliveries})")
+                condemned.append(plan)
+            elif cap > 1:
+                grouped.append(plan)
+            else:
+                alone.append(plan)
+        if counted:
+            await ctx.redis.hset(ctx.keys.errors, mapping=counted)
+        chosen = condemned[:16]
+        # Groups: every suspect running here counts against the smallest cap among them.
+        caps = flights.suspect_caps()
+        limit = min(caps, default=1 << 30)
+        size = len(caps)
+        room = max(1, flights.claim_limit)
+        for plan in sorted(grouped, key=lambda p: -p.cap):
+            if size + 1 > min(limit, plan.cap) or room <= 0:
+                break
+            chosen.append(plan)
+            limit, size, room = min(limit, plan.cap), size + 1, room - 1
+        if chosen:
+            await self._claim_planned(chosen)
+            return True
+        if not alone or caps:
+            return False
+        # Down to running alone: stop claiming, let what runs finish, then take exactly one (a
+        # random one of the oldest, so workers reclaiming at once do not contend for one entry).
+        flights.isolating = True
+        await flights.wait_idle()
+        if ctx.stopping.is_set():
+            return False
+        for flight in await self._claim_planned([random.choice(alone[:8])]):
+            await self._run_alone(flight)
+        return True
+
+    async def _claim_planned(self, plans: list["_Plan"]) -> list[InFlight]:
+        """XCLAIM the planned suspects (min-idle checked: nobody else took them meanwhile) with the
+        delivery count each is to have, then start them, or defer them until a slot is free."""
+        ctx, flights = self.ctx, self.flights
+        claimed: list[tuple[_Plan, Any]] = []
+        by_key: dict[tuple[str, int], list[_Plan]] = collections.defaultdict(list)
+        for plan in plans:
+            by_key[(plan.stream, plan.retry)].append(plan)
+        async with ctx.redis.pipeline(transaction=False) as pipe:
+            for (stream, retry), group in by_key.items():
+                pipe.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
+                            [p.entry_id for p in group], retrycount=retry)
+            replies = await pipe.execute()
+        for group, reply in zip(by_key.values(), replies):
+            ids = {p.entry_id: p for p in group}
+            for raw_id, fields in reply:
+                plan = ids.get(text(raw_id))
+                if plan is not None and fields:
+                    claimed.append((plan, fields))
+        if not claimed:
+            return []
+        if ctx.stopping.is_set():
+            await self._give_back([(p.stream, p.entry_id) for p, _ in claimed])
+            return []
+        started = []
+        for plan, fields in claimed:
+            key = ctx.flight_key(plan.stream, plan.entry_id)
+            if key in flights:
+                continue
+            ctx.stats.reclaimed += 1
+            self._attempts += 1
+            flight = flights.add(plan.stream, plan.entry_id, key, plan.retry, fields, defer=not flights.slot_free,
+                                 handle=f"{key}.{plan.retry}.r{self._attempts}")
+            flight.reclaimed = True
+            flight.suspect_cap = None if plan.condemned else plan.cap
+            flight.condemned = plan.condemned
+            started.append(flight)
+        grouped = [f for f in started if f.condemned is None and (f.suspect_cap or 1) > 1]
+        if grouped:
+            log.warning("took back %d entr%s in flight on a worker that died (in groups of at most %d)",
+                        len(grouped), "y" if len(grouped) == 1 else "ies", min(f.suspect_cap or 1 for f in grouped))
+        return started
 
     async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
         ctx = self.ctx

@@ -18,6 +18,9 @@ from typing import Any, Awaitable, Callable, Iterator
 from redroll.shared.types import GenerationRequest, RecordStatus
 
 Fields = dict
+DEATHS_SUFFIX = "#deaths"
+"""A suspect's death note lives in ``{ns}:errors`` under its flight key plus this suffix (see
+``Claimer._reclaim_halving``)."""
 Run = Callable[["InFlight", Fields], Awaitable[None]]
 RunBatch = Callable[[list[tuple["InFlight", Fields]]], Awaitable[None]]
 
@@ -47,6 +50,14 @@ class InFlight:
     publishing: bool = False
     """Its finish or dead letter is under way (a renewal racing it may see the entry as gone)."""
     deadline_timer: asyncio.TimerHandle | None = None
+    reclaimed: bool = False
+    """Taken over from another consumer (its notes in ``{ns}:errors`` are deleted when it ends)."""
+    suspect_cap: int | None = None
+    """Reclaimed from a worker that died (``recovery_split`` "halving"): the most suspects that
+    may run together on this worker while it does (None: no suspect, or cleared by a checkpoint
+    that advanced here)."""
+    condemned: str | None = None
+    """Why it is dead-lettered without running (it killed the worker that ran it alone)."""
 
     @property
     def generating(self) -> bool:
@@ -117,6 +128,15 @@ class Flights:
         """How many more entries a claim may take now (fair claiming: see :mod:`.claim`)."""
         return max(0, min(self.claim_limit, self.max_inflight) - self.occupied)
 
+    def suspect_caps(self) -> list[int]:
+        """The group caps of the suspects in flight here (see ``InFlight.suspect_cap``)."""
+        return [f.suspect_cap for f in self._by_key.values() if f.suspect_cap is not None]
+
+    @property
+    def slot_free(self) -> bool:
+        """A flight added now would start at once (no hold, no isolation, a slot free)."""
+        return not self.claiming_paused and self.generating < self.max_inflight
+
     @property
     def generating(self) -> int:
         return sum(1 for f in self._by_key.values() if f.generating)
@@ -132,10 +152,13 @@ class Flights:
     # ------------------------------------------------------------ changes
 
     def add(self, stream: str, entry_id: str, key: str, deliveries: int, fields: Fields, *,
-            defer: bool = False) -> InFlight:
+            defer: bool = False, handle: str | None = None) -> InFlight:
         """A claimed entry: leased (renewed) from now on; its task starts now, or when a slot and
-        claiming are free again (``defer``)."""
+        claiming are free again (``defer``). ``handle``: the engine's handle of this attempt when
+        ``<key>.<deliveries>`` may not be unique (a reclaim that kept the delivery count)."""
         flight = self._new(stream, entry_id, key, deliveries, fields)
+        if handle is not None:
+            flight.handle = handle
         if defer:
             self._deferred.append((flight, fields))
         else:

@@ -29,7 +29,7 @@ from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from .context import WorkerContext
-from .flights import Flights, InFlight
+from .flights import DEATHS_SUFFIX, Flights, InFlight
 from .publisher import Finish
 
 log = logging.getLogger("redroll.worker")
@@ -116,8 +116,8 @@ class Outcomes:
             stats.by_status[record.status.value] = stats.by_status.get(record.status.value, 0) + 1
             if ctx.metrics is not None:
                 ctx.metrics.observe(record.meta_info.get("queue_ms"), record.meta_info.get("engine_ms"))
-            if flight.deliveries > 1:
-                await ctx.redis.hdel(ctx.keys.errors, flight.key)
+            if flight.deliveries > 1 or flight.reclaimed:
+                await ctx.redis.hdel(ctx.keys.errors, *notes_of(flight))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s %s", request.request_id, record.status.value, extra=flight.context())
         else:
@@ -166,8 +166,8 @@ class Outcomes:
             return
         if outcome.done:
             ctx.stats.dead_lettered += 1
-            if flight.deliveries > 1:
-                await ctx.redis.hdel(ctx.keys.errors, flight.key)
+            if flight.deliveries > 1 or flight.reclaimed:
+                await ctx.redis.hdel(ctx.keys.errors, *notes_of(flight))
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
                         extra={"request_id": request_id, "entry_id": flight.entry_id})
             if outcome.reply_error and reply_refused is None:
@@ -269,6 +269,12 @@ class Outcomes:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
+
+
+def notes_of(flight: InFlight) -> list[str]:
+    """The fields of ``{ns}:errors`` about ``flight``: its last error or hand-back note, and for
+    one taken back from a worker that died its death note (see ``Claimer._reclaim_halving``)."""
+    return [flight.key, flight.key + DEATHS_SUFFIX] if flight.reclaimed else [flight.key]
 
 
 def _only_this_request(exc: StreamRefusedError, reply_prefix: str) -> bool:

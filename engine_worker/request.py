@@ -154,6 +154,12 @@ class RequestRunner:
     async def _process(self, flight: InFlight, fields: dict) -> None:
         ctx = self.ctx
         max_deliveries = ctx.settings.max_deliveries
+        if flight.condemned is not None:
+            # (it killed the worker that ran it alone: see Claimer._reclaim_halving)
+            last = await self.outcomes.last_error(flight)
+            reason = flight.condemned + (f"; last error: {last}" if last else "")
+            await self.outcomes.dead_letter(flight, fields, reason, request=self._try_decode(fields))
+            return
         if flight.deliveries > max_deliveries and not self._is_newer_schema(fields):
             # (a newer-schema entry keeps being handed back below: each reclaim counts as a
             # delivery, but it waits for a newer worker and is never dead-lettered for that)

@@ -12,6 +12,8 @@ from .keys import Keys, partition_index, partition_key_sets, partition_keys
 from .types import GenerationRequest
 
 ENV_PREFIX = "REDROLL_"
+RECOVERY_SPLITS = ("halving", "alone")
+"""The values of ``Settings.recovery_split``."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,29 @@ class Settings:
     ``max_inflight`` restores the old behaviour (claim up to ``max_inflight`` at once). With
     affinity lanes the bound applies to what a worker takes from its own lanes too: the rest of a
     hot lane waits in the lane, where other workers steal it (``steal_after_ms``)."""
+    recovery_split: str = "halving"
+    """How survivors take back the in-flight entries of a worker that died (one of them may be
+    what killed it: a "poison" request that kills every worker running it).
+
+    ``"halving"`` (default): group testing. The entries that were together on the dead worker
+    are taken back in bulk and run beside the survivors' other work, in groups at most half the
+    size of the group each of them was in when it died (a note per entry, beside its delivery
+    count, in ``{ns}:errors``): a poison entry is alone after about log2 N deaths, the halves
+    without it finish, and a dead worker's batch costs about one generation after
+    ``claim_idle``. A worker claims nothing new only while it runs an entry that is down to
+    running alone. The deaths an entry witnessed in a group do not raise its delivery count; an
+    entry is dead-lettered only when its worker died while it ran alone and it has witnessed
+    ``max_deliveries`` deaths (or been delivered more often than that): a poison request's
+    innocent neighbours are never dead-lettered with it. The cost: a poison request kills about
+    max(``max_deliveries``, log2 N + 1) workers (N: the entries on the first worker it killed),
+    each death re-running the in-flight work of that worker (so its neighbours may run several
+    times before they finish, and a resumable one keeps its checkpoint: a checkpoint that
+    advanced after a death clears the entry of suspicion).
+
+    ``"alone"``: the old behaviour. Every suspect is taken one at a time and run with nothing
+    else in flight (claiming stopped meanwhile): a poison request kills ``max_deliveries``
+    workers and costs nobody else a re-run, but a dead worker's N entries take N generations one
+    after the other."""
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
 
@@ -78,6 +103,9 @@ class Settings:
     """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
 
     def __post_init__(self) -> None:
+        if self.recovery_split not in RECOVERY_SPLITS:
+            raise ValueError(f"recovery_split ({ENV_PREFIX}RECOVERY_SPLIT) must be one of "
+                             f"{', '.join(RECOVERY_SPLITS)}, got {self.recovery_split!r}")
         for name, least in _LEAST.items():
             value = getattr(self, name)
             if not value >= least:  # (NaN too)
