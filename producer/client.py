@@ -257,6 +257,14 @@ class Producer:
         futures = await self.submit_many([request or make_request(**fields)], callback=callback)
         return futures[0]
 
+    async def generate(self, request: GenerationRequest | None = None, *, timeout: float | None = None,
+                       **fields: Any) -> CompletionRecord:
+        """Submit one request and wait for its record (``await (await p.submit(...))`` in one call);
+        ``timeout`` in seconds raises :class:`TimeoutError` (the request stays queued or running:
+        :meth:`result` or :meth:`abort` it)."""
+        future = await self.submit(request, **fields)
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+
     async def submit_many(
         self,
         requests: Iterable[GenerationRequest | Mapping[str, Any]],

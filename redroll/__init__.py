@@ -22,7 +22,7 @@ from typing import Any
 
 from redroll.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "CompletionRecord": "redroll.shared.types",

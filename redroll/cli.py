@@ -104,6 +104,10 @@ ENGINES = ["vllm", "sglang", "transformers", "synthetic"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redroll", description="Queue-driven LLM generation on Redis Streams.")
+    from redroll import __version__
+
+    parser.add_argument("--version", action="version", version=f"redroll {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="run the whole pipeline once on the embedded default")
@@ -228,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="stable JSON for scripts")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds")
     p.add_argument("--interval", type=_positive_seconds, default=2.0, help="seconds between --watch refreshes")
+
+    p = sub.add_parser("exporter", help="serve the pipeline's Prometheus /metrics (backlog, workers, dead letters, "
+                                        "weight versions, Redis memory), from Redis alone, as status reads it")
+    _common(p)
+    p.add_argument("--port", type=int, required=True, help="serve /metrics on this port (0 = any free port)")
+    p.add_argument("--host", default="0.0.0.0", help="the address to bind")
+    p.add_argument("--interval", type=_positive_seconds, default=5.0,
+                   help="seconds between snapshots of the pipeline (each scrape reads the latest)")
 
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
     _common(p)
@@ -513,6 +525,15 @@ async def _run_status(args: argparse.Namespace) -> int:
             while True:
                 await asyncio.sleep(args.interval)
                 live.update(render_status(await snapshot()))
+
+
+async def _run_exporter(args: argparse.Namespace) -> int:
+    from redroll.exporter import run_exporter
+
+    settings = _settings(args)
+    async with connect(settings) as r:
+        await run_exporter(r, settings.keys, settings.partition_keys, args.port, args.interval, addr=args.host)
+    return 0
 
 
 async def _run_abort(args: argparse.Namespace) -> int:
@@ -829,7 +850,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (InputError, ResumeError) as exc:
                 print(f"redroll submit: {exc}", file=sys.stderr)
                 return 2
-        runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "abort": _run_abort,
+        runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "exporter": _run_exporter,
+                  "abort": _run_abort,
                   "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "lanes": _run_lanes,
                   "dead": _run_dead, "gc": _run_gc}
         return run_async_main(runner[args.command](args))

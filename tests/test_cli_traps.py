@@ -228,3 +228,15 @@ async def test_status_warns_when_work_is_queued_and_no_worker_is_alive(settings,
     assert any("1 request(s) queued and no live worker" in w for w in status["warnings"]), status["warnings"]
     human = run_cli(settings, "status", COLUMNS="200")
     assert "no live worker" in human.stdout
+
+
+def test_version_is_the_packages():
+    import tomllib
+
+    from redroll import __version__
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "redroll.cli", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"redroll {__version__}"
+    assert __version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

@@ -76,6 +76,15 @@ async def _xlen_is(r, key: str, n: int) -> bool:
     return await r.xlen(key) == n
 
 
+async def test_generate_submits_and_waits_in_one_call(settings):
+    async with running_worker(settings), Producer(settings, block_ms=100) as p:
+        record = await p.generate(prompt="hello", sampling_params=SP, timeout=10)
+        assert record.status is RecordStatus.FINISHED and len(record.output_token_ids[0]) == 4
+        assert p.outstanding == 0
+        with pytest.raises(TimeoutError):  # (a worker that never answers in time; the request goes on)
+            await p.generate(prompt="slow", sampling_params={"max_new_tokens": 4}, timeout=0)
+
+
 async def test_async_callback_and_as_completed(settings):
     seen: list[str] = []
 
