@@ -27,6 +27,8 @@ Consumer metrics:
     redroll_consumer_callback_seconds          histogram: callback duration
     redroll_consumer_blocked                   1 while Redis refuses its applied markers (it reads nothing)
     redroll_consumer_refusals_total            markers or dead letters Redis refused
+Pipeline metrics (``redroll_pipeline_*``, ``redroll_redis_*``, ``redroll_exporter_*``): served by
+``redroll exporter`` from Redis alone, whether or not a worker runs; see :mod:`redroll.exporter`.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ class ConsumerMetrics:
                                   value=st.refusals)
 
 
-def serve(metrics: WorkerMetrics | ConsumerMetrics, port: int, addr: str = "0.0.0.0") -> Any:
-    """Serve ``/metrics`` on ``port`` (0 = any free port) in a thread; returns the server."""
+def serve(metrics: Any, port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve ``metrics.registry`` (worker, consumer or :class:`redroll.exporter.PipelineMetrics`) as
+    ``/metrics`` on ``port`` (0 = any free port) in a thread; returns the server."""
     pc = _require()
     server, _thread = pc.start_http_server(port, addr=addr, registry=metrics.registry)
     return server
