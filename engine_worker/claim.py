@@ -204,12 +204,23 @@ class Claimer:
         ``XPENDING … IDLE`` first shows what is idle, its owner and delivery count, so the worker
         picks what to take with ``XCLAIM`` (min-idle checked, so two workers never both take one):
         entries with a recorded error or hand-back, and entries delivered to this run of the worker
-        that it never saw (a claim read whose reply was lost), are taken in bulk; entries that were in flight
-        on a worker that died ("suspects": one of them may be what killed it) are taken one at a
-        time and run with nothing else in flight. A request that kills every worker it runs on thus
-        takes down no innocent neighbour, and only its own delivery count climbs until it is
-        dead-lettered; the suspects left for later keep their counts. (XAUTOCLAIM would take and
-        count a whole batch at once.) XCLAIM drops ids deleted from the stream from the PEL.
+        that it never saw (a claim read whose reply was lost), are taken in bulk. Entries that were
+        in flight on a worker that died ("suspects": one of them may be what killed it) are taken
+        as ``recovery_split`` says (see :class:`~redroll.shared.settings.Settings`):
+
+        * "halving" (default): in bulk, beside the survivor's other work, in groups at most half
+          the size of the group each was in when its worker died (:meth:`_reclaim_halving`): a
+          request that kills every worker it runs on is alone after about log2 N deaths and is
+          dead-lettered then, while its neighbours finish (none is dead-lettered with it: group
+          deaths do not raise the delivery count); a suspect down to running alone runs with
+          nothing else in flight on its worker.
+        * "alone": one at a time, each run with nothing else in flight (claiming stopped). A
+          poison request takes down no innocent neighbour, and only its own delivery count climbs
+          until it is dead-lettered; the suspects left for later keep their counts; but a dead
+          worker's N entries take N generations, one after the other.
+
+        (XAUTOCLAIM would take and count a whole batch at once.) XCLAIM drops ids deleted from the
+        stream from the PEL.
         """
         ctx = self.ctx
         while not ctx.stopping.is_set():
@@ -381,8 +392,13 @@ class Claimer:
             for (stream, retry), group in by_key.items():
                 pipe.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
                             [p.entry_id for p in group], retrycount=retry)
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         for group, reply in zip(by_key.values(), replies):
+            if isinstance(reply, Exception):
+                # (one stream's refusal costs no other stream its claims; what it holds is
+                # looked at again in the next pass)
+                log.warning("reclaim from %s failed: %s", group[0].stream, reply)
+                continue
             ids = {p.entry_id: p for p in group}
             for raw_id, fields in reply:
                 plan = ids.get(text(raw_id))
