@@ -424,7 +424,7 @@ class Claimer:
             started.append(flight)
         grouped = [f for f in started if f.condemned is None and (f.suspect_cap or 1) > 1]
         if grouped:
-            log.warning("took back %d entr%s in flight on a worker that died (in groups of at most %d)",
+            log.warning("took back %d entr%s (each was in flight on a worker that died), in groups of at most %d",
                         len(grouped), "y" if len(grouped) == 1 else "ies", min(f.suspect_cap or 1 for f in grouped))
         return started
 
