@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 
 from .client import Callback, Producer
+from .rollout import GroupOutcome, RolloutGroup
+from .session import Session
 
 
 class SyncProducer:
@@ -20,6 +23,20 @@ class SyncProducer:
 
     The keyword options are :class:`Producer`'s, with the same meaning. Callbacks and
     ``before_ack`` run on the producer's own thread, not the caller's.
+
+    What it has, each blocking the caller until done and with :class:`Producer`'s arguments:
+    ``submit``/``submit_many`` (concurrent futures), ``generate``, ``generate_resumable``,
+    ``result``, ``abort``, ``as_completed`` (a plain iterator), ``submit_group`` (a
+    :class:`SyncRolloutGroup`: ``wait``, ``take``, ``stream``, ``abort``), ``session`` (a
+    :class:`SyncSession`: ``turn``), ``update_weights``, ``set_weight_version`` and
+    ``weight_sync`` (a ``with`` block whose ``push(...)`` runs on the producer's loop).
+
+    What it lacks: ``unclaimed()`` (an endless async iterator; ask ``result(request_id)`` for a
+    known id instead) and the ``redis`` client, which belongs to the producer's loop.
+
+    ``close()`` (or leaving the ``with`` block) closes the producer, cancels and awaits every
+    task still on its loop (a read asked for ahead, work a callback started), then stops and
+    closes the loop: outstanding futures are cancelled, and nothing is left pending.
     """
 
     def __init__(self, settings: Settings | None = None, *, name: str | None = None, block_ms: int = 1000,
@@ -67,11 +84,44 @@ class SyncProducer:
         """Submit and wait for the record."""
         return self.submit(request, **fields).result(timeout)
 
+    def generate_resumable(self, request: GenerationRequest | None = None, **fields: Any) -> CompletionRecord:
+        return self._call(self._producer.generate_resumable(request, **fields))
+
     def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
         return self._call(self._producer.result(request_id, timeout))
 
     def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> list[str]:
         return self._call(self._producer.abort(list(request_ids), group_id=group_id))
+
+    def as_completed(self, futures: Iterable[Future], timeout: float | None = None) -> Iterator[CompletionRecord]:
+        """Yield the records of ``futures`` (from :meth:`submit`) in the order they complete."""
+        for fut in concurrent.futures.as_completed(list(futures), timeout):
+            yield fut.result()
+
+    def submit_group(self, n: int, *, group_id: str | None = None, callback: Callback | None = None,
+                     **fields: Any) -> "SyncRolloutGroup":
+        """One prompt's ``n`` samples (see :meth:`Producer.submit_group`)."""
+        group = self._call(self._producer.submit_group(n, group_id=group_id, callback=callback, **fields))
+        return SyncRolloutGroup(self, group)
+
+    def session(self, key: str | None = None) -> "SyncSession":
+        """A multi-turn conversation (see :meth:`Producer.session`)."""
+        return SyncSession(self, self._producer.session(key))
+
+    def update_weights(self, model_path: str, weight_version: str, **options: Any) -> dict[str, dict[str, Any]]:
+        """See :meth:`Producer.update_weights` (same options)."""
+        return self._call(self._producer.update_weights(model_path, weight_version, **options))
+
+    def set_weight_version(self, version: int) -> None:
+        async def go() -> None:
+            self._producer.set_weight_version(version)
+
+        self._call(go())
+
+    def weight_sync(self, **options: Any) -> "SyncWeightSync":
+        """``with p.weight_sync(backend="gloo") as sync: sync.push(model.named_parameters(), version="12")``
+        (see :class:`redroll.producer.weight_sync.WeightSync` for the options)."""
+        return SyncWeightSync(self, self._producer.weight_sync(**options))
 
     def _wrap(self, afut: asyncio.Future) -> Future:
         cf: Future = Future()
@@ -87,19 +137,97 @@ class SyncProducer:
         self._loop.call_soon_threadsafe(afut.add_done_callback, copy)
         return cf
 
+    async def _shutdown(self) -> None:
+        try:
+            await self._producer.close()
+        finally:
+            current = asyncio.current_task()
+            # (twice: a task cancelled here may start another while it unwinds)
+            for _ in range(2):
+                left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+                for task in left:
+                    task.cancel()
+                await asyncio.gather(*left, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
         if self._loop.is_running():
             try:
-                self._call(self._producer.close())
+                self._call(self._shutdown())
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=5)
-        self._loop.close()
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> "SyncProducer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class SyncRolloutGroup:
+    """:class:`RolloutGroup` for :class:`SyncProducer`: the same methods, blocking."""
+
+    def __init__(self, producer: SyncProducer, group: RolloutGroup):
+        self._sp = producer
+        self._group = group
+        self.group_id = group.group_id
+        self.futures = {rid: producer._wrap(f) for rid, f in group.futures.items()}
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.futures)
+
+    def stream(self, timeout: float | None = None) -> Iterator[CompletionRecord]:
+        """Members' records as they finish."""
+        return self._sp.as_completed(self.futures.values(), timeout)
+
+    def wait(self, timeout: float | None = None) -> list[CompletionRecord]:
+        return self._sp._call(self._group.wait(timeout))
+
+    def take(self, k: int, accept: Callable[[CompletionRecord], bool] = lambda r: True,
+             timeout: float | None = None) -> GroupOutcome:
+        """``accept`` runs on the producer's thread."""
+        return self._sp._call(self._group.take(k, accept, timeout))
+
+    def abort(self) -> None:
+        self._sp._call(self._group.abort())
+
+
+class SyncSession:
+    """:class:`Session` for :class:`SyncProducer`: ``turn(new_ids, **fields)`` blocks for the reply."""
+
+    def __init__(self, producer: SyncProducer, session: Session):
+        self._sp = producer
+        self._session = session
+
+    key = property(lambda self: self._session.key)
+    conversation = property(lambda self: self._session.conversation)
+    records = property(lambda self: self._session.records)
+
+    def turn(self, new_ids: list[int], **fields: Any) -> CompletionRecord:
+        return self._sp._call(self._session.turn(new_ids, **fields))
+
+
+class SyncWeightSync:
+    """``producer.weight_sync(...)`` for :class:`SyncProducer`: a ``with`` block; ``push`` runs on
+    the producer's loop and returns its :class:`~redroll.producer.weight_sync.PushReport`."""
+
+    def __init__(self, producer: SyncProducer, sync: Any):
+        self._sp = producer
+        self._sync = sync
+
+    def __enter__(self) -> "SyncWeightSync":
+        self._sp._call(self._sync.__aenter__())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._sp._call(self._sync.__aexit__(*exc))
+
+    def push(self, named_tensors: Iterable[tuple[str, Any]], version: str, *,
+             checkpoint_path: str | None = None) -> Any:
+        return self._sp._call(self._sync.push(list(named_tensors), version, checkpoint_path=checkpoint_path))
