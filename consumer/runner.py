@@ -63,6 +63,8 @@ class ConsumerStats:
     trimmed: int = 0
     refusals: int = 0
     """Times Redis refused this consumer's markers or dead letters (out of memory, ...)."""
+    unhandled: int = 0
+    """Deliveries of records this consumer has no handler for (left pending, see ConsumerRunner)."""
 
 
 @dataclass
@@ -74,6 +76,20 @@ class _Item:
 
 
 class ConsumerRunner:
+    """Apply ``handlers[record.callback]`` (or ``default_handler`` to records that name no
+    callback) to each record of ``stream`` (default: the results streams), in consumer group ``group``.
+
+    A record whose callback this consumer has no handler for (a name it was not given, or no
+    callback while it has no ``default_handler``) is neither applied, acked nor dead-lettered:
+    it is left pending in the group, for a consumer of the group that has the handler (which
+    takes it over after ``claim_idle``), or for this one once it is restarted with it. Retention
+    (``trim_acked``) keeps it, since this group has not acked it. Each such name is logged once
+    (a warning) and every delivery is counted in ``stats.unhandled``; a record is never lost to
+    a missing handler. (Each time a consumer takes such a record over, its delivery count grows:
+    one that finally has the handler dead-letters it if that count is past ``max_deliveries``,
+    where ``redroll dead requeue`` brings it back.)
+    """
+
     def __init__(
         self,
         settings: Settings,
@@ -115,6 +131,7 @@ class ConsumerRunner:
         self._stopping = asyncio.Event()
         self._cursors = {s: "0-0" for s in self.streams}
         self._last_errors: dict[str, str] = {}
+        self._unhandled_names: set[str | None] = set()
         self.blocked: str | None = None
         """What Redis answered while it refuses this consumer's acks (None when it accepts them)."""
 
@@ -257,7 +274,8 @@ class ConsumerRunner:
                 item.record = None  # (the decoded records are the bulk of a batch's memory)
 
     async def _apply_chunk(self, items: list[_Item], stream: str, checked: Callable[[], None] | None = None) -> None:
-        """Dead-letter what cannot be applied, skip duplicates, ack what succeeded."""
+        """Dead-letter what cannot be applied, leave what has no handler here, skip duplicates, ack
+        what succeeded."""
         part = self._part_of[stream]
         runnable: list[_Item] = []
         for item in items:
@@ -266,16 +284,13 @@ class ConsumerRunner:
             except ValidationError as exc:
                 await self._dead_letter(item, exc.reason, stream)
                 continue
+            if self.registry.resolve(item.record) is None:
+                self._leave_unhandled(item.record)
+                continue
             if item.deliveries > self.settings.max_deliveries:
                 last = self._last_errors.pop(f"{stream}/{item.entry_id}", None)
                 reason = f"callback failed: delivered {item.deliveries} times (max_deliveries=" \
                          f"{self.settings.max_deliveries})" + (f"; last error: {last}" if last else "")
-                await self._dead_letter(item, reason, stream)
-                continue
-            if self.registry.resolve(item.record) is None:
-                name = item.record.callback
-                reason = (f"no handler registered under {name!r}" if name is not None
-                          else "record names no callback and this consumer has no default handler")
                 await self._dead_letter(item, reason, stream)
                 continue
             runnable.append(item)
@@ -309,6 +324,18 @@ class ConsumerRunner:
             # Hand back at once: the next reclaim pass retries it (and counts the delivery).
             await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i, _ in failed],
                                      idle_ms=self.settings.claim_idle_ms)
+
+    def _leave_unhandled(self, record: CompletionRecord) -> None:
+        """Leave a record this consumer has no handler for pending in the group (see the class)."""
+        self.stats.unhandled += 1
+        name = record.callback
+        if name not in self._unhandled_names:
+            self._unhandled_names.add(name)
+            log.warning("consumer %s (group %s): %s; such records (the first: %s) are left pending in the group "
+                        "for a consumer that has the handler", self.name, self.group,
+                        f"no handler registered under {name!r}" if name is not None
+                        else "records name no callback and this consumer has no default_handler",
+                        record.request_id)
 
     async def _apply_all(self, items: list[_Item]) -> list[BaseException | None]:
         """Run the handlers: sync ones inline, async ones concurrently. One result per item:

@@ -120,28 +120,39 @@ async def consume_until(settings, r, *, dead: int, applied: list[str]) -> Consum
     return runner
 
 
-async def test_unregistered_handler_is_dead_lettered_and_nothing_imported(settings, r):
+async def test_records_without_a_handler_stay_pending_for_one_that_has_it(settings, r, caplog):
+    """A record naming a callback this consumer has no handler for, or none while it has no
+    default handler, is never dead-lettered or trimmed: it stays pending in the group (counted,
+    its name logged once) until a consumer with the handler takes it over. Nothing is imported."""
     mod = "tests_never_imported_mod"
     assert mod not in sys.modules
     await produce(settings, r, ["evil-1"], callback="os:system")
-    await produce(settings, r, ["nope-1"], callback="nope")
+    await produce(settings, r, ["nope-1", "nope-2"], callback="nope")
     await produce(settings, r, ["mod-1"], callback=f"{mod}:fn")
     await produce(settings, r, ["nocb-1"], callback=None)
     await produce(settings, r, ["good-1"], callback="h")
-    runner = await consume_until(settings, r, dead=4, applied=["good-1"])
+    seen: list[str] = []
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: seen.append(rec.request_id)},
+                            block_ms=100, trim_interval_s=0.1)
+    with caplog.at_level("WARNING", logger="redroll.consumer"):
+        async with running(runner):
+            await wait_until(lambda: seen == ["good-1"] and runner.stats.unhandled >= 5, timeout=5)
+            await asyncio.sleep(0.3)  # (trim passes)
     assert mod not in sys.modules
-    dead = await dead_entries(r, settings)
-    by_rid = {d["rid"].decode(): d for d in dead}
-    assert set(by_rid) == {"evil-1", "nope-1", "mod-1", "nocb-1"}
-    assert b"'os:system'" in by_rid["evil-1"]["reason"]
-    assert b"'nope'" in by_rid["nope-1"]["reason"]
-    assert mod.encode() in by_rid["mod-1"]["reason"]
-    assert b"default handler" in by_rid["nocb-1"]["reason"]
-    for d in dead:
-        assert d["source"] == b"consumer:g"
-        assert "data" in d and "status" in d  # the original fields travel with the letter
-    assert runner.stats.dead_lettered == 4
-    assert await group_pending(r, settings.keys.results, "g") == 0
+    assert await r.xlen(settings.keys.dead) == 0 and runner.stats.dead_lettered == 0
+    assert await group_pending(r, settings.keys.results, "g") == 5
+    assert await trim_acked(r, settings.keys.results) == 0 and await r.xlen(settings.keys.results) == 6
+    said = [m for m in caplog.messages if "left pending" in m]
+    assert len(said) == 4 and sum("'nope'" in m for m in said) == 1  # (once per name)
+    assert any("no default_handler" in m for m in said)
+    # A consumer of the group with the handlers takes them over after claim_idle and applies them.
+    later: list[str] = []
+    fixed = ConsumerRunner(settings, group="g", handlers={"nope": lambda rec: later.append(rec.request_id)},
+                           default_handler=lambda rec: later.append(rec.request_id), block_ms=100)
+    async with running(fixed):
+        await wait_until(lambda: sorted(later) == ["nocb-1", "nope-1", "nope-2"], timeout=10)
+    assert await r.xlen(settings.keys.dead) == 0
+    assert await group_pending(r, settings.keys.results, "g") == 2  # (evil-1, mod-1: still nobody's)
 
 
 async def test_undecodable_records_are_dead_lettered_and_the_rest_applied(settings, r):
