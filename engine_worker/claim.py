@@ -63,6 +63,8 @@ class _Plan:
     cap: int
     """The most suspects it may run with on one worker."""
     condemned: str | None = None
+    group_deaths: int = 0
+    """Deaths it witnessed in a group (not in its delivery count)."""
 
 
 def _positive_int(value: Any) -> int | None:
@@ -343,7 +345,7 @@ class Claimer:
                 counted[field] = f"{deaths} {deaths_alone} {cap} {int(was_alone)} {owner}"
             assert cap is not None
             retry = times + 1 if was_alone else times
-            plan = _Plan(stream, entry_id, retry, cap)
+            plan = _Plan(stream, entry_id, retry, cap, group_deaths=deaths - deaths_alone)
             if was_alone and (deaths >= max_deliveries or retry > max_deliveries):
                 plan.condemned = (f"its worker died while it ran alone: {deaths} worker deaths witnessed "
                                   f"({deaths_alone} alone), delivered {retry} times (max_deliveries={max_deliveries})")
@@ -421,6 +423,7 @@ class Claimer:
             flight.reclaimed = True
             flight.suspect_cap = None if plan.condemned else plan.cap
             flight.condemned = plan.condemned
+            flight.uncounted_runs = plan.group_deaths
             started.append(flight)
         grouped = [f for f in started if f.condemned is None and (f.suspect_cap or 1) > 1]
         if grouped:

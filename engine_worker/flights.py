@@ -58,6 +58,14 @@ class InFlight:
     that advanced here)."""
     condemned: str | None = None
     """Why it is dead-lettered without running (it killed the worker that ran it alone)."""
+    uncounted_runs: int = 0
+    """Runs its delivery count leaves out: the deaths it witnessed in a group ("halving" keeps the
+    count there, so that innocent neighbours of a poison request are not dead-lettered with it)."""
+
+    @property
+    def attempt(self) -> int:
+        """Which run of the request this is (the records' ``meta_info.attempt``)."""
+        return self.deliveries + self.uncounted_runs
 
     @property
     def generating(self) -> bool:

@@ -143,7 +143,7 @@ class Outcomes:
             record = CompletionRecord.failed(request, request_id=request_id, status=RecordStatus.ERROR,
                                              error=reason, worker=ctx.name,
                                              n=request.n if request else 1,
-                                             meta_info={"worker": ctx.name, "attempt": flight.deliveries})
+                                             meta_info={"worker": ctx.name, "attempt": flight.attempt})
             if request is None and error is not None:
                 record.callback = error.callback  # (routed to the handler the request named)
         flight.publishing = True

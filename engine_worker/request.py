@@ -235,7 +235,7 @@ class RequestRunner:
         ctx = self.ctx
         status = (flight.stop_status or RecordStatus.ABORTED) if output.aborted else RecordStatus.FINISHED
         record = build_record(request, output, status=status, worker=ctx.name, info=ctx.engine.info,
-                              attempt=flight.deliveries, queue_ms=queue_ms, engine_ms=engine_ms)
+                              attempt=flight.attempt, queue_ms=queue_ms, engine_ms=engine_ms)
         if status is not RecordStatus.FINISHED:
             record.meta_info["abort_reason"] = flight.stop_reason or "engine"
         ctx.stats.tokens += record.meta_info.get("completion_tokens", 0)
@@ -275,7 +275,7 @@ class RequestRunner:
             request, request_id=request.request_id, status=status,  # type: ignore[arg-type]
             error=None if status is RecordStatus.ABORTED else "deadline passed before start",
             worker=self.ctx.name, n=request.n,
-            meta_info={"worker": self.ctx.name, "attempt": flight.deliveries, "queue_ms": round(queue_ms, 3),
+            meta_info={"worker": self.ctx.name, "attempt": flight.attempt, "queue_ms": round(queue_ms, 3),
                        "weight_version": self.ctx.engine.info.weight_version, "abort_reason": flight.stop_reason})
 
     async def _wait_for_weights(self, flight: InFlight, fields: dict, request: GenerationRequest) -> None:
