@@ -605,6 +605,14 @@ class Producer:
                     last_ids = {stream: "0" for stream in streams}
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+                except Exception as exc:
+                    # Anything else (a cluster client giving up mid-failover: "TTL exhausted", a bug)
+                    # must not end the reader for good: its waiters would wait forever.
+                    ahead = drop_read(ahead)
+                    log.exception("reply reader: %s; reading again in %.1fs", type(exc).__name__, delay)
+                    last_ids = {stream: "0" for stream in streams}
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
         finally:
             drop_read(ahead)
 

@@ -70,3 +70,7 @@ async def watch(r: Redis, positions: dict[str, str], reply_streams: set[str],
             log.warning("dead-letter watch: redis unavailable (%s); retrying in %.1fs", exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+        except Exception as exc:  # (a cluster client giving up mid-failover, a bug: the watch goes on)
+            log.exception("dead-letter watch: %s; retrying in %.1fs", type(exc).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -85,6 +85,27 @@ async def test_generate_submits_and_waits_in_one_call(settings):
             await p.generate(prompt="slow", sampling_params={"max_new_tokens": 4}, timeout=0)
 
 
+async def test_the_reply_reader_survives_an_unexpected_redis_error(settings, monkeypatch):
+    """A cluster client that gives up mid-failover raises ClusterError ("TTL exhausted"), which is
+    neither a connection nor a response error: the reader reads again instead of ending for good."""
+    from redroll.producer import client
+
+    real = client.read_group
+    raised = asyncio.Event()
+
+    async def flaky(*args, **kwargs):
+        if not raised.is_set():
+            raised.set()
+            raise redis.exceptions.ClusterError("TTL exhausted.")
+        return await real(*args, **kwargs)
+
+    async with running_worker(settings), Producer(settings, block_ms=100) as p:
+        monkeypatch.setattr(client, "read_group", flaky)  # (after the start: its reads go on)
+        await asyncio.wait_for(raised.wait(), 10)
+        record = await p.generate(prompt="after", sampling_params=SP, timeout=20)
+    assert record.status is RecordStatus.FINISHED
+
+
 async def test_async_callback_and_as_completed(settings):
     seen: list[str] = []
 
