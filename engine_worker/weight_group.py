@@ -52,6 +52,13 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def joined(group: "WeightGroup | None", name: str) -> "WeightGroup":
+    """``group`` when it is the push's group ``name``; a push for another group is refused."""
+    if group is None or group.name != name:
+        raise RuntimeError(f"not in weight-update group {name!r}")
+    return group
+
+
 @dataclass
 class WeightGroup:
     """One process group: ``rank`` of ``world_size``, named ``name``."""
@@ -128,6 +135,11 @@ class WeightGroup:
             work.wait()
         finally:
             del work  # (a failed call's traceback must not keep the group alive: see close)
+
+    def receive(self, tensors: Any) -> None:
+        """Receive a push from rank 0: each tensor in turn, in place, in the trainer's order."""
+        for tensor in tensors:
+            self.broadcast(tensor, 0)
 
     def close(self) -> None:
         """Leave: the other ranks' pending collectives with this one fail at once. (Dropping the

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from redroll.errors import RedrollError
 
-from ..weight_group import WeightGroup, torch_dtype
+from ..weight_group import WeightGroup, joined, torch_dtype
 
 
 class WeightsRefused(RedrollError, ValueError):
@@ -44,9 +44,7 @@ class TorchWeights:
     async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
                               in_place: bool = True) -> None:
         """Receive the broadcast tensors, in order, into staging (the model keeps serving)."""
-        group = self._group
-        if group is None or group.name != group_name:
-            raise RuntimeError(f"not in weight-update group {group_name!r}")
+        group = joined(self._group, group_name)
         import torch
 
         params = dict(self._model.named_parameters())
@@ -55,11 +53,7 @@ class TorchWeights:
             self._check_fits(params, spec.name, list(spec.shape), spec.dtype)
             buffers.append((spec.name, torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))))
 
-        def receive() -> None:
-            for _, tensor in buffers:
-                group.broadcast(tensor, 0)
-
-        await asyncio.to_thread(receive)
+        await asyncio.to_thread(group.receive, [tensor for _, tensor in buffers])
         self._staged = (version, dict(buffers))
 
     async def commit_weights(self, version: str) -> None:

@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..weight_group import WeightGroup, torch_dtype
+from ..weight_group import WeightGroup, joined, torch_dtype
 from .sglang_engine import EngineCommandRefused, WeightUpdateError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -101,9 +101,7 @@ class VLLMWeights:
     async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
                               in_place: bool = True) -> None:
         """Receive the broadcast, in order, into staging (vLLM keeps serving the old weights)."""
-        group = self._group
-        if group is None or group.name != group_name:
-            raise RuntimeError(f"not in weight-update group {group_name!r}")
+        group = joined(self._group, group_name)
         problem = self._incomplete(specs)
         import torch
 
@@ -111,13 +109,9 @@ class VLLMWeights:
         buffers = [(spec.name, torch.empty(list(spec.shape), dtype=torch_dtype(spec.dtype), device=device))
                    for spec in specs]
 
-        def receive() -> None:
-            for _, tensor in buffers:
-                group.broadcast(tensor, 0)
-
         # (an incomplete push is still received, into scratch: the collective stays in step and the
         # trainer hears why this worker refused it, instead of a connection closed by a peer)
-        await asyncio.to_thread(receive)
+        await asyncio.to_thread(group.receive, [tensor for _, tensor in buffers])
         if problem is not None:
             raise WeightUpdateError(problem)
         self._staged = (version, dict(buffers), in_place)
