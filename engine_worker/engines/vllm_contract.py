@@ -52,7 +52,8 @@ SOURCES = {
     "FINISH_REASON_STRINGS": "v1/engine/__init__.py",  # :36
     "LogprobsMode": "config/model.py",  # :100
     "Worker": "v1/worker/gpu_worker.py",  # :192 (the CPU build's CPUWorker subclasses it, cpu_worker.py:32)
-    "GPUModelRunner": ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"),  # (0.34: the second)  # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23)
+    # :467 (CPUModelRunner subclasses it, cpu_model_runner.py:23); 0.34 moved it to the second path
+    "GPUModelRunner": ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"),
     "envs": "envs.py",
     "ModelConfig": "config/model.py",  # what AsyncLLM.model_config holds
     "Platform": "platforms/interface.py",  # vllm.platforms.current_platform is one

@@ -97,11 +97,10 @@ class VLLMEngine(VLLMWeights):
                                       tokenizer=True)
 
     def __init__(self, model_path: str, *, checkpoint_stream_interval: int = 256, pause_mode: str = "in_place",
-                 weight_version: str | None = None, llm_factory: Any = None, **engine_options: Any) -> None:
+                 weight_version: str | None = None, **engine_options: Any) -> None:
         if pause_mode not in ("in_place", "retract"):
             raise ValueError(f"pause_mode {pause_mode!r} is not in_place or retract")
-        self.process = VLLMProcess(model_path, weight_version=weight_version, llm_factory=llm_factory,
-                                   **engine_options)
+        self.process = VLLMProcess(model_path, weight_version=weight_version, **engine_options)
         self.info = self.process.info
         self.info.name = ENGINE_NAME
         self.info.logprob_mode = LOGPROB_MODE
@@ -274,10 +273,9 @@ class VLLMEngine(VLLMWeights):
             sample.top.extend(top)
         else:
             sample.token_ids, sample.logprobs, sample.top = ids, logprobs, top
-        self.tokens_decoded += len(ids) if delta else 0
+        if delta or out.finished:  # (a final-only output counts once, at the end)
+            self.tokens_decoded += len(ids)
         if out.finished:
-            if not delta:
-                self.tokens_decoded += len(ids)
             sample.finish_reason = _finish_reason(completion.finish_reason, sample)
             sample.weight_spans = getattr(completion, "weight_versions", None)
 

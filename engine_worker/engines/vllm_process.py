@@ -48,8 +48,7 @@ class VLLMProcess:
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  dtype: str = "auto", enable_prefix_caching: bool = True, kv_cache_gib: float | None = None,
                  seed: int | None = None, enforce_eager: bool | None = None, enable_sleep_mode: bool = False,
-                 weight_version: str | None = None, extra_args: dict | None = None,
-                 llm_factory: Any = None) -> None:
+                 weight_version: str | None = None, extra_args: dict | None = None) -> None:
         named: dict[str, Any] = {
             "tensor_parallel_size": tensor_parallel_size, "max_num_seqs": max_num_seqs,
             "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len, "dtype": dtype,
@@ -70,7 +69,6 @@ class VLLMProcess:
                                         "worker_extension_cls": EXTENSION_CLASS}
         self._kwargs.update({k: v for k, v in named.items() if v is not None})
         self._kwargs.update(extra)
-        self._factory = llm_factory
         # (one rank in a trainer's push whatever the tensor-parallel size: this process receives it)
         self.info = EngineInfo(name="vllm", model=model_path, weight_version=weight_version or "0",
                                max_context=max_model_len, weight_ranks=1)
@@ -107,12 +105,7 @@ class VLLMProcess:
         and the build (tens of seconds) run in a thread, so the event loop goes on meanwhile."""
         if self.llm is not None:
             return
-        factory = self._factory
-        if factory is None:
-            factory = await asyncio.to_thread(self._prepare)
-        else:
-            self._request_output_kind = getattr(factory, "RequestOutputKind", None)
-            self._sampling_params_class = getattr(factory, "SamplingParams", None)
+        factory = await asyncio.to_thread(self._prepare)
         self.guard = ChildGuard.start()
         before = self.guard.children_now() if self.guard is not None else set()
         try:
