@@ -86,17 +86,38 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-async def run_pipeline(settings: Settings, args: argparse.Namespace, requests: list[GenerationRequest]) -> dict:
+def _rates(elapsed: float, counts: list[int], failed: int = 0) -> dict:
+    tokens = sum(counts)
+    return {"seconds": elapsed, "tokens": tokens, "requests": len(counts), "failed": failed,
+            "tokens_per_s": tokens / elapsed, "requests_per_s": len(counts) / elapsed}
+
+
+def _renamed(requests: list[GenerationRequest], prefix: str) -> list[GenerationRequest]:
+    out = [msgspec.structs.replace(r) for r in requests]
+    for r in out:
+        r.request_id = f"{prefix}-{r.request_id}"
+    return out
+
+
+def start_worker(settings: Settings, args: argparse.Namespace) -> subprocess.Popen:
+    """The pipeline's worker process, on the private server and namespace."""
     env = dict(os.environ, REDROLL_REDIS_URL=settings.redis_url, REDROLL_NAMESPACE=settings.namespace,
                PYTHONPATH=str(ROOT))
-    worker = subprocess.Popen(worker_argv(args), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=None if args.verbose else subprocess.DEVNULL)
+    return subprocess.Popen(worker_argv(args), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=None if args.verbose else subprocess.DEVNULL)
+
+
+def warm_requests(args: argparse.Namespace, n: int) -> list[GenerationRequest]:
+    """Requests to warm up on (model load, first batch), with ids of their own."""
+    return _renamed(build_requests(n, args.max_new_tokens, args.vocab, seed=99), "warm")
+
+
+async def run_pipeline(settings: Settings, args: argparse.Namespace, requests: list[GenerationRequest]) -> dict:
+    worker = start_worker(settings, args)
     try:
         async with Producer(settings) as producer:
             # Warm up (model load, first batch), then measure.
-            warm = build_requests(min(8, len(requests)), args.max_new_tokens, args.vocab, seed=99)
-            for req in warm:
-                req.request_id = "warm-" + req.request_id
+            warm = warm_requests(args, min(8, len(requests)))
             await asyncio.wait_for(asyncio.gather(*await producer.submit_many(warm)), args.timeout)
             start = time.perf_counter()
             records = await asyncio.wait_for(asyncio.gather(*await producer.submit_many(requests)), args.timeout)
@@ -104,10 +125,8 @@ async def run_pipeline(settings: Settings, args: argparse.Namespace, requests: l
     finally:
         worker.terminate()
         worker.wait(120)
-    tokens = sum(len(s) for rec in records for s in rec.output_token_ids)
-    failed = sum(1 for rec in records if not rec.ok)
-    return {"seconds": elapsed, "tokens": tokens, "requests": len(records), "failed": failed,
-            "tokens_per_s": tokens / elapsed, "requests_per_s": len(records) / elapsed}
+    return _rates(elapsed, [sum(len(s) for s in rec.output_token_ids) for rec in records],
+                  sum(1 for rec in records if not rec.ok))
 
 
 async def run_direct(args: argparse.Namespace, requests: list[GenerationRequest]) -> dict:
@@ -125,41 +144,20 @@ async def run_direct(args: argparse.Namespace, requests: list[GenerationRequest]
             return sum(len(s.token_ids) for s in out.samples)
 
     try:
-        warm = build_requests(min(8, len(requests)), args.max_new_tokens, args.vocab, seed=99)
-        for req in warm:
-            req.request_id = "warm-" + req.request_id
-        await asyncio.gather(*(one(r) for r in warm))
+        await asyncio.gather(*(one(r) for r in warm_requests(args, min(8, len(requests)))))
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(r) for r in requests))
         elapsed = time.perf_counter() - start
     finally:
         await engine.close()
-    tokens = sum(counts)
-    return {"seconds": elapsed, "tokens": tokens, "requests": len(requests), "failed": 0,
-            "tokens_per_s": tokens / elapsed, "requests_per_s": len(requests) / elapsed}
-
-
-def _rates(elapsed: float, counts: list[int], failed: int = 0) -> dict:
-    tokens = sum(counts)
-    return {"seconds": elapsed, "tokens": tokens, "requests": len(counts), "failed": failed,
-            "tokens_per_s": tokens / elapsed, "requests_per_s": len(counts) / elapsed}
-
-
-def _renamed(requests: list[GenerationRequest], prefix: str) -> list[GenerationRequest]:
-    out = [msgspec.structs.replace(r) for r in requests]
-    for r in out:
-        r.request_id = f"{prefix}-{r.request_id}"
-    return out
+    return _rates(elapsed, list(counts))
 
 
 async def run_vllm_pairs(settings: Settings, args: argparse.Namespace, requests: list[GenerationRequest]) -> dict:
     """Both sides up, runs alternated: pipeline then direct, ``args.pairs`` times."""
     from redroll.engine_worker.engines.vllm_engine import VLLMEngine
 
-    env = dict(os.environ, REDROLL_REDIS_URL=settings.redis_url, REDROLL_NAMESPACE=settings.namespace,
-               PYTHONPATH=str(ROOT))
-    worker = subprocess.Popen(worker_argv(args), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=None if args.verbose else subprocess.DEVNULL)
+    worker = start_worker(settings, args)
     engine = VLLMEngine(**engine_options(args))
     pairs = []
     try:
@@ -186,9 +184,9 @@ async def run_vllm_pairs(settings: Settings, args: argparse.Namespace, requests:
                 counts = await asyncio.gather(*(one(r) for r in batch))
                 return _rates(time.perf_counter() - start, list(counts))
 
-            warm = build_requests(min(16, len(requests)), args.max_new_tokens, args.vocab, seed=99)
-            await pipeline(_renamed(warm, "warm"))
-            await direct(_renamed(warm, "warm"))
+            warm = warm_requests(args, min(16, len(requests)))
+            await pipeline(warm)
+            await direct(warm)
             for i in range(args.pairs):
                 p = await pipeline(_renamed(requests, f"p{i}"))
                 d = await direct(_renamed(requests, f"d{i}"))
