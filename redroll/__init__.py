@@ -17,10 +17,8 @@ each is exported here.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from redroll.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
+from redroll.errors import lazy_names
 
 __version__ = "0.2.0"
 
@@ -46,14 +44,4 @@ _EXPORTS.update(_ERRORS_DEFINED_IN)
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'redroll' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())

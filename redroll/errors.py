@@ -70,14 +70,22 @@ _DEFINED_IN = {
 __all__ = sorted(["RedrollError", "ConnectionUnavailableError", *_DEFINED_IN])
 
 
-def __getattr__(name: str) -> Any:
-    module = _DEFINED_IN.get(name)
-    if module is None:
-        raise AttributeError(f"module 'redroll.errors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def lazy_names(module_name: str, defined_in: dict[str, str], namespace: dict[str, Any]) -> tuple[Any, Any]:
+    """A module's ``__getattr__`` and ``__dir__`` (PEP 562) for names imported on first use from
+    where ``defined_in`` says they live (then kept in ``namespace``, the module's globals)."""
+
+    def getattr_(name: str) -> Any:
+        module = defined_in.get(name)
+        if module is None:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted([*namespace, *defined_in])
+
+    return getattr_, dir_
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_DEFINED_IN])
+__getattr__, __dir__ = lazy_names(__name__, _DEFINED_IN, globals())
