@@ -9,8 +9,15 @@ import re
 import sys
 from typing import Any, Sequence
 
-from redroll.commands.options import SETTING_DEFAULTS, add_connection_options, positive_gib, settings_from_args
+from redroll.commands.options import (
+    SETTING_DEFAULTS,
+    add_connection_options,
+    non_negative_int,
+    positive_gib,
+    settings_from_args,
+)
 from redroll.commands.serving import serve
+from redroll.shared.settings import RECOVERY_SPLITS, Settings
 
 ENGINES = ["vllm", "sglang", "transformers", "synthetic"]
 """The engines ``redroll worker --engine`` runs (no default: a worker is told which)."""
@@ -86,6 +93,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-deliveries", type=int, default=None,
                    help="dead-letter a request after this many deliveries "
                         f"(env REDROLL_MAX_DELIVERIES; default {SETTING_DEFAULTS.max_deliveries})")
+    p.add_argument("--claim-prefetch", type=non_negative_int, default=None, metavar="N",
+                   help="claim what the engine can start now plus N more, so a freed slot is refilled without "
+                        "waiting for a claim (env REDROLL_CLAIM_PREFETCH; default "
+                        f"{SETTING_DEFAULTS.claim_prefetch}; as large as --max-inflight: claim up to it at once)")
+    p.add_argument("--recovery-split", choices=RECOVERY_SPLITS, default=None,
+                   help="how the entries of a worker that died are taken back: halving runs them in ever "
+                        "smaller groups until a request that kills workers is alone, alone runs each one by "
+                        f"itself (env REDROLL_RECOVERY_SPLIT; default {SETTING_DEFAULTS.recovery_split})")
     p.add_argument("--drain-timeout", type=float, default=None,
                    help=f"seconds to finish in-flight work on SIGTERM (env REDROLL_DRAIN_TIMEOUT_S; default "
                         f"{SETTING_DEFAULTS.drain_timeout_s:g})")
@@ -116,12 +131,18 @@ async def run(args: argparse.Namespace) -> int:
     return await run_worker(args)
 
 
+def worker_settings(args: argparse.Namespace) -> Settings:
+    """The worker's settings: defaults, then ``REDROLL_*`` variables, then its flags."""
+    return settings_from_args(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
+                              drain_timeout_s=args.drain_timeout, claim_prefetch=args.claim_prefetch,
+                              recovery_split=args.recovery_split)
+
+
 async def run_worker(args: argparse.Namespace) -> int:
     from redroll.engine_worker.engines import create_engine
     from redroll.engine_worker.worker import Worker
 
-    settings = settings_from_args(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
-                                  drain_timeout_s=args.drain_timeout)
+    settings = worker_settings(args)
     options: dict[str, Any] = {}
     if args.engine == "synthetic":
         options = {"token_ms": args.token_ms, "vocab_size": args.vocab_size, "jitter": args.jitter,
