@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
 
 import msgspec
@@ -32,7 +33,7 @@ from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStat
 from . import dead_notices
 from .replies import BeforeAckError, Callback, ReplyReader, _Waiter
 from .request import make_request, request_stream
-from .rollout import RolloutGroup, continuation, group_members, stitch
+from .rollout import RolloutGroup, group_members, next_segment, stitch_segments
 from .sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
 
 if TYPE_CHECKING:
@@ -42,6 +43,19 @@ __all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "make_reque
            "send_each", "submit_batch", "submit_until_accepted"]
 
 log = logging.getLogger("redroll.producer")
+
+
+_warned_renames: set[str] = set()
+"""The deprecated names this process was already warned about (each warns once)."""
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """A DeprecationWarning, the first time in this process, that ``Producer.old`` is now ``Producer.new``."""
+    if old in _warned_renames:
+        return
+    _warned_renames.add(old)
+    warnings.warn(f"Producer.{old} is renamed Producer.{new}; the old name will be removed in a later release",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> None:
@@ -412,14 +426,16 @@ class Producer(ReplyReader):
 
         return Session(self, key) if key else Session(self)
 
-    async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
-                                 **fields: Any) -> CompletionRecord:
-        """Generate one sample that survives weight updates with ``abort_inflight``: each time it is
-        cut short by one, resubmit prompt + partial tokens with the remaining budget, then stitch
-        the segments (ids, logprobs, per-segment weight versions) into one record."""
+    async def generate_across_updates(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
+                                      **fields: Any) -> CompletionRecord:
+        """Generate one sample that survives weight updates with ``abort_inflight``: each time one
+        cuts it short, submit the rest as a new segment (prompt + tokens so far, the remaining
+        budget, the same seed), then stitch the segments (ids, logprobs, per-segment weight
+        versions) into one record. (A dead worker is survived by the request flag ``resumable``
+        instead, which the workers handle: see :mod:`redroll.shared.continuing`.)"""
         original = request or make_request(**fields)
         if original.n != 1:
-            raise ValueError("generate_resumable is single-sample; use submit_group for n samples")
+            raise ValueError("generate_across_updates is single-sample; use submit_group for n samples")
         original = msgspec.structs.replace(original, collect_unfinished=True)
         segments: list[CompletionRecord] = []
         current: GenerationRequest | None = original
@@ -429,8 +445,14 @@ class Producer(ReplyReader):
             if rec.status is not RecordStatus.ABORTED or rec.meta_info.get("abort_reason") != "weight_update":
                 break
             so_far = [t for seg in segments for t in seg.output_token_ids[0]]
-            current = continuation(original, so_far, len(segments))
-        return stitch(original.request_id, segments)
+            current = next_segment(original, so_far, len(segments))
+        return stitch_segments(original.request_id, segments)
+
+    async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
+                                 **fields: Any) -> CompletionRecord:
+        """Deprecated: the old name of :meth:`generate_across_updates` (warns once per process)."""
+        warn_renamed("generate_resumable", "generate_across_updates")
+        return await self.generate_across_updates(request, max_segments=max_segments, **fields)
 
     async def update_weights(self, model_path: str, weight_version: str, *, abort_inflight: bool = False,
                              mode: str | None = None, wait: bool = True,
