@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import (
+    EngineCapabilities,
+    EngineInfo,
+    EngineOutput,
+    SampleOutput,
+    check_context,
+    check_token_ids,
+    refuse_extras,
+)
 from .prefix_cache import PrefixCache
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
@@ -234,13 +242,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         ids = list(tokenizer.encode(request.prompt))
         if not ids:
             raise ValidationError("prompt", "tokenizes to no tokens")
-        max_new = request.sampling_params.max_new_tokens
-        if self.info.max_context is not None and len(ids) + max_new > self.info.max_context:
-            raise ValidationError(
-                "prompt",
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model context "
-                f"of {self.info.max_context}",
-            )
+        check_context(request, len(ids), self.info.max_context)
         return ids
 
     @property
