@@ -78,3 +78,13 @@ async def test_the_old_name_generate_resumable_warns_once_and_runs_the_new_one(m
         warnings.simplefilter("error")  # a second warning would raise here
         assert await producer.generate_resumable(None, input_ids=[2]) == "record"
     assert calls == [(None, 3, {"input_ids": [1]}), (None, 16, {"input_ids": [2]})]
+
+
+def test_the_sync_producers_old_name_warns_and_runs_the_new_one(monkeypatch):
+    from redroll.producer.sync import SyncProducer
+
+    monkeypatch.setattr(client, "_warned_renames", set())
+    monkeypatch.setattr(SyncProducer, "generate_across_updates", lambda self, request=None, **fields: ("new", fields))
+    producer = SyncProducer.__new__(SyncProducer)  # (no loop thread: only the alias runs)
+    with pytest.warns(DeprecationWarning, match="generate_resumable"):
+        assert producer.generate_resumable(None, input_ids=[1]) == ("new", {"input_ids": [1]})
