@@ -241,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=_positive_seconds, default=5.0,
                    help="seconds between snapshots of the pipeline (each scrape reads the latest)")
 
+    from redroll import dashboard_cli
+
+    dashboard_cli.add_parser(sub)
+
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
     _common(p)
     p.add_argument("action", choices=["update", "release", "resume", "show"])
@@ -854,6 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "abort": _run_abort,
                   "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "lanes": _run_lanes,
                   "dead": _run_dead, "gc": _run_gc}
+        if args.command == "dashboard":
+            from redroll import dashboard_cli
+
+            runner["dashboard"] = dashboard_cli.run
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130
