@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from redroll import dashboard_cli
 
-    dashboard_cli.add_parser(sub)
+    dashboard_cli.add_parser(sub, _common)
 
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
     _common(p)
@@ -861,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dashboard":
             from redroll import dashboard_cli
 
-            runner["dashboard"] = dashboard_cli.run
+            runner["dashboard"] = lambda a: dashboard_cli.run(a, _settings(a))
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130

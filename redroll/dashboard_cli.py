@@ -15,23 +15,33 @@ import logging
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from redroll.shared.settings import Settings
 
 log = logging.getLogger("redroll.dashboard")
 
 ADMIN_FLAGS = ("admin_url", "admin_username", "admin_password_file", "token_file")
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Register ``redroll dashboard`` on the command line's sub-parsers."""
-    from redroll.cli import _common, _positive_seconds
+def _interval(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 3600 seconds, got {raw}")
+    return value
 
+
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """Register ``redroll dashboard`` on the command line's sub-parsers (``common`` adds the connection flags)."""
     p = sub.add_parser("dashboard", help="serve a live web page of the pipeline: queues, workers, weight versions, "
                                          "dead letters (requeue and purge with --allow-actions)")
-    _common(p)
+    common(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
     p.add_argument("--port", type=int, default=8470, help="the port (0 = any free port; the URL is printed)")
-    p.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between the page's refreshes")
+    p.add_argument("--interval", type=_interval, default=1.0, help="seconds between the page's refreshes")
     g = p.add_argument_group("actions that change state (requeue and purge dead letters)")
     g.add_argument("--allow-actions", action="store_true",
                    help="enable requeue and purge on the page; needs administrator credentials and --token-file")
@@ -75,9 +85,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted. Exit status 2 for arguments that cannot start it."""
-    from redroll.cli import _settings
+async def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve until interrupted (``settings``: the connection flags and environment). Exit status 2 for
+    arguments that cannot start it."""
     from redroll.shared.connection import connect
 
     problem = refusal(args)
@@ -92,7 +102,6 @@ async def run(args: argparse.Namespace) -> int:
         print(f"redroll dashboard: needs Starlette and uvicorn: pip install 'redroll[dashboard]' ({exc})",
               file=sys.stderr)
         return 2
-    settings = _settings(args)
     admin_settings = None
     if args.allow_actions:
         admin_settings = settings.with_(redis_url=args.admin_url or settings.redis_url,

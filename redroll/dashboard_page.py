@@ -54,8 +54,9 @@ _BODY = """
  <div class="figure"><b id="workers-stale">-</b><span>workers stale</span></div>
 </div>
 <p class="sub">finished / s and tokens / s are differences between two status reads: each live worker's
-published-records and output-token counters (from its heartbeat) over the time between its two heartbeats.
-The 1-minute figures are the workers' own averages.</p>
+counters of published records and of tokens (decoded so far where its engine counts them, else those of
+published records), from its heartbeat, over the time between its two heartbeats.
+The 1-minute figures are the workers' own averages of published records and their tokens.</p>
 <div id="lanes-box" hidden><h2>Affinity lanes</h2><table id="lanes"><thead><tr><th>lane stream</th>
 <th>queued</th><th>in flight</th><th>owner</th></tr></thead><tbody></tbody></table></div>
 <div id="partitions-box" hidden><h2>Partitions</h2><table id="partitions"><thead><tr><th>partition</th>
@@ -114,11 +115,12 @@ function rates(status) {   // differences between this read and the previous one
   let finished = 0, tokens = 0;
   for (const w of status.workers) {
     const before = previous[w.name];
-    let r = {seen: w.seen, published: w.published, tokens: w.tokens, finished_s: 0, tokens_s: 0};
-    if (w.alive && before && w.seen > before.seen && w.published >= before.published && w.tokens >= before.tokens) {
+    const made = w.tokens_decoded ?? w.tokens;   // tokens decoded so far where the engine counts them
+    let r = {seen: w.seen, published: w.published, tokens: made, finished_s: 0, tokens_s: 0};
+    if (w.alive && before && w.seen > before.seen && w.published >= before.published && made >= before.tokens) {
       const dt = w.seen - before.seen;
       r.finished_s = (w.published - before.published) / dt;
-      r.tokens_s = (w.tokens - before.tokens) / dt;
+      r.tokens_s = (made - before.tokens) / dt;
     } else if (w.alive && before && w.seen === before.seen) {   // no new heartbeat yet: keep the last rate
       r = before;
     }
@@ -183,7 +185,11 @@ function renderStatus(s, desired) {
     cell("version", v, {class: want != null && v !== want ? "old" : ""}), cell("workers", counts[v]))));
 }
 
-function renderDead(entries) {
+let shownDead = null;
+function renderDead(entries) {   // redrawn only when the entries change (a button about to be clicked stays)
+  const key = JSON.stringify(entries.map((e) => [e.id, e.request_id, e.source, e.deliveries, e.reason]));
+  if (key === shownDead) return;
+  shownDead = key;
   fill("dead", entries.map((e) => {
     const actions = el("td", {});
     if (CONFIG.actions) {

@@ -10,12 +10,10 @@ actions that change state (403 when disabled, 401 without the token), without a 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ import pytest
 from redroll.producer.client import make_request, send
 from redroll.shared.codec import encode_request
 from redroll.status import collect_pipeline_status
-from tests.conftest import read_jsonl, spawn, stop_process, wait_until  # noqa: F401
+from tests.conftest import spawn, stop_process, wait_until
 
 pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
@@ -130,3 +128,202 @@ def test_cli_refuses_half_configured_actions(tmp_path, settings):
         proc = run_cli(settings, "dashboard", "--port", "0", *flags, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# The browser test ------------------------------------------------------------------------------
+
+PAGE_FIGURES = r"""
+const text = (id) => document.getElementById(id).textContent;
+const ids = ["queued-total", "queued-normal", "queued-high", "queued-lanes", "inflight-normal", "inflight-high",
+             "inflight-lanes", "results-length", "dead-count", "workers-alive", "workers-stale", "rate-finished",
+             "rate-tokens", "rate-finished-1m", "rate-tokens-1m", "weights-desired", "weights-old"];
+const cells = (tr) => Object.fromEntries([...tr.querySelectorAll("td[data-col]")].map((td) => [td.dataset.col,
+                                                                                               td.textContent]));
+return {
+  time: document.getElementById("snapshot-time").dataset.time,
+  figures: Object.fromEntries(ids.map((id) => [id, text(id)])),
+  alerts: [...document.querySelectorAll("#alerts li")].map((li) => [li.className, li.textContent]),
+  groups: Object.fromEntries([...document.querySelectorAll("#groups tbody tr")].map((tr) => [tr.dataset.group,
+                                                                                            cells(tr)])),
+  workers: Object.fromEntries([...document.querySelectorAll("#workers tbody tr")].map((tr) => [tr.dataset.worker,
+    Object.assign(cells(tr), {seen: tr.querySelector("td[data-col=seen]").dataset.seen})])),
+  versions: Object.fromEntries([...document.querySelectorAll("#versions tbody tr")].map((tr) => [tr.dataset.version,
+                                                                                                cells(tr).workers])),
+  dead: [...document.querySelectorAll("#dead tbody tr")].map((tr) => tr.dataset.dead),
+};
+"""
+
+
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver is None:
+        pytest.fail("the dashboard test needs Debian's chromium and chromium-driver: apt-get install -y chromium "
+                    "chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,2400"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+
+
+def expected_page(doc: dict, desired: str) -> dict:
+    """What the page must show for the status document ``doc`` (the desired weight version ``desired``)."""
+    lanes = doc.get("lanes") or {"backlog": 0, "pending": 0}
+    live = [w for w in doc["workers"] if w["alive"]]
+    versions: dict[str, str] = {}
+    for w in live:
+        versions[str(w["weight_version"])] = str(sum(1 for x in live if x["weight_version"] == w["weight_version"]))
+    return {
+        "figures": {"queued-total": str(doc["queued_total"]), "queued-normal": str(doc["requests"]["backlog"]),
+                    "queued-high": str(doc["requests_high"]["backlog"]), "queued-lanes": str(lanes["backlog"]),
+                    "inflight-normal": str(doc["requests"]["pending"]),
+                    "inflight-high": str(doc["requests_high"]["pending"]), "inflight-lanes": str(lanes["pending"]),
+                    "results-length": str(doc["results"]["length"]), "dead-count": str(doc["dead_letters"]),
+                    "workers-alive": str(doc["workers_alive"]), "workers-stale": str(doc["workers_stale"]),
+                    "weights-desired": desired,
+                    "weights-old": str(sum(1 for w in live if str(w["weight_version"]) != desired))},
+        "alerts": [["alert", a] for a in doc["alerts"]] + [["warning", w] for w in doc["warnings"]],
+        "groups": {g["group"]: {"group": g["group"], "consumers": str(g["consumers"]), "pending": str(g["pending"]),
+                                "lag": str(g["backlog"])} for g in doc["results"]["groups"]},
+        "workers": {w["name"]: {"host": w["host"], "engine": w["engine"], "model": w["model"],
+                                "state": w["state"] if w["alive"] else f"stale (last: {w['state']})",
+                                "weight_version": str(w["weight_version"]),
+                                "inflight": f"{w['inflight']} / {w['max_inflight']}"} for w in doc["workers"]},
+        "versions": versions,
+    }
+
+
+async def dashboard_url(log: Path) -> str:
+    found: list[str] = []
+
+    def printed() -> bool:
+        match = re.search(r"redroll dashboard: (http://\S+)", log.read_text() if log.exists() else "")
+        if match:
+            found.append(match.group(1))
+        return bool(match)
+
+    await wait_until(printed, timeout=60)
+    return found[0]
+
+
+@pytest.mark.slow
+async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settings, r, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from redroll.shared.control import send_abort
+    from redroll.shared.keys import WORKERS_GROUP
+    from tests.test_cli import run_cli
+
+    keys = settings.keys
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    dash_log = tmp_path / "dashboard.log"
+    dashboard = spawn(settings, "dashboard", "--port", "0", "--interval", "0.5", "--allow-actions",
+                      "--admin-url", settings.redis_url, "--token-file", str(token_file), log=dash_log)
+    workers = [spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "5", "--max-inflight", "2",
+                     "--name", f"w{i}", "--weight-version", "v1", log=tmp_path / f"w{i}.log") for i in range(2)]
+    driver = None
+    frozen = False
+    try:
+        driver = browser()
+        driver.get(await dashboard_url(dash_log))
+
+        async def published(n: int) -> bool:
+            status = await collect_pipeline_status(r, keys, settings.partition_keys)
+            return sum(w.get("published", 0) for w in status["workers"] if w["alive"]) >= n
+
+        # Work done: six finished requests and a dead letter (a request that is not msgpack).
+        await send(settings, r, [make_request(request_id=f"done-{i}", prompt="x", sampling_params={"max_new_tokens": 8})
+                                 for i in range(6)])
+        await r.xadd(keys.requests, {"rid": "bad-1", "data": b"\xc1"})
+        await wait_until(lambda: published(6), timeout=60)
+        await wait_until(lambda: r.xlen(keys.dead), timeout=30)
+        # Work held: two long requests in flight on each worker, then four queued behind them.
+        long_ids = [f"long-{i}" for i in range(4)]
+        await send(settings, r, [make_request(request_id=x, prompt="x", sampling_params={"max_new_tokens": 30_000})
+                                 for x in long_ids])
+
+        async def all_in_flight() -> bool:
+            beats = [json.loads(v) for v in (await r.hgetall(keys.workers)).values()]
+            pending = int((await r.xpending(keys.requests, WORKERS_GROUP))["pending"])
+            return pending == 4 and len(beats) == 2 and all(b["inflight"] == 2 for b in beats)
+
+        await wait_until(all_in_flight, timeout=30)
+        await send(settings, r, [make_request(request_id=f"queued-{i}", prompt="x") for i in range(3)])
+        await send(settings, r, [make_request(request_id="urgent", prompt="x", priority=1)])
+        revive_id = (await r.xadd(keys.dead, dead_request_fields("revive-1"))).decode()
+        await r.xgroup_create(keys.results, "trainer", id="0")  # a group that reads nothing: its lag is every record
+        for w in workers:
+            w.send_signal(signal.SIGSTOP)
+        frozen = True
+        await r.hset(keys.weights, mapping={"weight_version": "v2", "model_path": "/ckpt/v2"})
+
+        # The page equals `redroll status --json` read while nothing moves. (Only the heartbeats' ages
+        # grow: a read on each side of the moment the workers turn stale is taken again.)
+        for attempt in range(3):
+            doc = json.loads(run_cli(settings, "status", "--json").stdout)
+            shown: dict = {}
+
+            def caught_up() -> bool:
+                shown.update(driver.execute_script(PAGE_FIGURES))
+                return bool(shown["time"]) and float(shown["time"]) > doc["time"]
+
+            await wait_until(caught_up, timeout=30, interval=0.2)
+            if shown["figures"]["workers-alive"] == str(doc["workers_alive"]):
+                break
+        want = expected_page(doc, "v2")
+        assert doc["queued_total"] == 4 and doc["requests"]["pending"] == 4 and doc["dead_letters"] == 2
+        assert doc["results"]["length"] >= 6 and doc["results"]["groups"][0]["backlog"] == doc["results"]["length"]
+        for rate in ("rate-finished-1m", "rate-tokens-1m"):
+            key = "requests_per_s" if "finished" in rate else "tokens_per_s"
+            assert abs(float(shown["figures"].pop(rate)) - doc["rates_1m"][key]) <= 0.05
+        for rate in ("rate-finished", "rate-tokens"):
+            assert float(shown["figures"].pop(rate)) >= 0
+        assert shown["figures"] == want["figures"]
+        assert shown["alerts"] == want["alerts"]
+        assert shown["groups"] == want["groups"]
+        assert shown["versions"] == want["versions"]
+        assert set(shown["workers"]) == set(want["workers"]) == {"w0", "w1"}
+        for name, row in shown["workers"].items():
+            assert {k: row[k] for k in want["workers"][name]} == want["workers"][name]
+            assert float(row["seen"]) == next(w["seen"] for w in doc["workers"] if w["name"] == name)
+        assert set(shown["dead"]) == {e.decode() for e, _ in await r.xrange(keys.dead)}
+        screenshot = tmp_path / "dashboard.png"
+        driver.save_screenshot(str(screenshot))
+        print(f"\ndashboard screenshot: {screenshot}")
+
+        # Thawed, with the long requests aborted: the dead letter requeued from the page runs.
+        await r.delete(keys.weights)
+        for w in workers:
+            w.send_signal(signal.SIGCONT)
+        frozen = False
+        await send_abort(r, keys, long_ids)
+        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        row = driver.find_element(By.CSS_SELECTOR, f'tr[data-dead="{revive_id}"]')
+        row.find_element(By.CSS_SELECTOR, "button.purge").click()
+        WebDriverWait(driver, 30).until(expected_conditions.alert_is_present()).dismiss()  # (nothing happens)
+        row.find_element(By.CSS_SELECTOR, "button.requeue").click()
+        alert = WebDriverWait(driver, 30).until(expected_conditions.alert_is_present())
+        assert revive_id in alert.text and "revive-1" in alert.text
+        alert.accept()
+        await wait_until(lambda: driver.find_element(By.ID, "action-result").text == "requeued 1", timeout=30)
+
+        async def revived() -> bool:
+            return any(f.get(b"rid") == b"revive-1" for _, f in await r.xrange(keys.results))
+
+        await wait_until(revived, timeout=60)
+        # Requeued, it left the dead letters; the purge that was not confirmed removed nothing.
+        assert [f[b"rid"] for _, f in await r.xrange(keys.dead)] == [b"bad-1"]
+    finally:
+        if driver is not None:
+            driver.quit()
+        for w in workers:
+            if frozen:
+                w.send_signal(signal.SIGCONT)
+            stop_process(w)
+        stop_process(dashboard)
