@@ -22,6 +22,7 @@ from redroll.producer.client import make_request, send
 from redroll.shared.codec import encode_request
 from redroll.status import collect_pipeline_status
 from tests.conftest import spawn, stop_process, wait_until
+from tests.test_security import acl_server, admin  # noqa: F401  (fixtures: a server with ACL users)
 
 pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
@@ -108,7 +109,38 @@ async def test_request_lookup_metrics_and_host_check(settings, r, monkeypatch):
         assert metrics.status_code == 200
         assert parse(metrics.text)[("redroll_pipeline_backlog", (("priority", "normal"),))] == 1
         assert (await client.get("/api/status", headers={"Host": "evil.example"})).status_code == 400
-        assert (await client.get("/api/status", headers={"Host": "localhost:8470"})).status_code == 200
+        for host in ("localhost:8470", "127.0.0.1:8470", "[::1]:8470"):
+            assert (await client.get("/api/status", headers={"Host": host})).status_code == 200, host
+
+
+async def test_operator_user_reads_everything_and_writes_nothing(acl_server, admin, namespace):  # noqa: F811
+    """The dashboard's reads need no more than the operator ACL role; its actions need the administrator."""
+    pytest.importorskip("prometheus_client")
+    from redis.asyncio import Redis
+
+    from redroll.dashboard import Actions
+    from redroll.shared.connection import connect
+    from tests.test_security import ADMIN_PASSWORD, acl_denials, make_user
+
+    operator = make_user(admin, acl_server, namespace, "operator")
+    entry_id = admin.xadd(operator.keys.dead, dead_request_fields("dead-3")).decode()
+    admin.hset(operator.keys.weights, mapping={"weight_version": "v1"})
+    op = connect(operator)
+    boss = Redis(port=acl_server.port, username="admin", password=ADMIN_PASSWORD)
+    try:
+        async with client_for(op, operator, actions=Actions(op, operator, TOKEN)) as client:
+            for path in ("/", "/api/status", "/api/weights", "/api/dead", "/metrics"):
+                assert (await client.get(path)).status_code == 200, path
+            assert acl_denials(admin, namespace) == []
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            response = await client.post("/api/dead/purge", json={"ids": [entry_id]}, headers=auth)
+            assert response.status_code == 503 and "no permissions" in one_line_error(response)
+        async with client_for(op, operator, actions=Actions(boss, operator, TOKEN)) as client:
+            response = await client.post("/api/dead/purge", json={"ids": [entry_id]}, headers=auth)
+            assert response.json() == {"purged": 1}
+    finally:
+        await op.aclose()
+        await boss.aclose()
 
 
 def test_cli_refuses_half_configured_actions(tmp_path, settings):
@@ -293,12 +325,19 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
             assert {k: row[k] for k in want["workers"][name]} == want["workers"][name]
             assert float(row["seen"]) == next(w["seen"] for w in doc["workers"] if w["name"] == name)
         assert set(shown["dead"]) == {e.decode() for e, _ in await r.xrange(keys.dead)}
+        # An alert: the control stream replaced by a string refuses every write; the page says what status says.
+        await r.set(keys.control, "not a stream")
+        alerts = (await collect_pipeline_status(r, keys, settings.partition_keys))["alerts"]
+        assert any("WRONGTYPE" in a for a in alerts)
+        await wait_until(lambda: [a for kind, a in driver.execute_script(PAGE_FIGURES)["alerts"] if kind == "alert"]
+                         == alerts, timeout=30, interval=0.2)
         screenshot = tmp_path / "dashboard.png"
+        driver.set_window_size(1400, driver.execute_script("return document.documentElement.scrollHeight") + 40)
         driver.save_screenshot(str(screenshot))
         print(f"\ndashboard screenshot: {screenshot}")
 
         # Thawed, with the long requests aborted: the dead letter requeued from the page runs.
-        await r.delete(keys.weights)
+        await r.delete(keys.weights, keys.control)
         for w in workers:
             w.send_signal(signal.SIGCONT)
         frozen = False
