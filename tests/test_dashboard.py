@@ -113,6 +113,32 @@ async def test_request_lookup_metrics_and_host_check(settings, r, monkeypatch):
             assert (await client.get("/api/status", headers={"Host": host})).status_code == 200, host
 
 
+async def test_request_lookup_calls_redroll_trace_and_redis_down_is_503(settings, r, monkeypatch):
+    import types
+
+    from redroll.embedded import free_port
+    from redroll.shared.connection import connect
+
+    calls = []
+
+    async def trace_request(redis_client, settings_, request_id):
+        calls.append((settings_.namespace, request_id))
+        return [{"event": "submitted", "at": 1.0}, {"event": "finished", "at": 2.5}]
+
+    monkeypatch.setitem(sys.modules, "redroll.trace", types.SimpleNamespace(trace_request=trace_request))
+    async with client_for(r, settings) as client:
+        response = await client.get("/api/request/req%2F1")
+    assert response.status_code == 200 and response.json()[1] == {"event": "finished", "at": 2.5}
+    assert calls == [(settings.namespace, "req/1")]
+    down = connect(settings.with_(redis_url=f"redis://127.0.0.1:{free_port()}"))
+    try:
+        async with client_for(down, settings) as client:
+            response = await client.get("/api/status")
+        assert response.status_code == 503 and one_line_error(response).startswith("redis: ")
+    finally:
+        await down.aclose()
+
+
 async def test_operator_user_reads_everything_and_writes_nothing(acl_server, admin, namespace):  # noqa: F811
     """The dashboard's reads need no more than the operator ACL role; its actions need the administrator."""
     pytest.importorskip("prometheus_client")
