@@ -41,8 +41,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 """The Host headers a dashboard bound to a loopback address answers (a page of another site that
 resolves its own name to 127.0.0.1 cannot read it: DNS rebinding)."""
 
-MAX_DEAD_SHOWN = 1000
-"""Dead letters the page lists at most (per partition); the count in the status is the full one."""
+MAX_DEAD_SHOWN = 200
+"""Dead letters ``/api/dead`` lists at most, oldest first (per partition; each is read with its
+request): the count in the status is the full one, and ``redroll dead list`` shows them all."""
 
 
 class DeadLetterIds(msgspec.Struct, forbid_unknown_fields=True):

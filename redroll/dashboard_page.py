@@ -82,7 +82,7 @@ live workers on another version: <b id="weights-old">-</b></p>
  <input id="token" type="password" size="36" autocomplete="off"></p>
 <p id="actions-off" class="sub" hidden>requeue and purge are disabled on this dashboard
  (see redroll dashboard --allow-actions); use redroll dead requeue / purge.</p>
-<p id="action-result" class="sub"></p>
+<p id="action-result" class="sub"></p><p id="dead-shown" class="sub"></p>
 <table id="dead"><thead><tr><th>when</th><th>request id</th><th>source</th><th>deliveries</th><th>reason</th>
 <th></th></tr></thead><tbody></tbody></table></section>
 
@@ -212,12 +212,20 @@ async function getJSON(path) {
   return body;
 }
 
-async function refresh() {
+let deadRead = {count: null, at: 0};
+async function refresh(force) {
   try {
-    const [status, weights, dead] = await Promise.all([getJSON("/api/status"), getJSON("/api/weights"),
-                                                       getJSON("/api/dead")]);
+    const [status, weights] = await Promise.all([getJSON("/api/status"), getJSON("/api/weights")]);
     renderStatus(status, weights.desired);
-    renderDead(dead.entries);
+    // The dead letters carry their requests: read again when their number changed, after an action,
+    // and every 10 s, not on every refresh.
+    if (force === true || status.dead_letters !== deadRead.count || Date.now() - deadRead.at > 10000) {
+      const dead = await getJSON("/api/dead");
+      deadRead = {count: status.dead_letters, at: Date.now()};
+      renderDead(dead.entries);
+      $("dead-shown").textContent = dead.entries.length < status.dead_letters ?
+        "showing the oldest " + dead.entries.length + " of " + status.dead_letters : "";
+    }
     $("connection").textContent = "live"; $("connection").className = "";
   } catch (err) {
     $("connection").textContent = "not updating: " + err.message; $("connection").className = "down";
@@ -237,7 +245,7 @@ async function act(action, entry) {
   else if (action === "requeue") out.textContent = "requeued " + body.requeued.length +
     (body.refused.length ? "; refused: " + body.refused.join("; ") : "");
   else out.textContent = "purged " + body.purged;
-  await refresh();
+  await refresh(true);
 }
 
 async function lookup(event) {
@@ -266,7 +274,12 @@ $("actions-off").hidden = CONFIG.actions;
 $("token").value = sessionStorage.getItem("redroll-token") || "";
 $("lookup").addEventListener("submit", lookup);
 refresh();
-setInterval(refresh, CONFIG.interval_ms);
+let polling = false;   // one refresh at a time: a slow read is not overtaken by the next
+setInterval(async () => {
+  if (polling) return;
+  polling = true;
+  try { await refresh(); } finally { polling = false; }
+}, CONFIG.interval_ms);
 """
 
 
