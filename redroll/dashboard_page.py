@@ -216,11 +216,12 @@ let deadRead = {count: null, at: 0};
 async function refresh(force) {
   try {
     const [status, weights] = await Promise.all([getJSON("/api/status"), getJSON("/api/weights")]);
-    renderStatus(status, weights.desired);
     // The dead letters carry their requests: read again when their number changed, after an action,
-    // and every 10 s, not on every refresh.
-    if (force === true || status.dead_letters !== deadRead.count || Date.now() - deadRead.at > 10000) {
-      const dead = await getJSON("/api/dead");
+    // and every 10 s, not on every refresh. (Everything is drawn once everything is read.)
+    const dead = force === true || status.dead_letters !== deadRead.count || Date.now() - deadRead.at > 10000 ?
+      await getJSON("/api/dead") : null;
+    renderStatus(status, weights.desired);
+    if (dead !== null) {
       deadRead = {count: status.dead_letters, at: Date.now()};
       renderDead(dead.entries);
       $("dead-shown").textContent = dead.entries.length < status.dead_letters ?

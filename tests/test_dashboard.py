@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,14 @@ def browser():
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
 
 
+@pytest.fixture(scope="module")
+def chrome():
+    """One headless Chromium for the module's browser tests."""
+    driver = browser()
+    yield driver
+    driver.quit()
+
+
 def expected_page(doc: dict, desired: str) -> dict:
     """What the page must show for the status document ``doc`` (the desired weight version ``desired``)."""
     lanes = doc.get("lanes") or {"backlog": 0, "pending": 0}
@@ -268,7 +277,7 @@ async def dashboard_url(log: Path) -> str:
 
 
 @pytest.mark.slow
-async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settings, r, tmp_path):
+async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settings, r, tmp_path, chrome):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -285,10 +294,9 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
                       "--admin-url", settings.redis_url, "--token-file", str(token_file), log=dash_log)
     workers = [spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "5", "--max-inflight", "2",
                      "--name", f"w{i}", "--weight-version", "v1", log=tmp_path / f"w{i}.log") for i in range(2)]
-    driver = None
+    driver = chrome
     frozen = False
     try:
-        driver = browser()
         driver.get(await dashboard_url(dash_log))
 
         async def published(n: int) -> bool:
@@ -385,10 +393,70 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
         # Requeued, it left the dead letters; the purge that was not confirmed removed nothing.
         assert [f[b"rid"] for _, f in await r.xrange(keys.dead)] == [b"bad-1"]
     finally:
-        if driver is not None:
-            driver.quit()
         for w in workers:
             if frozen:
                 w.send_signal(signal.SIGCONT)
             stop_process(w)
         stop_process(dashboard)
+
+
+@pytest.mark.slow
+async def test_page_shows_partitions_lanes_and_worker_states_as_status_does(settings, r, tmp_path, chrome):
+    """A partitioned pipeline with affinity lanes, no worker process: heartbeats written with a
+    time ahead (they stay fresh), so the figures hold still while the page is read."""
+    from redroll.shared.lanes import set_lanes
+
+    s = settings.with_(partitions=2, affinity_lanes=2)
+    keys, parts = s.keys, s.partition_keys
+    await set_lanes(r, keys, parts, 2)
+    await send(s, r, [make_request(request_id=f"p-{i}", prompt="x") for i in range(4)])
+    await send(s, r, [make_request(request_id=f"l-{i}", prompt="x", affinity_key=f"k{i}") for i in range(3)])
+    await r.xgroup_create(parts[0].results, "billing", id="0", mkstream=True)
+    await r.hset(keys.weights, mapping={"model_path": "/w/v2", "weight_version": "v2"})
+    ahead = time.time() + 120
+    beats = {"w-run": ("running", "v2", [0]), "w-drain": ("draining", "v1", []),
+             "w-blocked": ("blocked", "v2", [1]), "w-await": ("awaiting_weights", "v1", [])}
+    for name, (state, version, lanes) in beats.items():
+        beat = {"host": "h1", "engine": "synthetic", "model": "m", "weight_version": version, "state": state,
+                "inflight": 1, "max_inflight": 8, "seen": ahead, "published": 5, "tokens": 40, "lanes": lanes}
+        if state == "blocked":
+            beat["blocked"] = {parts[1].results: "OOM command not allowed when used memory > 'maxmemory'"}
+        await r.hset(keys.workers, name, json.dumps(beat))
+    log = tmp_path / "dashboard.log"
+    dashboard = spawn(settings, "dashboard", "--port", "0", "--interval", "0.5", log=log, REDROLL_PARTITIONS="2",
+                      REDROLL_AFFINITY_LANES="2")
+    try:
+        chrome.get(await dashboard_url(log))
+        doc = await collect_pipeline_status(r, keys, parts)
+        shown: dict = {}
+
+        def caught_up() -> bool:
+            shown.update(chrome.execute_script(PAGE_FIGURES))
+            return bool(shown["time"]) and float(shown["time"]) > doc["time"]
+
+        await wait_until(caught_up, timeout=30, interval=0.2)
+        tables = chrome.execute_script(TABLES)
+    finally:
+        stop_process(dashboard)
+    want = expected_page(doc, "v2")
+    assert doc["queued_total"] == 7 and doc["lanes"]["backlog"] == 3 and len(doc["partitions"]) == 2
+    assert shown["figures"]["queued-lanes"] == "3" and shown["figures"]["weights-old"] == "2"
+    for rate in ("rate-finished", "rate-tokens", "rate-finished-1m", "rate-tokens-1m"):
+        shown["figures"].pop(rate)
+    assert shown["figures"] == want["figures"]
+    assert shown["alerts"] == want["alerts"] and any("w-blocked is blocked" in a for _, a in shown["alerts"])
+    assert shown["groups"] == want["groups"] and shown["versions"] == want["versions"] == {"v1": "2", "v2": "2"}
+    for name, row in shown["workers"].items():
+        assert {k: row[k] for k in want["workers"][name]} == want["workers"][name]
+        assert row["lanes"] == (", ".join(str(j) for j in beats[name][2]) or "-")
+    assert tables["lanes"] == [[lane["stream"], str(lane["backlog"]), str(lane["pending"]), lane["owner"] or "-"]
+                               for lane in doc["lanes"]["per_lane"]]
+    assert tables["partitions"] == [[p["tag"], p["node"] or "-", str(p["queued"]), str(p["in_flight"]),
+                                     str(p["results"]), str(p["dead_letters"])] for p in doc["partitions"]]
+
+
+TABLES = r"""
+const rows = (id) => [...document.querySelectorAll("#" + id + " tbody tr")].map((tr) =>
+  [...tr.querySelectorAll("td")].map((td) => td.textContent));
+return {lanes: rows("lanes"), partitions: rows("partitions")};
+"""
