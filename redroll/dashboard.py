@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import redis
@@ -46,10 +46,16 @@ MAX_DEAD_SHOWN = 200
 request): the count in the status is the full one, and ``redroll dead list`` shows them all."""
 
 
+MAX_IDS_PER_ACTION = 1000
+
+EntryId = Annotated[str, msgspec.Meta(pattern=r"^[0-9]+-[0-9]+$")]
+"""A stream entry id, ``MS-SEQ`` (as ``/api/dead`` lists them)."""
+
+
 class DeadLetterIds(msgspec.Struct, forbid_unknown_fields=True):
     """The body of the two dead-letter actions."""
 
-    ids: list[str]
+    ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_IDS_PER_ACTION)]
 
 
 @dataclass

@@ -87,6 +87,8 @@ async def test_actions_refused_when_disabled_and_without_the_token(settings, r):
         auth = {"Authorization": f"Bearer {TOKEN}"}
         response = await client.post("/api/dead/purge", json={"ids": "1-0"}, headers=auth)
         assert response.status_code == 400 and "$.ids" in one_line_error(response)
+        response = await client.post("/api/dead/purge", json={"ids": ["1-0", "drop table"]}, headers=auth)
+        assert response.status_code == 400 and "$.ids[1]" in one_line_error(response)
         response = await client.post("/api/dead/purge", json={"ids": []}, headers=auth)
         assert response.status_code == 400 and one_line_error(response).startswith("ids:")
         response = await client.post("/api/dead/requeue", json={"ids": ["9-9"]}, headers=auth)
