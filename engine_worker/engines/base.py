@@ -26,6 +26,8 @@ class SampleOutput:
     """Per token, the request's ``top_logprobs_num`` most likely (token id, logprob) pairs."""
     routed_experts: Any = None
     """A :class:`redroll.shared.types.RoutedExperts` (``return_routed_experts``)."""
+    text: str | None = None
+    """The sample's decoded text, when the request wants text (:mod:`.text` says how it is cut)."""
 
 
 @dataclass
@@ -366,6 +368,16 @@ def refuse_extras(request: GenerationRequest, engine: str, *, top_logprobs: bool
         raise ValidationError("return_routed_experts",
                               f"the {engine} engine has no MoE routing to return (SGLang with "
                               "enable_return_routed_experts has)")
+
+
+def refuse_text(request: GenerationRequest, engine: str, tokenizer: Any) -> None:
+    """Refuse a chat request or one that asks for text when this engine has no tokenizer."""
+    if tokenizer is not None:
+        return
+    if request.messages is not None:
+        raise ValidationError("messages", f"the {engine} engine has no tokenizer to render a chat: send input_ids")
+    if request.return_text:
+        raise ValidationError("return_text", f"the {engine} engine has no tokenizer to decode text")
 
 
 def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:
