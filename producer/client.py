@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 import redis
@@ -25,6 +25,7 @@ from redroll.errors import RedrollError
 from redroll.shared.codec import (
     ValidationError,
     check_request_id,
+    decode_messages,
     decode_record,
     decode_sampling_params,
     encode_request,
@@ -46,7 +47,7 @@ from redroll.shared.streams import (
     text,
     unique_consumer_name,
 )
-from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.types import ChatMessage, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 from . import dead_notices
 from .rollout import RolloutGroup, continuation, group_members, stitch
@@ -65,15 +66,24 @@ def make_request(
     prompt: str | None = None,
     input_ids: list[int] | None = None,
     sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    return_text: bool | None = None,
     **fields: Any,
 ) -> GenerationRequest:
-    """Build a request from plain values; ``sampling_params`` may be a dict (validated here)."""
+    """Build a request from plain values; ``sampling_params`` may be a dict (validated here), as may
+    each of ``messages`` (``{"role": ..., "content": ...}``: a chat, rendered by the worker with
+    the model's chat template). ``return_text``: records carry ``output_text`` (nil: on for
+    ``prompt`` and ``messages``, off for ``input_ids``)."""
     if not isinstance(sampling_params, SamplingParams):
         sampling_params = decode_sampling_params(dict(sampling_params or {}))
     return GenerationRequest(
         request_id=request_id or uuid.uuid4().hex,
         prompt=prompt,
         input_ids=list(input_ids) if input_ids is not None else None,
+        messages=decode_messages(messages) if messages is not None else None,
+        tools=[dict(t) for t in tools] if tools is not None else None,
+        return_text=return_text,
         sampling_params=sampling_params,
         **fields,
     )

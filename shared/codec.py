@@ -32,6 +32,7 @@ from .types import (
     REQUEST_ID_RULE,
     SCHEMA_VERSION,
     SCHEMA_VERSION_RULE,
+    ChatMessage,
     CompletionRecord,
     GenerationRequest,
     RecordData,
@@ -122,7 +123,8 @@ def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationE
     rule = message[: at.start()] if at else message
     if m := _UNKNOWN.match(rule):
         path = _join(path, m.group(1))
-        rule = "unknown sampling parameter" if path.startswith("sampling_params") or prefix else "unknown field"
+        rule = ("unknown sampling parameter" if path.startswith("sampling_params") or prefix.startswith("sampling_params")
+                else "unknown field")
     elif m := _MISSING.match(rule):
         path = _join(path, m.group(1))
         rule = "is required"
@@ -222,6 +224,9 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if req.resumable and (req.sampling_params.n != 1 or req.input_ids is None):
             raise ValidationError("resumable", "needs a single-sample request (n = 1) with input_ids (a resumed "
                                                "request continues from prompt + saved token ids)")
+        if req.resumable and req.return_text:
+            raise ValidationError("return_text", "not with resumable (a resumed request's text would cover only "
+                                                 "what it made after its checkpoint)")
         if req.meta_info and len(_encode_value(req.meta_info, "meta_info")) > limits.max_meta_bytes:
             raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     except ValidationError as exc:
@@ -400,6 +405,18 @@ def decode_sampling_params(raw: Any, limits: Limits = DEFAULT_LIMITS) -> Samplin
     return check_sampling_params(sp, limits)
 
 
+def decode_messages(raw: Any) -> list[ChatMessage]:
+    """Chat messages from plain maps (or :class:`ChatMessage`), refused naming the field (the
+    producer's helper: what a worker would accept)."""
+    if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):
+        raise ValidationError("messages", f"must be a list of messages, got {type(raw).__name__}")
+    try:
+        messages = msgspec.convert([msgspec.to_builtins(m) for m in raw], list[ChatMessage])
+    except msgspec.ValidationError as exc:
+        raise _from_msgspec(exc, "messages") from None
+    return messages
+
+
 # ---------------------------------------------------------------- records
 
 
@@ -565,6 +582,7 @@ __all__ = [
     "ValidationError",
     "check_request_id",
     "check_sampling_params",
+    "decode_messages",
     "decode_record",
     "decode_request",
     "decode_request_data",

@@ -28,7 +28,14 @@ from redroll.shared.codec import (
     request_from_values,
     request_to_map,
 )
-from redroll.shared.types import FIRST_SCHEMA_VERSION, SCHEMA_VERSION, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.types import (
+    FIRST_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    CompletionRecord,
+    GenerationRequest,
+    RecordStatus,
+    SamplingParams,
+)
 
 _DROP = object()
 
