@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.shared.types import (
+    FIRST_SCHEMA_VERSION,
+    TEXT_SCHEMA_VERSION,
+    CompletionRecord,
+    GenerationRequest,
+    RecordStatus,
+)
 
 from .engines.base import EngineInfo, EngineOutput
 
@@ -44,6 +50,7 @@ def build_record(
     versions: list[list[str] | None] | None = None
     top: list[Any] | None = None
     routed: list[Any] | None = None
+    texts: list[str] | None = None
     if keep_output:
         ids = [_as_list(s.token_ids) for s in samples]
         reasons: list[str | None] = [s.finish_reason for s in samples]
@@ -56,6 +63,8 @@ def build_record(
             top = [[list(map(tuple, position)) for position in (s.top_logprobs or [])] for s in samples]
         if request.return_routed_experts:
             routed = [s.routed_experts for s in samples]
+        if request.wants_text and all(s.text is not None for s in samples):
+            texts = [s.text for s in samples]  # type: ignore[misc]
     else:
         n = max(len(samples), request.n)
         ids = [[] for _ in range(n)]
@@ -96,4 +105,6 @@ def build_record(
         output_top_logprobs=top,
         input_logprobs=output.input_logprobs if keep_output and request.logprob_start_len is not None else None,
         routed_experts=routed,
+        output_text=texts,
+        v=TEXT_SCHEMA_VERSION if texts is not None else FIRST_SCHEMA_VERSION,
     )

@@ -26,6 +26,7 @@ ACCEPTED_FIELDS = {
     "request_id", "prompt", "input_ids", "sampling_params", "return_logprob", "collect_unfinished",
     "meta_info", "callback", "group_id", "affinity_key", "deadline", "lora_path", "model", "priority",
     "min_weight_version", "top_logprobs_num", "logprob_start_len", "return_routed_experts", "resumable",
+    "messages", "tools", "return_text",
 }
 
 

@@ -32,11 +32,13 @@ from .types import (
     REQUEST_ID_RULE,
     SCHEMA_VERSION,
     SCHEMA_VERSION_RULE,
+    ChatMessage,
     CompletionRecord,
     GenerationRequest,
     RecordData,
     RecordStatus,
     SamplingParams,
+    request_schema_version,
 )
 
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
@@ -73,6 +75,9 @@ class Limits:
     max_n: int = 64
     max_input_tokens: int = 1_000_000
     max_meta_bytes: int = 64 * 1024
+    schema_version: int = SCHEMA_VERSION
+    """The newest request schema this reader knows: a request with a newer ``v`` is handed back
+    (:class:`NewerSchemaError`) for a worker that knows it."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -118,7 +123,8 @@ def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationE
     rule = message[: at.start()] if at else message
     if m := _UNKNOWN.match(rule):
         path = _join(path, m.group(1))
-        rule = "unknown sampling parameter" if path.startswith("sampling_params") or prefix else "unknown field"
+        rule = ("unknown sampling parameter" if path.startswith("sampling_params") or prefix.startswith("sampling_params")
+                else "unknown field")
     elif m := _MISSING.match(rule):
         path = _join(path, m.group(1))
         rule = "is required"
@@ -196,8 +202,16 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
             raise ValidationError("v", SCHEMA_VERSION_RULE)
         if req.submitted_at is None:
             raise ValidationError("submitted_at", "must be unix seconds (a number)")
-        if (req.input_ids is None) == (req.prompt is None):
-            raise ValidationError("input_ids/prompt", "exactly one of input_ids or prompt is required")
+        if (req.input_ids is not None) + (req.prompt is not None) + (req.messages is not None) != 1:
+            raise ValidationError("input_ids/prompt/messages", "exactly one of input_ids, prompt or messages is required")
+        if req.messages is not None:
+            _check_messages(req)
+        elif req.tools is not None:
+            raise ValidationError("tools", "needs messages (tools are handed to the chat template)")
+        needed = request_schema_version(req)
+        if req.v < needed:
+            raise ValidationError("v", f"must be at least {needed} for a request with messages, tools or "
+                                       f"return_text, got {req.v}")
         if req.input_ids is not None and len(req.input_ids) > limits.max_input_tokens:
             raise ValidationError("input_ids", f"longer than {limits.max_input_tokens} tokens")
         check_sampling_params(req.sampling_params, limits)
@@ -210,12 +224,26 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if req.resumable and (req.sampling_params.n != 1 or req.input_ids is None):
             raise ValidationError("resumable", "needs a single-sample request (n = 1) with input_ids (a resumed "
                                                "request continues from prompt + saved token ids)")
+        if req.resumable and req.return_text:
+            raise ValidationError("return_text", "not with resumable (a resumed request's text would cover only "
+                                                 "what it made after its checkpoint)")
         if req.meta_info and len(_encode_value(req.meta_info, "meta_info")) > limits.max_meta_bytes:
             raise ValidationError("meta_info", f"larger than {limits.max_meta_bytes} bytes")
     except ValidationError as exc:
         exc.request_id, exc.reply_to, exc.callback = req.request_id, req.reply_to, req.callback
         raise
     return req
+
+
+def _check_messages(req: GenerationRequest) -> None:
+    for i, message in enumerate(req.messages or ()):
+        if message.content is None and not message.tool_calls:
+            raise ValidationError(f"messages[{i}].content", "is required (only a turn with tool_calls may leave it out)")
+
+
+def _newer(v: int, limits: Limits, request_id: Any) -> NewerSchemaError:
+    rid = request_id if isinstance(request_id, str) and REQUEST_ID_RE.match(request_id) else None
+    return NewerSchemaError("v", f"schema version {v} is newer than {limits.schema_version}", request_id=rid)
 
 
 def _without_nils(obj: Any) -> tuple[Any, bool]:
@@ -246,10 +274,11 @@ def request_to_map(req: GenerationRequest) -> dict[str, Any]:
 def encode_request(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, check: bool = True) -> dict[str, bytes]:
     """Validate and encode a request into stream fields: ``rid`` and ``reply_to`` plain, ``data``
     msgpack. The producer refuses exactly what a worker would: the bytes are decoded as a worker
-    decodes them (``check=False`` skips that for a request validated so before). ``v`` 0 and a
-    missing ``submitted_at`` become this schema and now."""
+    decodes them (``check=False`` skips that for a request validated so before). ``v`` 0 becomes
+    the lowest schema version that carries every field the request uses, a missing
+    ``submitted_at`` now."""
     if req.v == 0:
-        req.v = SCHEMA_VERSION
+        req.v = request_schema_version(req)
     if req.submitted_at is None:
         req.submitted_at = time.time()
     data = _encode_value(req, "data")
@@ -281,20 +310,19 @@ def decode_request_data(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Generat
     if len(data) > limits.max_payload_bytes:
         raise ValidationError("data", f"payload of {len(data)} bytes exceeds the limit of {limits.max_payload_bytes}")
     try:
-        req = _decode_request_struct(data)
+        req = _decode_request_struct(data, limits)
     except RecursionError:  # (see TOO_DEEP)
         raise ValidationError("data", TOO_DEEP) from None
-    if req.v > SCHEMA_VERSION:
-        raise NewerSchemaError("v", f"schema version {req.v} is newer than {SCHEMA_VERSION}",
-                               request_id=req.request_id)
+    if req.v > limits.schema_version:
+        raise _newer(req.v, limits, req.request_id)
     return _check_request(req, limits)
 
 
-def _decode_request_struct(data: bytes) -> GenerationRequest:
+def _decode_request_struct(data: bytes, limits: Limits) -> GenerationRequest:
     try:
         return _REQUEST_DECODER.decode(data)
     except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-        return _decode_leniently(data, exc)
+        return _decode_leniently(data, exc, limits)
     except msgspec.DecodeError as exc:
         raise ValidationError("data", f"not valid msgpack ({exc})") from None
 
@@ -305,10 +333,9 @@ def request_from_values(values: dict[str, Any], limits: Limits = DEFAULT_LIMITS)
     bounds and cross-field rules; the payload limit on the bytes the producer will write. One
     conversion in C, where :func:`encode_request` on a hand-built request encodes and decodes it."""
     stripped, _dropped = _without_nils(values)
-    v, rid = stripped.get("v"), stripped.get("request_id")
-    if type(v) is int and v > SCHEMA_VERSION:  # (first, whatever else is wrong: as a worker decodes)
-        raise NewerSchemaError("v", f"schema version {v} is newer than {SCHEMA_VERSION}",
-                               request_id=rid if isinstance(rid, str) and REQUEST_ID_RE.match(rid) else None)
+    v = stripped.get("v")
+    if type(v) is int and v > limits.schema_version:  # (first, whatever else is wrong: as a worker decodes)
+        raise _newer(v, limits, stripped.get("request_id"))
     try:
         req = msgspec.convert(stripped, GenerationRequest)
     except msgspec.ValidationError as exc:
@@ -324,7 +351,7 @@ def check_unsent(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, sta
     submit, as encode_request does, so it is only stood in for here. Returns ``req`` unchanged."""
     v, at = req.v, req.submitted_at
     if stamp_v:
-        req.v = SCHEMA_VERSION
+        req.v = request_schema_version(req)
     if stamp_at:
         req.submitted_at = time.time()
     try:
@@ -337,7 +364,7 @@ def check_unsent(req: GenerationRequest, limits: Limits = DEFAULT_LIMITS, *, sta
     return req
 
 
-def _decode_leniently(data: bytes, first: msgspec.ValidationError) -> GenerationRequest:
+def _decode_leniently(data: bytes, first: msgspec.ValidationError, limits: Limits) -> GenerationRequest:
     """After a strict decode failed: a newer ``v`` is handed back whatever else is wrong; nil
     values are dropped and the decode tried once more; otherwise the first error, with whatever
     can be read of the request's id, reply stream and handler."""
@@ -349,8 +376,8 @@ def _decode_leniently(data: bytes, first: msgspec.ValidationError) -> Generation
         raise ValidationError("data", f"must be a map, got {type(obj).__name__}") from None
     v, rid = obj.get("v"), obj.get("request_id")
     readable_rid = rid if isinstance(rid, str) and REQUEST_ID_RE.match(rid) else None
-    if type(v) is int and v > SCHEMA_VERSION:
-        raise NewerSchemaError("v", f"schema version {v} is newer than {SCHEMA_VERSION}", request_id=readable_rid)
+    if type(v) is int and v > limits.schema_version:
+        raise _newer(v, limits, rid)
     stripped, dropped = _without_nils(obj)
     error = _from_msgspec(first)
     if dropped:
@@ -376,6 +403,18 @@ def decode_sampling_params(raw: Any, limits: Limits = DEFAULT_LIMITS) -> Samplin
     except msgspec.ValidationError as exc:
         raise _from_msgspec(exc, "sampling_params.") from None
     return check_sampling_params(sp, limits)
+
+
+def decode_messages(raw: Any) -> list[ChatMessage]:
+    """Chat messages from plain maps (or :class:`ChatMessage`), refused naming the field (the
+    producer's helper: what a worker would accept)."""
+    if isinstance(raw, (str, bytes, Mapping)) or not hasattr(raw, "__iter__"):
+        raise ValidationError("messages", f"must be a list of messages, got {type(raw).__name__}")
+    try:
+        messages = msgspec.convert([msgspec.to_builtins(m) for m in raw], list[ChatMessage])
+    except msgspec.ValidationError as exc:
+        raise _from_msgspec(exc, "messages") from None
+    return messages
 
 
 # ---------------------------------------------------------------- records
@@ -513,6 +552,8 @@ def _worker_pair(worker: str | None) -> bytes:
 def _check_extras(data: RecordData) -> None:
     """The shapes of the per-request extras: one entry per sample, one per token."""
     ids = data.output_token_ids
+    if data.output_text is not None and len(data.output_text) != len(ids):
+        raise ValidationError("output_text", "must be a list with one entry per sample")
     top = data.output_top_logprobs
     if top is not None:
         if len(top) != len(ids):
@@ -541,6 +582,7 @@ __all__ = [
     "ValidationError",
     "check_request_id",
     "check_sampling_params",
+    "decode_messages",
     "decode_record",
     "decode_request",
     "decode_request_data",

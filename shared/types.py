@@ -13,7 +13,17 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema version this code reads and writes. A request is written with the lowest
+version that carries every field it uses (:func:`request_schema_version`)."""
+
+FIRST_SCHEMA_VERSION = 1
+"""The version of every request (and record) that uses no field added later: workers of any
+release run it."""
+
+TEXT_SCHEMA_VERSION = 2
+"""The version that added chat ``messages``, ``tools`` and ``return_text`` (requests) and
+``output_text`` (records)."""
 
 
 class RecordStatus(str, enum.Enum):
@@ -116,6 +126,23 @@ PASSTHROUGH_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "
 
 # ---------------------------------------------------------------- requests
 
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One turn of a chat request, as chat templates read it (OpenAI's message shape, text only)."""
+
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    """``system``, ``user``, ``assistant``, ``tool`` or any role the model's template knows."""
+    content: Optional[str] = None
+    """The text (nil for an assistant turn that only calls tools)."""
+    name: Optional[Annotated[str, Meta(max_length=256)]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """An assistant turn's tool calls (``{"type": "function", "function": {"name", "arguments"}}``)."""
+    tool_call_id: Optional[Annotated[str, Meta(max_length=256)]] = None
+    """A ``tool`` turn: the call it answers."""
+
+
+MAX_CHAT_MESSAGES = 4096
+"""The most turns one chat request may carry."""
+
 MAX_TOP_LOGPROBS = 20
 """The most ``top_logprobs_num`` a request may ask for (each is a pair per output token)."""
 
@@ -129,6 +156,15 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: RequestId
     input_ids: Optional[Annotated[list[TokenId], Meta(min_length=1)]] = None
     prompt: Optional[NonEmptyStr] = None
+    messages: Optional[Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_CHAT_MESSAGES)]] = None
+    """A chat (schema 2): rendered by the worker with the model's own chat template (its
+    tokenizer's ``apply_chat_template`` with ``add_generation_prompt``). Exactly one of
+    ``input_ids``, ``prompt`` and ``messages``."""
+    tools: Optional[Annotated[list[dict[str, Any]], Meta(min_length=1, max_length=1024)]] = None
+    """With ``messages`` (schema 2): tool definitions handed to the chat template."""
+    return_text: Optional[bool] = None
+    """Records carry each sample's decoded text (``output_text``; schema 2). Nil: on for
+    ``prompt`` and ``messages`` requests, off for ``input_ids``."""
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_logprob: bool = False
     collect_unfinished: bool = False
@@ -170,9 +206,23 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         return self.sampling_params.n
 
     @property
+    def wants_text(self) -> bool:
+        """Whether the record carries ``output_text``: ``return_text``, or by default for a text
+        or chat prompt."""
+        return self.return_text if self.return_text is not None else self.input_ids is None
+
+    @property
     def lane_key(self) -> Optional[str]:
         """What places this request on an affinity lane: its ``affinity_key``, else its ``group_id``."""
         return self.affinity_key or self.group_id
+
+
+def request_schema_version(request: GenerationRequest) -> int:
+    """The lowest schema version that carries every field ``request`` uses: a worker that knows
+    only an older one would silently drop such a field, so it hands the entry back instead."""
+    if request.messages is not None or request.tools is not None or request.return_text is not None:
+        return TEXT_SCHEMA_VERSION
+    return FIRST_SCHEMA_VERSION
 
 
 # ---------------------------------------------------------------- records
@@ -222,7 +272,10 @@ class RecordData(msgspec.Struct, kw_only=True):
     prompt token, which has none)."""
     routed_experts: Optional[list[Optional[RoutedExperts]]] = None
     """Per sample, the experts each of its tokens was routed to (``return_routed_experts``)."""
-    v: Annotated[int, Meta(ge=1)] = SCHEMA_VERSION
+    output_text: Optional[list[str]] = None
+    """Per sample, its decoded text when the request wants it (schema 2; see docs/design.md,
+    "Text in and out")."""
+    v: Annotated[int, Meta(ge=1)] = FIRST_SCHEMA_VERSION
 
 
 RECORD_DATA_FIELDS = msgspec.structs.fields(RecordData)

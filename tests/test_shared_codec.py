@@ -28,7 +28,14 @@ from redroll.shared.codec import (
     request_from_values,
     request_to_map,
 )
-from redroll.shared.types import SCHEMA_VERSION, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.types import (
+    FIRST_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    CompletionRecord,
+    GenerationRequest,
+    RecordStatus,
+    SamplingParams,
+)
 
 _DROP = object()
 
@@ -120,7 +127,7 @@ def test_request_round_trip_minimal_prompt_defaults():
     assert back == req
     assert back.sampling_params == SamplingParams()
     assert back.input_ids is None and back.prompt == "hello"
-    assert back.v == SCHEMA_VERSION
+    assert back.v == FIRST_SCHEMA_VERSION  # (no field of a later schema: older workers run it)
 
 
 def test_encode_refuses_invalid_request():
@@ -129,7 +136,7 @@ def test_encode_refuses_invalid_request():
     assert ei.value.field == "request_id"
     with pytest.raises(ValidationError) as ei:
         encode_request(GenerationRequest(request_id="ok", prompt="x", input_ids=[1]))
-    assert ei.value.field == "input_ids/prompt"
+    assert ei.value.field == "input_ids/prompt/messages"
     with pytest.raises(ValidationError) as ei:
         encode_request(GenerationRequest(request_id="ok", prompt="x" * 300), Limits(max_payload_bytes=200))
     assert ei.value.field == "data"
@@ -227,9 +234,9 @@ def test_request_id_rejected(rid):
 
 
 def test_input_ids_and_prompt_both_or_neither():
-    assert field_error(valid_map(prompt="hi")).field == "input_ids/prompt"
-    assert field_error(valid_map(input_ids=_DROP)).field == "input_ids/prompt"
-    assert field_error(valid_map(input_ids=None)).field == "input_ids/prompt"
+    assert field_error(valid_map(prompt="hi")).field == "input_ids/prompt/messages"
+    assert field_error(valid_map(input_ids=_DROP)).field == "input_ids/prompt/messages"
+    assert field_error(valid_map(input_ids=None)).field == "input_ids/prompt/messages"
     ok = decode_map(valid_map(input_ids=_DROP, prompt="hi"))
     assert ok.prompt == "hi" and ok.input_ids is None
     ok = decode_map(valid_map(prompt=None))

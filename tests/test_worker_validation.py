@@ -15,7 +15,7 @@ from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.types import RecordStatus
+from redroll.shared.types import SCHEMA_VERSION, RecordStatus
 from tests.conftest import wait_until
 
 _DROP = object()
@@ -190,7 +190,7 @@ async def test_newer_schema_is_handed_back_not_dead_lettered(settings, r):
     task = asyncio.create_task(worker.run())
     try:
         async with Producer(settings, block_ms=200) as producer:
-            m = request_map("from-the-future", producer.reply_to, v=2,
+            m = request_map("from-the-future", producer.reply_to, v=SCHEMA_VERSION + 1,
                             sampling_params={"max_new_tokens": 4, "a_knob_from_v2": True})
             entry_id = (await r.xadd(keys.requests, {"rid": "from-the-future", "reply_to": producer.reply_to,
                                                      "data": pack(m)})).decode()
@@ -216,4 +216,4 @@ async def test_newer_schema_is_handed_back_not_dead_lettered(settings, r):
         await asyncio.wait_for(task, timeout=10)
     # the drained worker left it pending for a newer worker, with its payload intact
     fields = (await r.xrange(keys.requests))[0][1]
-    assert msgpack.unpackb(fields[b"data"], raw=False)["v"] == 2
+    assert msgpack.unpackb(fields[b"data"], raw=False)["v"] == SCHEMA_VERSION + 1

@@ -26,6 +26,8 @@ class SampleOutput:
     """Per token, the request's ``top_logprobs_num`` most likely (token id, logprob) pairs."""
     routed_experts: Any = None
     """A :class:`redroll.shared.types.RoutedExperts` (``return_routed_experts``)."""
+    text: str | None = None
+    """The sample's decoded text, when the request wants text (:mod:`.text` says how it is cut)."""
 
 
 @dataclass
@@ -368,6 +370,16 @@ def refuse_extras(request: GenerationRequest, engine: str, *, top_logprobs: bool
                               "enable_return_routed_experts has)")
 
 
+def refuse_text(request: GenerationRequest, engine: str, tokenizer: Any) -> None:
+    """Refuse a chat request or one that asks for text when this engine has no tokenizer."""
+    if tokenizer is not None:
+        return
+    if request.messages is not None:
+        raise ValidationError("messages", f"the {engine} engine has no tokenizer to render a chat: send input_ids")
+    if request.return_text:
+        raise ValidationError("return_text", f"the {engine} engine has no tokenizer to decode text")
+
+
 def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:
     """Common engine-side checks: ids inside the vocabulary and the context window."""
     if vocab_size is not None:
@@ -390,7 +402,8 @@ def check_context(request: GenerationRequest, prompt_tokens: int, max_context: i
         return
     max_new = request.sampling_params.max_new_tokens
     if prompt_tokens >= max_context:
-        raise ValidationError("input_ids" if request.input_ids is not None else "prompt",
+        raise ValidationError("input_ids" if request.input_ids is not None
+                              else "messages" if getattr(request, "messages", None) is not None else "prompt",
                               f"the prompt ({prompt_tokens} tokens) leaves no room in the model context of "
                               f"{max_context}")
     if prompt_tokens + max_new > max_context:

@@ -58,11 +58,12 @@ from typing import Any, Callable
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids
+from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_text
 from .sglang_contract import SGLANG_VERSION
 from .sglang_output import EngineRequestError, SGLangOutput, _Job, _request_error, _Sample
 from .sglang_process import SGLangProcess
 from .sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
+from .text import add_text, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             # tokenizer_manager.py _tokenize_one_request: "The engine initialized with
             # skip_tokenizer_init=True cannot accept text prompts."
             raise ValidationError("prompt", "this SGLang engine runs with skip_tokenizer_init: send input_ids")
+        if self._started_without_tokenizer():
+            refuse_text(request, ENGINE_NAME, None)
         if request.lora_path is not None and self.engine is not None and not self._lora_enabled:
             # tokenizer_manager.py:3729-3736 (ValueError "LoRA is not enabled")
             raise ValidationError("lora_path", "LoRA is not enabled on this SGLang engine (start it with lora_paths)")
@@ -274,7 +277,7 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             return
         context = self.info.max_context
         max_new = request.sampling_params.max_new_tokens
-        field_name = "input_ids" if request.input_ids is not None else "prompt"
+        field_name = "input_ids" if request.input_ids is not None else "prompt" if request.prompt else "messages"
         counted = prompt_len + self._reserved_tokens  # tokenizer_manager.py:1334-1335
         if context is not None and counted >= context:  # :1338
             raise ValidationError(field_name, f"the input ({counted} tokens) is longer than the model's "
@@ -324,6 +327,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
     def _prompt_len(self, request: GenerationRequest) -> int | None:
         if request.input_ids is not None:
             return len(request.input_ids)
+        if request.messages is not None and self.tokenizer is not None:
+            return len(render_chat(self.tokenizer, request, ENGINE_NAME))  # (refuses a chat it cannot render)
         if request.prompt is not None and self.tokenizer is not None:
             try:
                 return len(self.tokenizer.encode(request.prompt))
@@ -346,6 +351,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             del self._aborted[handle]
             job.aborted = True  # aborted before it started: start nothing
         seeds = self._sample_seeds(request)
+        if request.messages is not None:  # rendered here, once for all samples, and sent as ids
+            job.prompt_ids = render_chat(self.tokenizer, request, ENGINE_NAME)
         self._jobs[handle] = job
         tasks = [asyncio.ensure_future(self._run_sample(engine, job, request, i, seeds[i])) for i in range(n)]
         try:
@@ -364,7 +371,7 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             raise
         finally:
             self._jobs.pop(handle, None)
-        output = self._engine_output(request, samples)
+        output = add_text(self._engine_output(request, samples), request, self.tokenizer)
         if any(s is not None for s in seeds) and self.deterministic:
             output.extra["sampling_seeds"] = seeds
         prompt_len = output.prompt_tokens
@@ -425,8 +432,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
         if seed is not None:
             sampling["sampling_seed"] = seed
         kwargs: dict[str, Any] = {"sampling_params": sampling, "return_logprob": request.return_logprob, "rid": rid}
-        if request.input_ids is not None:
-            kwargs["input_ids"] = list(request.input_ids)
+        if request.input_ids is not None or job.prompt_ids is not None:
+            kwargs["input_ids"] = list(request.input_ids if request.input_ids is not None else job.prompt_ids)
         else:
             kwargs["prompt"] = request.prompt
         if request.lora_path is not None:
@@ -497,7 +504,10 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
         meta = dict(last.get("meta_info") or {})
         if job.return_logprob:
             meta["output_token_logprobs"] = entries
-        return {**last, "output_ids": ids, "meta_info": meta}
+        out = {**last, "output_ids": ids, "meta_info": meta}
+        if incremental:
+            out.pop("text", None)  # (the last delta's only: the whole text is decoded from the ids)
+        return out
 
     def partial(self, handle: str) -> SampleOutput | None:
         """What the (single) streaming sample of ``handle`` has made so far; None when it does not

@@ -15,6 +15,7 @@ from redroll.errors import RedrollError
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineInfo, EngineOutput, SampleOutput
+from .text import trim_stop
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -48,6 +49,8 @@ class _Job:
     """rid → (output ids, output_token_logprobs entries) received so far, for streaming samples
     (copies: SGLang hands out its live lists, tokenizer_manager.py:2655-2662)."""
     return_logprob: bool = False
+    prompt_ids: list[int] | None = None
+    """A chat request's prompt, rendered once with the chat template (sent as ``input_ids``)."""
 
 
 @dataclass
@@ -113,10 +116,15 @@ class SGLangOutput:
         if request.return_logprob and request.logprob_start_len is not None:
             # from logprob_start_len on; the first prompt token has no logprob (None)
             input_logprobs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
+        # SGLang's text; its detokenizer cuts a matched stop string unless no_stop_trim
+        # (detokenizer_manager.py trim_matched_stop), as trim_stop does: the same cut either way
+        text = out.get("text") if request.wants_text and isinstance(out.get("text"), str) else None
+        if text is not None:
+            text = trim_stop(text, request.sampling_params, reason)
         return _Sample(
             output=SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                                 weight_versions=_token_versions(meta.get("weight_versions"), len(token_ids), rid),
-                                top_logprobs=top, routed_experts=self._routed_experts(meta, rid)),
+                                top_logprobs=top, routed_experts=self._routed_experts(meta, rid), text=text),
             input_logprobs=input_logprobs,
             prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
             cached_tokens=int(meta.get("cached_tokens") or 0),

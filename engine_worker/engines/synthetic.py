@@ -4,6 +4,11 @@ For measuring the queue itself and for fault tests. Tokens are derived from the 
 input and ``sampling_seed`` (or its request_id when no seed is given), so a replay produces
 the same output.
 
+Text: token id ``t`` reads as the word ``SYNTHETIC_WORDS[t % 16]`` after a space, so a sample's
+text (``output_text``) is its ids spelled that way, and stop strings (``sampling_params.stop``)
+end a sample at the token that completes one, as a model's detokenizer would. A chat request
+(``messages``) needs no template here: its messages, encoded, are the input its tokens derive from.
+
 Fault injection (for reliability tests and the chaos harness, off by default): a request whose
 prompt contains ``raise_marker`` makes ``generate`` raise; one containing ``exit_marker`` kills
 the whole worker process (``os._exit``), as a poison request that crashes an engine would.
@@ -19,6 +24,8 @@ import random
 import time
 from array import array
 
+import msgspec
+
 from redroll.shared.types import GenerationRequest, SamplingParams
 
 from .base import (
@@ -30,6 +37,21 @@ from .base import (
     check_token_ids,
     refuse_extras,
 )
+from .text import cut_at_stop, sample_text
+
+SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
+                   "claim", "batch", "model", "weight", "prompt", "sample", "redis", "done")
+"""What the synthetic engine's token ids read as (``t % 16``, each after a space)."""
+
+
+class SyntheticWords:
+    """The synthetic engine's detokenizer: ``decode([1, 18])`` is ``" queue worker"``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(" " + SYNTHETIC_WORDS[t % len(SYNTHETIC_WORDS)] for t in ids)
+
+
+_WORDS = SyntheticWords()
 
 
 class SyntheticEngine:
@@ -84,13 +106,18 @@ class SyntheticEngine:
         return self._tokens(_hash_source(request), sample, request.sampling_params.max_new_tokens, with_logprobs)
 
     def _sample(self, source: bytes, sample: int, sp: SamplingParams, with_logprobs: bool) -> tuple[list[int], list[float], str]:
-        """One sample as it ends: its tokens up to and with the first stop token ("stop"), else all
-        ``max_new_tokens`` of them ("length")."""
+        """One sample as it ends: its tokens up to and with the first stop token or the token that
+        completes a stop string ("stop"), else all ``max_new_tokens`` of them ("length")."""
         ids, lps = self._tokens(source, sample, sp.max_new_tokens, with_logprobs)
-        if sp.stop_token_ids:
+        if sp.stop_token_ids or sp.stop:
+            text = ""
             for j, t in enumerate(ids):
                 if t in sp.stop_token_ids:
                     return ids[: j + 1], lps[: j + 1], "stop"
+                if sp.stop:
+                    text += _WORDS.decode([t])
+                    if cut_at_stop(text, sp.stop)[1]:
+                        return ids[: j + 1], lps[: j + 1], "stop"
         return ids, lps, "length"
 
     def _tokens(self, source: bytes, sample: int, n: int, with_logprobs: bool) -> tuple[list[int], list[float]]:
@@ -110,7 +137,7 @@ class SyntheticEngine:
         return self.token_ms * max(0.0, 1.0 + self.jitter * (2.0 * u - 1.0))
 
     def _inject_faults(self, request: GenerationRequest) -> None:
-        text = request.prompt or ""
+        text = request.prompt or "".join(m.content or "" for m in request.messages or ())
         if self.exit_marker and self.exit_marker in text:
             os._exit(86)
         if self.raise_marker and self.raise_marker in text:
@@ -206,7 +233,10 @@ class SyntheticEngine:
         """What a generation that began at ``started`` made: all of it, or (``aborted``) the tokens
         due by now. ``ends``: each sample as :meth:`_sample` gives it, when already made."""
         sp = request.sampling_params
-        prompt_tokens = len(request.input_ids) if request.input_ids is not None else len((request.prompt or "").encode())
+        if request.input_ids is not None:
+            prompt_tokens = len(request.input_ids)
+        else:  # (a byte per token)
+            prompt_tokens = len(request.prompt.encode()) if request.prompt is not None else len(_text_source(request))
         produced = sp.max_new_tokens
         if aborted:
             elapsed_ms = (time.monotonic() - started) * 1000.0
@@ -220,7 +250,8 @@ class SyntheticEngine:
             if aborted and produced < len(ids):
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
-                                        self._versions_of(started, token_ms / 1000.0, len(ids), weight_version)))
+                                        self._versions_of(started, token_ms / 1000.0, len(ids), weight_version),
+                                        text=sample_text(_WORDS, ids, sp, reason) if request.wants_text else None))
             made += len(ids)
         self.tokens_decoded += made
         return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version)
@@ -231,6 +262,13 @@ def _hash_source(request: GenerationRequest) -> bytes:
     if request.input_ids is not None:
         source = b"ids:" + array("q", request.input_ids).tobytes()
     else:
-        source = b"prompt:" + (request.prompt or "").encode()
+        source = _text_source(request)
     seed = request.sampling_params.sampling_seed
     return b"%s|seed:%s" % (source, str(seed if seed is not None else request.request_id).encode())
+
+
+def _text_source(request: GenerationRequest) -> bytes:
+    """A text or chat prompt as the bytes its tokens derive from."""
+    if request.messages is not None:
+        return b"messages:" + msgspec.msgpack.encode([request.messages, request.tools])
+    return b"prompt:" + (request.prompt or "").encode()

@@ -31,6 +31,17 @@ MAX_POSITIONS = 2048
 VOCAB_TARGET = 512
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 
+TINY_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first turn must not be the "
+    "assistant\\'s') }}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}\n{% endfor %}"
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A small chat template (Jinja, as Hugging Face tokenizers carry them) for chat tests; it refuses
+a chat that opens with the assistant, as real templates refuse turns out of order:
+``save_tiny_checkpoint(..., chat_template=TINY_CHAT_TEMPLATE)``."""
+
 _TRAINING_TEXT = (
     "The quick brown fox jumps over the lazy dog. A queue of requests waits for a worker; the worker "
     "generates tokens and publishes a record. Rollouts feed a trainer, the trainer pushes weights, "
@@ -81,14 +92,17 @@ def build_tiny_llama(vocab_size: int, bos: int, eos: int, pad: int, seed: int) -
     return model.to(torch.float32).eval()
 
 
-def save_tiny_checkpoint(directory: str | Path, seed: int = 0) -> Path:
-    """Write the checkpoint into ``directory`` (created); returns it. Idempotent for one seed."""
+def save_tiny_checkpoint(directory: str | Path, seed: int = 0, *, chat_template: str | None = None) -> Path:
+    """Write the checkpoint into ``directory`` (created); returns it. Idempotent for one seed.
+    ``chat_template``: the tokenizer's (none by default: chat requests are then refused)."""
     from transformers import PreTrainedTokenizerFast
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(), bos_token="<bos>", eos_token="<eos>",
                                         pad_token="<pad>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     ids = [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS]
     model = build_tiny_llama(len(tokenizer), *ids, seed=seed)
     model.save_pretrained(out, safe_serialization=True)

@@ -49,6 +49,7 @@ from .base import (
     refuse_extras,
 )
 from .prefix_cache import PrefixCache
+from .text import add_text, cut_at_stop, render_chat
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
 from .transformers_batch import _Job, _Row, _Sampling
@@ -237,9 +238,12 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             if not request.input_ids:
                 raise ValidationError("input_ids", "must not be empty")
             return list(request.input_ids)
-        if not request.prompt:
-            raise ValidationError("input_ids/prompt", "exactly one of input_ids or prompt is required")
-        ids = list(tokenizer.encode(request.prompt))
+        if request.messages is not None:
+            ids = render_chat(tokenizer, request, ENGINE_NAME)
+        elif request.prompt:
+            ids = list(tokenizer.encode(request.prompt))
+        else:
+            raise ValidationError("input_ids/prompt/messages", "exactly one of input_ids, prompt or messages is required")
         if not ids:
             raise ValidationError("prompt", "tokenizes to no tokens")
         check_context(request, len(ids), self.info.max_context)
@@ -264,7 +268,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             raise RuntimeError("the engine is closed")
         if request.sampling_params.max_new_tokens == 0:
             samples = [self._empty_sample(request, "length") for _ in range(request.n)]
-            return self._output(prompt_ids, samples)
+            return add_text(self._output(prompt_ids, samples), request, self._tokenizer)
         if handle in self._jobs:
             raise ValueError(f"handle {handle!r} is already generating")
         job = _Job(request, handle, prompt_ids, asyncio.get_running_loop().create_future())
@@ -272,7 +276,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         self._waiting.append(job)
         self._wakeup.set()
         try:
-            return await asyncio.shield(job.future)
+            return add_text(await asyncio.shield(job.future), request, self._tokenizer)
         except asyncio.CancelledError:
             self.abort(handle)
             raise
@@ -450,7 +454,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
     def _hits_stop_string(self, row: _Row) -> bool:
         tokenizer = self._require_started()
         text = tokenizer.decode(row.token_ids, skip_special_tokens=row.params.skip_special_tokens)
-        return any(stop in text for stop in row.params.stop)
+        return cut_at_stop(text, row.params.stop)[1]
 
     def _banned_tokens(self, rows: list[_Row]) -> list[tuple[int, int]]:
         """(row, token) pairs that may not be sampled next: stops before ``min_new_tokens``."""

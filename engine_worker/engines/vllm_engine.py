@@ -20,6 +20,11 @@ What the adapter does, and why:
   (``logprob_start_len``) are computed by vLLM for the whole prompt and such a request skips the
   prefix cache for its prompt (its KV is computed in full); the adapter slices them from
   ``logprob_start_len``.
+* **Text.** vLLM detokenizes a request that wants text (``output_text``) or has stop strings, and
+  applies the stop strings itself: the text ends before the stop string (``no_stop_trim``: with
+  it), the token ids run up to and including the token that completed it. Other requests are not
+  detokenized (``detokenize=False``: RL's token-id requests spend nothing on text). A chat request
+  is rendered here with the tokenizer's chat template and sent as token ids.
 * **Weight versions** are vLLM's own: the engine stamps every output with its current version
   (``update_weight_version``) and reports spans per sample, so an in-place update inside a
   generation shows in the record's per-token ``weight_versions``. Every request's prefix cache is
@@ -41,8 +46,9 @@ from typing import Any, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineCapabilities, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import EngineCapabilities, EngineOutput, SampleOutput, check_token_ids, refuse_extras, refuse_text
 from .sglang_engine import EngineRequestError
+from .text import render_chat
 from .vllm_process import VLLMProcess
 from .vllm_weights import VLLMWeights
 
@@ -69,6 +75,7 @@ class _Sample:
     started: bool = False
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -168,11 +175,13 @@ class VLLMEngine(VLLMWeights):
         if request.prompt is not None and request.input_ids is None and self.process.started \
                 and self.process.tokenizer is None:
             raise ValidationError("prompt", "this vLLM engine runs without a tokenizer: send input_ids")
+        if self.process.started:
+            refuse_text(request, ENGINE_NAME, self.process.tokenizer)
         prompt_len = self._prompt_len(request)
         context = self.info.max_context
         if prompt_len is None or context is None:
             return
-        field_name = "input_ids" if request.input_ids is not None else "prompt"
+        field_name = "input_ids" if request.input_ids is not None else "prompt" if request.prompt else "messages"
         if prompt_len >= context:
             raise ValidationError(field_name, f"the prompt ({prompt_len} tokens) is not shorter than the model's "
                                               f"context length ({context} tokens)")
@@ -189,6 +198,8 @@ class VLLMEngine(VLLMWeights):
         if request.input_ids is not None:
             return len(request.input_ids)
         tokenizer = self.process.tokenizer
+        if request.messages is not None and tokenizer is not None:
+            return len(render_chat(tokenizer, request, ENGINE_NAME))  # (refuses a chat it cannot render)
         if request.prompt is None or tokenizer is None:
             return None
         try:
@@ -210,9 +221,16 @@ class VLLMEngine(VLLMWeights):
             del self._early_aborts[handle]
             job.aborted = True  # aborted before it reached the engine: start nothing
         seed = request.sampling_params.sampling_seed
-        salt = f"w{self.info.weight_version}"
+        prompt: dict[str, Any] = {"cache_salt": f"w{self.info.weight_version}"}
+        if request.messages is not None:
+            prompt["prompt_token_ids"] = render_chat(self.process.tokenizer, request, ENGINE_NAME)
+        elif request.input_ids is not None:
+            prompt["prompt_token_ids"] = list(request.input_ids)
+        else:
+            prompt["prompt"] = request.prompt
         self._jobs[handle] = job
-        tasks = [asyncio.ensure_future(self._run_sample(llm, job, request, s, None if seed is None else seed + i, salt))
+        tasks = [asyncio.ensure_future(self._run_sample(llm, job, request, s, None if seed is None else seed + i,
+                                                        prompt))
                  for i, s in enumerate(job.samples)]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -231,17 +249,14 @@ class VLLMEngine(VLLMWeights):
         return self._engine_output(request, job)
 
     async def _run_sample(self, llm: Any, job: _Job, request: GenerationRequest, sample: _Sample,
-                          seed: int | None, salt: str) -> None:
+                          seed: int | None, prompt: dict[str, Any]) -> None:
         if job.aborted:
             return
         streaming = request.resumable and request.n == 1
         params = self.process.sampling_params(request, seed, stream_interval=self.stream_interval if streaming else None)
-        prompt: dict[str, Any] = ({"prompt_token_ids": list(request.input_ids)} if request.input_ids is not None
-                                  else {"prompt": request.prompt})
-        prompt["cache_salt"] = salt
         sample.started = True
         try:
-            async for out in llm.generate(prompt, params, sample.rid):
+            async for out in llm.generate(dict(prompt), params, sample.rid):
                 self._take(sample, out, request, delta=streaming)
         except Exception as exc:
             if job.aborted:
@@ -267,12 +282,14 @@ class VLLMEngine(VLLMWeights):
             return
         ids = [int(t) for t in completion.token_ids]
         logprobs, top = _token_logprobs(ids, completion.logprobs, request, sample.rid)
+        text = completion.text or ""
         if delta:
             sample.token_ids.extend(ids)
             sample.logprobs.extend(logprobs)
             sample.top.extend(top)
+            sample.text += text
         else:
-            sample.token_ids, sample.logprobs, sample.top = ids, logprobs, top
+            sample.token_ids, sample.logprobs, sample.top, sample.text = ids, logprobs, top, text
         if delta or out.finished:  # (a final-only output counts once, at the end)
             self.tokens_decoded += len(ids)
         if out.finished:
@@ -326,7 +343,8 @@ class VLLMEngine(VLLMWeights):
             samples.append(SampleOutput(
                 token_ids=s.token_ids, logprobs=s.logprobs if request.return_logprob else None,
                 finish_reason=s.finish_reason, weight_versions=versions,
-                top_logprobs=s.top if request.return_logprob and request.top_logprobs_num else None))
+                top_logprobs=s.top if request.return_logprob and request.top_logprobs_num else None,
+                text=s.text if request.wants_text else None))
         prompt_tokens = max((s.prompt_tokens for s in job.samples if s.prompt_tokens is not None), default=None)
         if prompt_tokens is None:
             prompt_tokens = self._prompt_len(request) or 0

@@ -191,6 +191,8 @@ class VLLMProcess:
             kwargs["stop_token_ids"] = list(sp.stop_token_ids)
         if sp.no_stop_trim is not None:
             kwargs["include_stop_str_in_output"] = bool(sp.no_stop_trim)
+        if not request.wants_text and not sp.stop:
+            kwargs["detokenize"] = False  # (vLLM applies stop strings to the text it detokenizes)
         if sp.logit_bias:
             kwargs["logit_bias"] = {int(k): float(v) for k, v in sp.logit_bias.items()}
         if sp.spaces_between_special_tokens is None:

@@ -1,0 +1,96 @@
+"""Text in and out, for every engine: chat requests rendered with the model's own chat template,
+and each sample's text for the record.
+
+* :func:`render_chat` turns a request's ``messages`` (and ``tools``) into prompt token ids with
+  the tokenizer's ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``. A
+  tokenizer without a chat template (the built-in tiny model's byte tokenizer), or none at all,
+  refuses the request with a :class:`ValidationError` naming ``messages``, as does a template
+  that raises (roles out of order, a tool the template cannot place).
+* :func:`sample_text` is a sample's text as the record carries it: its token ids decoded, cut
+  just before the stop string that ended it (the stop string is not part of the text, as with
+  SGLang, vLLM and OpenAI's API; ``no_stop_trim`` keeps it). The token ids stay whole: up to and
+  including the token that completed the stop string.
+* :func:`add_text` fills the samples an engine returned without text (engines that detokenize
+  themselves, vLLM and SGLang, give theirs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import msgspec
+
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest, SamplingParams
+
+from .base import EngineOutput
+
+
+def chat_messages(request: GenerationRequest) -> list[dict[str, Any]]:
+    """The request's messages as the plain maps chat templates read (unset keys left out)."""
+    return [msgspec.to_builtins(m) for m in request.messages or ()]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) \
+        and callable(getattr(tokenizer, "apply_chat_template", None))
+
+
+def render_chat(tokenizer: Any, request: GenerationRequest, engine: str) -> list[int]:
+    """The prompt token ids of a chat request, rendered by ``tokenizer``'s chat template."""
+    if not has_chat_template(tokenizer):
+        raise ValidationError("messages", f"the {engine} engine's tokenizer has no chat template: "
+                                          "send prompt or input_ids")
+    kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+    if request.tools is not None:
+        kwargs["tools"] = request.tools
+    try:
+        rendered = tokenizer.apply_chat_template(chat_messages(request), **kwargs)
+    except Exception as exc:  # (jinja2's TemplateError, a ValueError from the tokenizer, ...)
+        raise ValidationError("messages", f"the chat template refused them: {_one_line(exc)}") from None
+    if isinstance(rendered, Mapping) or hasattr(rendered, "input_ids"):  # (transformers 5: a BatchEncoding)
+        rendered = rendered["input_ids"]
+    ids = [int(t) for t in rendered]
+    if not ids:
+        raise ValidationError("messages", "the chat template rendered no tokens")
+    return ids
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to (without) the earliest stop string in it, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def trim_stop(text: str, params: SamplingParams, finish_reason: str | None) -> str:
+    """``text`` cut before the stop string that ended its sample, unless ``no_stop_trim`` (a text
+    already cut holds no stop string: cutting again changes nothing)."""
+    if finish_reason == "stop" and params.stop and not params.no_stop_trim:
+        text, _ = cut_at_stop(text, params.stop)
+    return text
+
+
+def sample_text(tokenizer: Any, token_ids: Sequence[int], params: SamplingParams, finish_reason: str | None) -> str:
+    """One sample's text: its ids decoded (``skip_special_tokens`` as the request says), cut before
+    the stop string that ended it unless ``no_stop_trim``."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens)
+    return trim_stop(text, params, finish_reason)
+
+
+def add_text(output: EngineOutput, request: GenerationRequest, tokenizer: Any) -> EngineOutput:
+    """Give every sample of ``output`` without text its text, when the request wants text."""
+    if not request.wants_text or tokenizer is None:
+        return output
+    for sample in output.samples:
+        if sample.text is None:
+            sample.text = sample_text(tokenizer, sample.token_ids, request.sampling_params, sample.finish_reason)
+    return output
+
+
+__all__ = ["add_text", "chat_messages", "cut_at_stop", "has_chat_template", "render_chat", "sample_text", "trim_stop"]
