@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import redis
 
+from redroll.burst import add_burst_flag
 from redroll.runtime import run as run_async_main
 from redroll.shared.connection import RedisConfigError, connect, describe_error
 from redroll.shared.lanes import LanesMismatchError
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_burst_flag(p, "worker")
 
     p = sub.add_parser("consume", help="apply callbacks to records through a consumer group")
     _common(p)
@@ -212,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record data per read and per applied chunk (default 1 MiB, at least one record): "
                         "async handlers run concurrently within a chunk")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_burst_flag(p, "consume")
 
     p = sub.add_parser("submit", help="submit requests from a JSONL file (one request per line)")
     _common(p)
@@ -466,7 +469,8 @@ async def _run_worker(args: argparse.Namespace) -> int:
             raise SystemExit(f"redroll worker: --only-partitions {args.only_partitions!r} is not a list of "
                              "partition numbers (e.g. 0,2)") from None
     try:
-        worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only)
+        worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only,
+                        burst=args.burst)
     except ValueError as exc:
         raise SystemExit(f"redroll worker: {exc}") from None
     from redroll.shared.metrics import WorkerMetrics
@@ -488,7 +492,8 @@ async def _run_consume(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
-                            stream=args.stream, batch=args.batch, apply_bytes=args.batch_bytes)
+                            stream=args.stream, batch=args.batch, apply_bytes=args.batch_bytes,
+                            burst=args.burst)
     from redroll.shared.metrics import ConsumerMetrics
 
     return await _serve(runner, ConsumerMetrics, args.metrics_port, settings)
