@@ -182,6 +182,15 @@ async def running(*roles: Any) -> AsyncIterator[None]:
         await asyncio.gather(*tasks)
 
 
+async def run_until_drained(*roles: Any, timeout: float = 60.0) -> None:
+    """Run workers and consumers in this event loop in burst mode until each has stopped on its own:
+    nothing queued or claimed, nothing left for its group (see ``redroll.shared.backlog``). Waits
+    on their own decision, not on a clock; fails after ``timeout`` seconds."""
+    for role in roles:
+        role.burst = True
+    await asyncio.wait_for(asyncio.gather(*(role.run() for role in roles)), timeout)
+
+
 def workers_and_consumer(settings: Settings, applied: list[str], workers: int = 2) -> tuple[list, Any]:
     """In-process roles for a pipeline test: ``workers`` synthetic-engine workers (16 in flight)
     and a consumer in group ``g`` whose handler ``h`` appends each record's request_id to ``applied``."""
