@@ -14,7 +14,7 @@ from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
-from tests.conftest import wait_until
+from tests.conftest import run_until_drained, wait_until
 
 
 async def start_worker(settings, token_ms: float = 0.0, **kw) -> tuple[Worker, asyncio.Task]:
@@ -218,10 +218,8 @@ async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r)
     assert len(pending) == 3 and all(int(p["times_delivered"]) == 1 for p in pending)
     assert all(int(p["time_since_delivered"]) >= settings.claim_idle_ms for p in pending)
     second = Worker(settings, SyntheticEngine(), max_inflight=8, block_ms=200)
-    second_task = asyncio.create_task(second.run())
-    await wait_until(lambda: second.stats.published == 3, 10)
-    second.request_stop()
-    await second_task
+    await run_until_drained(second, timeout=30)
+    assert second.stats.published == 3
     collected = [f[b"rid"] for _, f in await r.xrange(settings.keys.results)]
     assert sorted(collected) == [b"late-0", b"late-1", b"late-2"]
 
