@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import time
@@ -16,13 +15,13 @@ from collections import Counter
 import pytest
 
 from redroll.consumer.runner import ConsumerRunner
-from redroll.embedded import start_redis_server
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
 from tests.conftest import spawn, stop_process, wait_until
+from tests.support.servers import RestartableRedis
 
 pytestmark = pytest.mark.slow
 
@@ -186,8 +185,7 @@ async def test_second_signal_exits_at_once(settings, r):
 async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, fsync, stop_signal):
     """Worker, consumer and producer survive redis-server restarts. With appendfsync always a
     SIGKILLed server loses no acknowledged request; with everysec a clean (SIGTERM) restart loses none."""
-    server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, directory=str(tmp_path))
-    port = server.port
+    server = RestartableRedis(tmp_path, fsync).start()
     s = settings.with_(redis_url=server.url)
     applied = tmp_path / "applied.jsonl"
     log = tmp_path / "procs.log"
@@ -197,10 +195,8 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             # Requests acknowledged before the crash, with no worker running yet.
             first = await p.submit_many([dict(request_id=f"before-{i}", prompt=str(i), callback="apply",
                                               sampling_params={"max_new_tokens": 3}) for i in range(50)])
-            os.kill(server.process.pid, stop_signal)
-            server.process.wait()
-            server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,
-                                        directory=str(tmp_path))
+            server.crash(stop_signal)
+            server.start()  # (same port, same AOF)
             procs.append(spawn(s, "worker", "--engine", "synthetic", "--token-ms", "2", log=log))
             records = await asyncio.wait_for(asyncio.gather(*first), 60)
             assert all(x.status is RecordStatus.FINISHED for x in records)
@@ -214,11 +210,9 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             await send(s, rc, [make_request(request_id=f"cb-{i}", prompt=str(i), callback="apply",
                                             sampling_params={"max_new_tokens": 3}) for i in range(30)])
             await wait_until(lambda: applied.exists() and len(applied.read_text().splitlines()) >= 30, timeout=60)
-            os.kill(server.process.pid, stop_signal)
-            server.process.wait()
+            server.crash(stop_signal)
             await asyncio.sleep(1.0)
-            server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,
-                                        directory=str(tmp_path))
+            server.start()
             second = await p.submit_many([dict(request_id=f"after-{i}", prompt=str(i),
                                                sampling_params={"max_new_tokens": 3}) for i in range(50)])
             await send(s, rc, [make_request(request_id=f"cb2-{i}", prompt=str(i), callback="apply",
