@@ -1,4 +1,5 @@
-"""Chaos harness: the delivery promises under real process failures.
+"""Chaos harness: the delivery promises under real process failures (``tests/test_chaos.py`` runs
+it reduced; ``python -m benchmarks.chaos`` is this module's command line).
 
 Runs a whole pipeline as separate OS processes on a private redis-server (AOF on) and breaks it
 while traffic flows:
@@ -45,13 +46,14 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import redis
 
-from redroll.embedded import start_redis_server
 from redroll.producer.client import make_request, send
 from redroll.shared.connection import connect
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DuplicateRequestError
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, text
+from tests.support.processes import redroll_argv, start_process
+from tests.support.servers import RestartableRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIED_ENV = "REDROLL_CHAOS_APPLIED"
@@ -154,42 +156,6 @@ class ChaosSummary:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
 
-# ---------------------------------------------------------------------------- redis-server
-
-class RedisProcess:
-    """The private redis-server (AOF on), restartable on the same port and directory."""
-
-    def __init__(self, directory: Path, appendfsync: str):
-        self.directory = directory
-        self.appendfsync = appendfsync
-        self.server: Any = None
-        self.port: int | None = None
-        self.starts = 0
-
-    def _args(self) -> list[str]:
-        logfile = self.directory / f"redis.{self.starts}.log"
-        return ["--appendonly", "yes", "--appendfsync", self.appendfsync, "--logfile", str(logfile)]
-
-    def start(self) -> None:
-        self.server = start_redis_server(*self._args(), port=self.port, directory=str(self.directory), timeout=30)
-        self.port = self.server.port
-        self.starts += 1
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def crash_and_restart(self, down_s: float) -> None:
-        os.kill(self.server.process.pid, signal.SIGKILL)
-        self.server.process.wait()
-        time.sleep(down_s)
-        self.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-
 # ---------------------------------------------------------------------------- worker and consumer processes
 
 @dataclass
@@ -221,17 +187,14 @@ class Fleet:
         self.consumers: list[Proc] = []
 
     def _argv(self, role: str) -> list[str]:
-        base = [sys.executable, "-m", "redroll.cli"]
         if role == "worker":
-            return base + ["worker", "--engine", "synthetic", "--token-ms", str(self.cfg.token_ms),
-                           "--jitter", str(self.cfg.jitter), "--max-inflight", str(self.cfg.max_inflight)]
-        return base + ["consume", "--group", CONSUMER_GROUP, "--handler", "apply=benchmarks.chaos:apply_record"]
+            return redroll_argv("worker", "--engine", "synthetic", "--token-ms", str(self.cfg.token_ms),
+                           "--jitter", str(self.cfg.jitter), "--max-inflight", str(self.cfg.max_inflight))
+        return redroll_argv("consume", "--group", CONSUMER_GROUP, "--handler", "apply=tests.chaos:apply_record")
 
     def _spawn(self, role: str, slot: int, gen: int) -> Proc:
         path = self.log_dir / f"{role}{slot}.{gen}.log"
-        with open(path, "ab") as out:
-            popen = subprocess.Popen(self._argv(role), cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        return Proc(role, slot, gen, popen, path)
+        return Proc(role, slot, gen, start_process(self._argv(role), env=self.env, log=path), path)
 
     def start(self) -> None:
         self.workers = [self._spawn("worker", i, 0) for i in range(self.cfg.workers)]
@@ -543,7 +506,7 @@ class ChaosState:
 
 
 class Chaos:
-    def __init__(self, cfg: ChaosConfig, fleet: Fleet, server: RedisProcess, r: Any, settings: Any,
+    def __init__(self, cfg: ChaosConfig, fleet: Fleet, server: RestartableRedis, r: Any, settings: Any,
                  rng: random.Random):
         self.cfg, self.fleet, self.server, self.r, self.settings, self.rng = cfg, fleet, server, r, settings, rng
         self.state = ChaosState()
@@ -738,7 +701,7 @@ async def run_chaos(cfg: ChaosConfig) -> ChaosSummary:
     log.setLevel(logging.INFO)
     applied_path = workdir / "applied.jsonl"
 
-    server = RedisProcess(workdir / "redis", cfg.appendfsync)
+    server = RestartableRedis(workdir / "redis", cfg.appendfsync)
     server.start()
     namespace = "chaos" + uuid.uuid4().hex[:8]
     settings = Settings(redis_url=server.url, namespace=namespace, claim_idle_ms=cfg.claim_idle_ms,
