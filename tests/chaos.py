@@ -52,6 +52,7 @@ from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DuplicateRequestError
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, text
+from tests.support import poll
 from tests.support.processes import redroll_argv, start_process
 from tests.support.servers import RestartableRedis
 
@@ -622,19 +623,19 @@ def process_env(cfg: ChaosConfig, url: str, namespace: str, applied: Path) -> di
 
 async def wait_for_fleet(r: Any, settings: Any, fleet: Fleet, timeout: float = 30.0) -> None:
     """Until every worker has a heartbeat and every consumer has started."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    async def up() -> bool:
         names = [await worker_name(r, settings, w.pid) for w in fleet.workers]
         # (a consumer joins its group only on its first read of an entry: look for its start line)
         consumers_up = all(c.log_path.exists() and b" group " + CONSUMER_GROUP.encode() in c.log_path.read_bytes()
                            for c in fleet.consumers)
-        if all(names) and consumers_up:
-            return
+        return all(names) and consumers_up
+
+    def none_exited() -> None:
         for p in fleet.workers + fleet.consumers:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.label} exited with {p.popen.returncode} at start; see {p.log_path}")
-        await asyncio.sleep(0.1)
-    raise RuntimeError("the fleet did not come up within %.0fs" % timeout)
+
+    await poll.wait_until(up, timeout, 0.1, what="the fleet coming up", check=none_exited, error=RuntimeError)
 
 
 async def wait_for_quiescence(audit: Audit, applied: AppliedLog, submitted: list[str], deadline: float) -> bool:
