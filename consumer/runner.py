@@ -23,10 +23,10 @@ from typing import Any, Callable
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.backlog import backlog_by_tag, group_backlog
+from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
 from redroll.shared.scripts import DeadLetter, Scripts
@@ -268,11 +268,11 @@ class ConsumerRunner:
 
     async def idle(self) -> bool:
         """Nothing is left for this group on its streams but the records it has no handler for, and
-        (consuming the results streams) no request is queued or claimed in the request streams."""
+        (consuming the results streams) no request is queued or claimed in the request streams: the
+        request streams' lengths (all the consumer's ACL user may ask of them), then this group's
+        pending count and lag (see :mod:`redroll.shared.backlog`)."""
         if self.streams == [part.results for part in self.settings.partition_keys]:
-            upstream = await backlog_by_tag(self.redis, [p.request_streams for p in self.settings.partition_keys],
-                                            WORKERS_GROUP)
-            if not upstream.empty:
+            if await requests_left(self.redis, self.settings.partition_keys):
                 return False
         for stream in self.streams:
             left = await group_backlog(self.redis, [stream], self.group)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.backlog import backlog_by_tag
+from redroll.shared.backlog import requests_left
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
@@ -294,15 +294,14 @@ class Worker:
             log.info("worker %s stopped: %s", self.name, self.stats)
 
     async def _stop_when_idle(self, ctx: WorkerContext) -> None:
-        """Burst mode: request a stop once nothing is queued or claimed in this worker's partitions
-        and this worker holds nothing. Redis is asked first, in one transaction per partition (an
-        entry is then either still queued or already pending), this worker's flights after."""
+        """Burst mode: request a stop once the request streams of this worker's partitions hold no
+        entry (nothing queued, nothing claimed by any worker: see :mod:`redroll.shared.backlog`)
+        and this worker holds nothing."""
         interval = min(max(self.block_ms / 1000.0, 0.05), 1.0)
-        stream_sets = [part.request_streams for part in self.parts]
         while not self._stopping.is_set():
             if not len(self.flights):
-                left = await backlog_by_tag(self.redis, stream_sets, WORKERS_GROUP)
-                if left.empty and not len(self.flights):
+                left = await requests_left(self.redis, self.parts)
+                if not left and not len(self.flights):
                     log.info("worker %s (burst): nothing queued or in flight; stopping", self.name)
                     self.request_stop()
                     return
