@@ -20,7 +20,7 @@ from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
-from tests.conftest import spawn, stop_process, wait_until
+from tests.conftest import run_until_drained, running, spawn, stop_process, wait_until
 from tests.support.servers import RestartableRedis
 
 pytestmark = pytest.mark.slow
@@ -238,9 +238,11 @@ async def test_10k_requests_leave_only_unacked_results(settings, r):
     s = settings.with_(claim_idle_ms=30_000)
     worker = Worker(s, SyntheticEngine(), max_inflight=256, block_ms=200)
     applied: list[str] = []
-    fast = ConsumerRunner(s, group="fast", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                          block_ms=200, trim_interval_s=0.2, batch=512)
-    tasks = [asyncio.create_task(worker.run()), asyncio.create_task(fast.run())]
+
+    def fast_consumer() -> ConsumerRunner:
+        return ConsumerRunner(s, group="fast", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                              block_ms=200, trim_interval_s=0.2, batch=512)
+
     from redroll.producer.client import make_request, send
 
     # A second group exists but reads nothing until the end: nothing it has not acked may go.
@@ -249,18 +251,19 @@ async def test_10k_requests_leave_only_unacked_results(settings, r):
     for i in range(0, n, 1000):
         await send(s, r, [make_request(request_id=f"k{j}", input_ids=[1], callback="h",
                                        sampling_params={"max_new_tokens": 1}) for j in range(i, i + 1000)])
-    await wait_until(lambda: len(applied) >= n, timeout=120, interval=0.2)
+    # burst roles: both stop once every request is done and group "fast" applied every record (its
+    # trim loop ran meanwhile, every 0.2 s)
+    await run_until_drained(worker, fast_consumer(), timeout=120)
+    assert len(applied) == n
     assert await r.xlen(s.keys.requests) == 0
-    await asyncio.sleep(0.5)
     assert await r.xlen(s.keys.results) == n  # the slow group has acked none of them
     # The slow group now reads and acks half; the trim keeps exactly the rest.
     got = await r.xreadgroup("slow", "s1", {s.keys.results: ">"}, count=n // 2)
     ids = [e[0] for e in got[0][1]]
     await r.xack(s.keys.results, "slow", *ids)
-    await wait_until(lambda: _xlen_is(r, s.keys.results, n // 2), timeout=10)
-    worker.request_stop()
-    fast.request_stop()
-    await asyncio.gather(*tasks)
+    fast = fast_consumer()
+    async with running(fast):  # (its trim loop: nothing left to apply)
+        await wait_until(lambda: _xlen_is(r, s.keys.results, n // 2), timeout=10)
     assert len(applied) == n == len(set(applied))
     assert int((await r.xpending(s.keys.requests, WORKERS_GROUP))["pending"]) == 0
 

@@ -269,12 +269,8 @@ async def test_a_previous_runs_entries_under_the_same_name_are_still_suspects(se
     await asyncio.sleep(0.05)  # (its restart)
     engine = _Counting(token_ms=50)
     worker = Worker(settings, engine, max_inflight=8, block_ms=200, name="fixed-name")
-    task = asyncio.create_task(worker.run())
-    try:
-        await wait_until(lambda: worker.stats.published == 2, timeout=15)
-    finally:
-        await stop(worker, task)
-    assert worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
+    await run_until_drained(worker, timeout=30)
+    assert worker.stats.published == 2 and worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
 
 
 async def test_a_stop_while_a_suspect_runs_alone_drains_it_in_time_and_hands_it_back(settings, r):
