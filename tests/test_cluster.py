@@ -26,6 +26,7 @@ from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
+from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.connection import connect, is_cluster
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
@@ -131,6 +132,15 @@ async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
     assert status["requests"]["backlog"] == 0 and status["requests"]["pending"] == 0
 
 
+async def _nothing_left(rc, s, group: str) -> bool:
+    if await requests_left(rc, s.partition_keys):
+        return False
+    for part in s.partition_keys:
+        if not (await group_backlog(rc, [part.results], group)).empty:
+            return False
+    return True
+
+
 async def test_affinity_lanes_on_the_cluster(cluster_settings, rc):
     """Lanes live in their partition's slot; sessions and groups stay on one worker each."""
     from redroll.shared.keys import lane_index, partition_index
@@ -206,7 +216,9 @@ async def test_2000_requests_three_workers_six_partitions_callbacks_once(cluster
         workers.append(start_worker())
         await send(s, rc, requests[n // 2:])
         await wait_until(lambda: len(applied_lines()) >= n, timeout=180, interval=0.2)
-        await asyncio.sleep(1.0)  # let any duplicate show up before counting
+        # nothing left anywhere (no request, no unread or unacked record of the group): no duplicate
+        # can still be applied, so the count below is final
+        await wait_until(lambda: _nothing_left(rc, s, GROUP), timeout=60)
         lines = applied_lines()
     finally:
         if workers[0].poll() is None:  # (the test failed before the kill; SIGKILL ends a stopped process too)
