@@ -144,7 +144,8 @@ class ConsumerRunner:
         self._last_errors: dict[str, str] = {}
         self._unhandled_names: set[str | None] = set()
         self._unhandled_entries: dict[str, set[str]] = {s: set() for s in self.streams}
-        """Entries left pending for want of a handler (a burst stop does not wait for them)."""
+        """Entries left pending for want of a handler, kept in burst mode (its stop does not wait
+        for them)."""
         self.blocked: str | None = None
         """What Redis answered while it refuses this consumer's acks (None when it accepts them)."""
 
@@ -333,7 +334,8 @@ class ConsumerRunner:
                 await self._dead_letter(item, exc.reason, stream)
                 continue
             if self.registry.resolve(item.record) is None:
-                self._unhandled_entries[stream].add(item.entry_id)
+                if self.burst:  # (only a burst stop asks: a long-running consumer keeps no list)
+                    self._unhandled_entries[stream].add(item.entry_id)
                 self._leave_unhandled(item.record)
                 continue
             if item.deliveries > self.settings.max_deliveries:

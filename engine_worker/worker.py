@@ -93,8 +93,8 @@ class Worker:
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
         self.burst = burst
         """Stop (drain and deregister) once this worker holds nothing and the request streams of its
-        partitions hold nothing for group ``workers``: nothing queued, nothing claimed by any worker
-        (see :mod:`redroll.shared.backlog`). Entries a dead worker held are reclaimed first."""
+        partitions hold no entry: nothing queued, nothing claimed by any worker (see
+        :mod:`redroll.shared.backlog`). Entries a dead worker held are reclaimed first."""
         self.stats = WorkerStats()
         self.metrics: Any = None
         """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
