@@ -268,7 +268,8 @@ class ConsumerRunner:
                 pass
 
     async def idle(self) -> bool:
-        """Nothing is left for this group on its streams but the records it has no handler for, and
+        """Nothing is left for this group on its streams but the records it has no handler for (those
+        it met in burst mode: otherwise they count as left), and
         (consuming the results streams) no request is queued or claimed in the request streams: the
         request streams' lengths (all the consumer's ACL user may ask of them), then this group's
         pending count and lag (see :mod:`redroll.shared.backlog`)."""
