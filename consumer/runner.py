@@ -269,10 +269,10 @@ class ConsumerRunner:
 
     async def idle(self) -> bool:
         """Nothing is left for this group on its streams but the records it has no handler for (those
-        it met in burst mode: otherwise they count as left), and
-        (consuming the results streams) no request is queued or claimed in the request streams: the
-        request streams' lengths (all the consumer's ACL user may ask of them), then this group's
-        pending count and lag (see :mod:`redroll.shared.backlog`)."""
+        it met in burst mode: otherwise they count as left), and (consuming the results streams) no
+        request is queued or claimed in the request streams: the request streams' lengths (all the
+        consumer's ACL user may ask of them), then this group's pending count and lag (see
+        :mod:`redroll.shared.backlog`)."""
         if self.streams == [part.results for part in self.settings.partition_keys]:
             if await requests_left(self.redis, self.settings.partition_keys):
                 return False
