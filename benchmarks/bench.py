@@ -86,11 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet-idle-s", type=float, default=None, help="seconds of idle measured per fleet layout")
     ap.add_argument("--fleet-requests", type=int, default=None, help="requests per fleet ceiling run")
     ap.add_argument("--fleet-runs", type=int, default=None, help="ceiling runs per fleet size (median kept)")
-    ap.add_argument("--large-baseline", default=None,
-                    help=f"commit the large-record run compares with in the same run (default {sections.LARGE_BASELINE}, "
-                         "the code the performance issue measured; 'none' to skip)")
-    ap.add_argument("--baseline-runs", type=int, default=None,
-                    help="runs of the baseline and of this code in the large section (default 5; 0 with --quick)")
+    ap.add_argument("--large-runs", type=int, default=None,
+                    help="end-to-end runs in the large section (default 5; 1 with --quick)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the run directory (process logs)")
     args = ap.parse_args(argv)
 
@@ -106,10 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.memory_requests = args.memory_requests
     if args.peer_jobs:
         cfg.peer_jobs = args.peer_jobs
-    if args.large_baseline is not None:
-        cfg.large_baseline = "" if args.large_baseline.lower() in ("", "none") else args.large_baseline
-    if args.baseline_runs is not None:
-        cfg.large_baseline_runs = args.baseline_runs
+    if args.large_runs is not None:
+        cfg.large_runs = args.large_runs
     for name in ("peer_runs", "workers", "fleet_processes", "fleet_idle_s", "fleet_requests", "fleet_runs"):
         value = getattr(args, name)
         if value:

@@ -2,7 +2,8 @@
 
 Everything runs against one private ``redis-server`` (no persistence, loopback port) that the
 suite starts itself; every role (producer, worker, consumer, peers' processes) is a separate OS
-process started here in its own session, and stopped here by its process-group id.
+process started in its own session and stopped by its process-group id, with the subprocess
+helper and the poller the tests use (:mod:`tests.support`).
 """
 
 from __future__ import annotations
@@ -11,153 +12,42 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import redis
 
 from redroll.embedded import RedisServer, start_redis_server
+from tests.support import poll, processes
+from tests.support.processes import Proc, group_cpu_s, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+__all__ = ["BenchError", "Proc", "Procs", "Server", "group_cpu_s", "stop_processes", "wait_for"]
+
+
+# ---------------------------------------------------------------- processes
 
 
 class BenchError(RuntimeError):
     """A section could not produce its figures (a process died, a run timed out)."""
 
 
-# ---------------------------------------------------------------- processes
-
-
-def group_cpu_s(pgid: int) -> float:
-    """User+system CPU seconds of every live process in process group ``pgid``
-    (plus what its waited-for children used)."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                raw = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = raw[raw.rfind(")") + 2:].split()
-        # rest[0] is field 3 (state); pgrp is field 5, utime..cstime are fields 14..17
-        if int(rest[2]) != pgid:
-            continue
-        total += int(rest[11]) + int(rest[12]) + int(rest[13]) + int(rest[14])
-    return total / CLK_TCK
-
-
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    cpu_s: float | None = None
+class Procs(processes.Procs):
+    """The processes of one run (see :class:`tests.support.processes.Procs`): a death is a BenchError."""
 
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def sample_cpu(self) -> float:
-        self.cpu_s = group_cpu_s(self.pid)
-        return self.cpu_s
-
-
-@dataclass
-class Procs:
-    """The processes of one run; stopped (SIGTERM, then SIGKILL to their own group) on exit."""
-
-    run_dir: Path
-    items: list[Proc] = field(default_factory=list)
-
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              cwd: Path = ROOT) -> Proc:
-        log = self.run_dir / f"{name}.log"
-        fh = open(log, "ab")
-        # nothing of the caller's REDROLL_* settings leaks into a run: each run says what it sets
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}
-        full_env.update(env or {})
-        popen = subprocess.Popen(list(argv), cwd=str(cwd), env=full_env, stdout=fh, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        fh.close()
-        proc = Proc(name, popen, log)
-        self.items.append(proc)
-        return proc
-
-    def check_alive(self, *, allow_exited: Sequence[str] = ()) -> None:
-        for p in self.items:
-            if p.name in allow_exited:
-                if p.popen.poll() not in (None, 0):
-                    raise BenchError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
-                continue
-            if not p.alive():
-                raise BenchError(f"{p.name} exited early with code {p.popen.returncode}:\n{p.tail()}")
-
-    def sample_cpu(self) -> dict[str, float]:
-        return {p.name: round(p.sample_cpu(), 3) for p in self.items if p.alive()}
-
-    def stop_all(self, timeout: float = 10.0) -> None:
-        for p in self.items:
-            if p.alive():
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout
-        for p in self.items:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.items:
-            # the group may hold children (celery, taskiq) even when the leader is gone
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                p.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def __enter__(self) -> "Procs":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop_all()
+    error: type[Exception] = BenchError
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, *, procs: Procs | None = None,
              allow_exited: Sequence[str] = (), interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until truthy; fail early when one of ``procs`` died."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if procs is not None:
-            procs.check_alive(allow_exited=allow_exited)
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    """Poll ``predicate`` until truthy (:func:`tests.support.poll.wait_for`); fail early when one of
+    ``procs`` died."""
+    check = (lambda: procs.check_alive(allow_exited=allow_exited)) if procs is not None else None
+    return poll.wait_for(predicate, timeout, what, check=check, interval=interval, error=BenchError)
 
 
 def read_json(path: Path) -> Any | None:
@@ -318,16 +208,3 @@ def emit_json(result: Any, json_out: str | None) -> None:
     print(text)
     if json_out:
         Path(json_out).write_text(text + "\n")
-
-
-def stop_processes(procs: Sequence[subprocess.Popen], timeout: float = 30.0) -> None:
-    """SIGTERM every process that still runs (they drain), then wait; kill those that do not exit."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -37,6 +37,7 @@ from redroll.producer.client import make_request, send
 from redroll.shared.codec import decode_record
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
+from tests.support import poll
 
 
 def worker_argv(slots: int, token_ms: float) -> list[str]:
@@ -45,17 +46,9 @@ def worker_argv(slots: int, token_ms: float) -> list[str]:
 
 
 async def _wait(predicate: Any, timeout: float, what: str, procs: Procs) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        for proc in procs.items:
-            if proc.name != "victim" and not proc.alive():
-                raise BenchError(f"{proc.name} exited early with code {proc.popen.returncode}:\n{proc.tail()}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    """Poll ``predicate`` (the shared poller); fail early when a process other than the victim died."""
+    return await poll.wait_until(predicate, timeout, 0.02, what=what, error=BenchError,
+                                 check=lambda: procs.check_alive(ignore=("victim",)))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

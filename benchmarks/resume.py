@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from benchmarks.harness import emit_json, stop_processes
+from tests.support import poll
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,8 +58,10 @@ async def fleet(url: str, args: argparse.Namespace, log: Path, name: str) -> Asy
     procs = [worker(url, namespace, args, log) for _ in range(2)]
     try:
         async with connect(settings) as r, Producer(settings) as p:
-            while len(await r.hgetall(settings.keys.workers)) < 2:
-                await asyncio.sleep(0.1)
+            async def both_up() -> bool:
+                return await r.hlen(settings.keys.workers) >= 2
+
+            await poll.wait_until(both_up, 60, 0.1, what="two workers' heartbeats", error=RuntimeError)
             yield settings, r, p, procs
     finally:
         stop_processes(procs, timeout=20)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.baseline import LARGE_BASELINE, BaselineUnavailable, checkout, large_run
 from benchmarks.harness import BenchError, Procs, Server, new_run_dir, percentile, read_json, redroll_env, wait_for
 from benchmarks.results import SectionResult
 from benchmarks.runs import (
@@ -42,9 +41,8 @@ class Config:
     large_records: int = 200
     large_n: int = 8
     large_tokens: int = 4096
-    large_baseline: str = LARGE_BASELINE
-    """The commit the large-record target compares with ("" for none)."""
-    large_baseline_runs: int = 5
+    large_runs: int = 5
+    """End-to-end runs of the large-record flow (the median is the figure)."""
     memory_requests: int = 100_000
     memory_dedup_window_s: int = 5
     peer_jobs: int = 3_000
@@ -61,7 +59,7 @@ class Config:
         if not quick:
             return cls()
         return cls(quick=True, ceiling_requests=2_000, latency_requests=300, util_slots=8, util_token_ms=5.0,
-                   util_tokens=8, util_rounds=6, large_records=12, large_baseline_runs=0, memory_requests=3_000,
+                   util_tokens=8, util_rounds=6, large_records=12, large_runs=1, memory_requests=3_000,
                    memory_dedup_window_s=1, peer_jobs=300, peer_runs=1, fleet_workers=8, fleet_processes=2,
                    fleet_idle_s=3.0, fleet_requests=2_000, fleet_runs=1, submit_runs=1)
 
@@ -163,7 +161,6 @@ def submit_wait(server: Server, run_dir: Path, n: int) -> dict[str, Any]:
     what a batch-generation user runs. Timed from starting the command to its exit (interpreter start,
     reading and validating the whole file, every record written and flushed)."""
     import json
-    import subprocess
 
     from benchmarks.payload import input_ids, request_id
 
@@ -536,44 +533,12 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
         finally:
             server.r.config_set("slowlog-log-slower-than", 10_000)
 
-    # This code's runs (as many whether or not the baseline can run), each after a run of the
-    # baseline's own bench when there is one (interleaved, so that the machine's drift hits both alike).
-    baseline_rates: list[float] = []
-    baseline_cpu: list[Any] = []
-    src = None
-    if cfg.large_baseline and cfg.large_baseline_runs > 0:
-        try:
-            src = checkout(cfg.large_baseline, base)
-        except BaselineUnavailable as exc:
-            res.details["baseline"] = {"commit": cfg.large_baseline, "skipped": str(exc)}
-    runs: list[tuple[Any, list]] = []
-    for k in range(max(1, cfg.large_baseline_runs)):
-        if src is not None:
-            try:
-                got = large_run(src, base / f"baseline-large-{k}.json")
-            except (BaselineUnavailable, subprocess.TimeoutExpired) as exc:
-                res.details["baseline"] = {"commit": cfg.large_baseline, "skipped": f"run {k + 1}: {exc}"}
-                src = None
-            else:
-                baseline_rates.append(float(got["figures"]["e2e_records_per_s"]))
-                baseline_cpu.append(got["cpu_us_per_record"])
-        runs.append(e2e_run(k))
+    runs = [e2e_run(k) for k in range(max(1, cfg.large_runs))]
     rates = [r.rate for r, _ in runs]
     run = sorted(runs, key=lambda x: x[0].rate)[len(runs) // 2][0]  # the median run, for the details
     slow = [e for _, log in runs for e in log]
     res.fig("e2e_records_per_s", statistics.median(rates), "records/s")
     res.fig("e2e_MBps", statistics.median(rates) * size / MB, "MB/s")
-    if baseline_rates and src is not None:
-        ratios = [r / b for r, b in zip(rates, baseline_rates)]
-        res.fig("e2e_vs_baseline", statistics.median(rates) / statistics.median(baseline_rates), "x",
-                target=f">= 2 (vs {cfg.large_baseline}, the code the performance issue measured, in this run)",
-                check=lambda v: v >= 2.0)
-        res.details["baseline"] = {
-            "commit": cfg.large_baseline, "runs": len(baseline_rates),
-            "records_per_s": [round(x, 1) for x in baseline_rates], "this_code_records_per_s": [round(x, 1) for x in rates],
-            "ratio_per_round": [round(x, 3) for x in ratios], "cpu_us_per_record": baseline_cpu,
-            "how": "the commit's tree from git archive, its own `python -m benchmarks.bench --only large` (its own "
-                   "redis-server and processes, the same flow and counts), alternated with this code's runs"}
     longest = max(slow, key=lambda e: e["duration"], default=None)
     res.fig("longest_redis_command_ms", longest["duration"] / 1000.0 if longest else 0.0, "ms",
             note="the longest command redis-server ran during the runs (its slowlog): while it runs, every other "

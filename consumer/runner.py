@@ -23,6 +23,7 @@ from typing import Any, Callable
 import redis
 from redis.asyncio import Redis
 
+from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import Keys
@@ -105,7 +106,15 @@ class ConsumerRunner:
         trim_interval_s: float = 5.0,
         reclaim_interval_s: float | None = None,
         apply_bytes: int = APPLY_BYTES,
+        burst: bool = False,
+        on_applied: Callable[[list[CompletionRecord]], None] | None = None,
     ):
+        """``burst``: stop once nothing is left for this group on its streams (nothing unread, nothing
+        pending but the records it has no handler for) and, on the results streams (no ``stream``
+        given), nothing is queued or claimed in the request streams either: no record is still to come.
+
+        ``on_applied(records)``: called with the records of each batch once acked, those applied now
+        and those the group had applied before (skipped as duplicates)."""
         self.settings = settings
         self.keys: Keys = settings.keys
         self.group = group
@@ -123,6 +132,8 @@ class ConsumerRunner:
         self.block_ms = block_ms
         self.trim_interval_s = trim_interval_s
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
+        self.burst = burst
+        self.on_applied = on_applied
         self.stats = ConsumerStats()
         self.metrics: Any = None
         """A :class:`redroll.shared.metrics.ConsumerMetrics` when metrics are served."""
@@ -132,6 +143,9 @@ class ConsumerRunner:
         self._cursors = {s: "0-0" for s in self.streams}
         self._last_errors: dict[str, str] = {}
         self._unhandled_names: set[str | None] = set()
+        self._unhandled_entries: dict[str, set[str]] = {s: set() for s in self.streams}
+        """Entries left pending for want of a handler, kept in burst mode (its stop does not wait
+        for them)."""
         self.blocked: str | None = None
         """What Redis answered while it refuses this consumer's acks (None when it accepts them)."""
 
@@ -156,7 +170,8 @@ class ConsumerRunner:
         log.info("consumer %s on %s group %s: handlers %s", self.name, ", ".join(self.streams), self.group,
                  self.registry.names())
         readers = [self._read_loop_for(g) for g in read_groups(self.redis, self.streams)]
-        tasks = [asyncio.create_task(self._guard(fn)) for fn in (*readers, self._reclaim_loop, self._trim_loop)]
+        loops = (*readers, self._reclaim_loop, self._trim_loop, *([self._burst_loop] if self.burst else []))
+        tasks = [asyncio.create_task(self._guard(fn)) for fn in loops]
         n_readers = len(readers)
         try:
             await self._stopping.wait()
@@ -239,6 +254,41 @@ class ConsumerRunner:
         self.stats.reclaimed += len(items)
         await self.process(items, stream)
 
+    async def _burst_loop(self) -> None:
+        """Burst mode: request a stop once :meth:`idle`."""
+        interval = min(max(self.block_ms / 1000.0, 0.05), 1.0)
+        while not self._stopping.is_set():
+            if await self.idle():
+                log.info("consumer %s (burst): nothing left for group %s; stopping", self.name, self.group)
+                self.request_stop()
+                return
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def idle(self) -> bool:
+        """Nothing is left for this group on its streams but the records it has no handler for (those
+        it met in burst mode: otherwise they count as left), and (consuming the results streams) no
+        request is queued or claimed in the request streams: the request streams' lengths (all the
+        consumer's ACL user may ask of them), then this group's pending count and lag (see
+        :mod:`redroll.shared.backlog`)."""
+        if self.streams == [part.results for part in self.settings.partition_keys]:
+            if await requests_left(self.redis, self.settings.partition_keys):
+                return False
+        for stream in self.streams:
+            left = await group_backlog(self.redis, [stream], self.group)
+            if left.undelivered or (left.pending and not await self._only_unhandled_pending(stream, left.pending)):
+                return False
+        return True
+
+    async def _only_unhandled_pending(self, stream: str, pending: int) -> bool:
+        unhandled = self._unhandled_entries[stream]
+        if pending > len(unhandled):
+            return False
+        held = await self.redis.xpending_range(stream, self.group, min="-", max="+", count=pending + 1)
+        return all(text(p["message_id"]) in unhandled for p in held)
+
     async def _trim_loop(self) -> None:
         while not self._stopping.is_set():
             await asyncio.sleep(self.trim_interval_s)
@@ -285,6 +335,8 @@ class ConsumerRunner:
                 await self._dead_letter(item, exc.reason, stream)
                 continue
             if self.registry.resolve(item.record) is None:
+                if self.burst:  # (only a burst stop asks: a long-running consumer keeps no list)
+                    self._unhandled_entries[stream].add(item.entry_id)
                 self._leave_unhandled(item.record)
                 continue
             if item.deliveries > self.settings.max_deliveries:
@@ -431,6 +483,8 @@ class ConsumerRunner:
         self.stats.applied += len(applied)
         for i in applied:
             self._last_errors.pop(f"{stream}/{i.entry_id}", None)
+        if self.on_applied is not None:
+            self.on_applied([i.record for i in applied + skipped])  # type: ignore[misc]
 
     async def _dead_letter(self, item: _Item, reason: str, stream: str) -> None:
         letter = DeadLetter(stream=stream, entry_id=item.entry_id, reason=reason,

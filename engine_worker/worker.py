@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
+from redroll.shared.backlog import requests_left
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
@@ -71,6 +72,7 @@ class Worker:
         block_ms: int = 1000,
         reclaim_interval_s: float | None = None,
         only_partitions: Sequence[int] | None = None,
+        burst: bool = False,
     ):
         self.settings = settings
         self.keys: Keys = settings.keys
@@ -89,6 +91,10 @@ class Worker:
         self.name = name or unique_consumer_name("worker")
         self.block_ms = block_ms
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
+        self.burst = burst
+        """Stop (drain and deregister) once this worker holds nothing and the request streams of its
+        partitions hold no entry: nothing queued, nothing claimed by any worker (see
+        :mod:`redroll.shared.backlog`). Entries a dead worker held are reclaimed first."""
         self.stats = WorkerStats()
         self.metrics: Any = None
         """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
@@ -250,6 +256,11 @@ class Worker:
             asyncio.create_task(self._guard(ctx, liveness.run), name="lease"),
             asyncio.create_task(self._guard(ctx, gc_loop), name="gc"),
         ]
+        if self.burst:
+            async def burst_loop() -> None:
+                await self._stop_when_idle(ctx)
+
+            background.append(asyncio.create_task(self._guard(ctx, burst_loop), name="burst"))
         try:
             await self._stopping.wait()
             limit = self.settings.drain_timeout_s + 10
@@ -281,6 +292,20 @@ class Worker:
                 await self.redis.aclose()
             self._stopped.set()
             log.info("worker %s stopped: %s", self.name, self.stats)
+
+    async def _stop_when_idle(self, ctx: WorkerContext) -> None:
+        """Burst mode: request a stop once the request streams of this worker's partitions hold no
+        entry (nothing queued, nothing claimed by any worker: see :mod:`redroll.shared.backlog`)
+        and this worker holds nothing."""
+        interval = min(max(self.block_ms / 1000.0, 0.05), 1.0)
+        while not self._stopping.is_set():
+            if not len(self.flights):
+                left = await requests_left(self.redis, self.parts)
+                if not left and not len(self.flights):
+                    log.info("worker %s (burst): nothing queued or in flight; stopping", self.name)
+                    self.request_stop()
+                    return
+            await ctx.pause(interval)
 
     async def _shutdown(self, loops: list[asyncio.Task], outcomes: Outcomes) -> None:
         await asyncio.gather(*loops, return_exceptions=True)

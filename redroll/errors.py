@@ -26,6 +26,7 @@ error                          also a                          raised when
 ``RequeueRefused``             ``ValueError``                  a dead letter cannot be requeued
 ``ResumeError``                ``ValueError``                  ``redroll submit --resume`` cannot resume
 ``InputError``                 ``ValueError``                  ``redroll submit``'s input file is invalid
+``JoinTimeout``                ``TimeoutError``                ``redroll.testing.Pipeline.join`` gave up
 =============================  ==============================  ============================================
 
 This module imports nothing from redroll (the modules that define the errors import
@@ -64,6 +65,7 @@ _DEFINED_IN = {
     "RequeueRefused": "redroll.dead",
     "ResumeError": "redroll.resume",
     "InputError": "redroll.submit",
+    "JoinTimeout": "redroll.testing",
 }
 """Where each error that is not defined here lives (imported on first use: no import cycle)."""
 

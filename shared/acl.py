@@ -186,6 +186,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "callback (renew.lua), ack, trim below what every group acked (XINFO GROUPS, XTRIM MINID)"),
             Grant(("xadd",), wr(dead), "dead-letter records that cannot be applied"),
             Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
+            Grant(("xlen",), rd(requests, requests_high, lanes),
+                  "burst mode: is any request still queued or claimed, a record still to come? (the "
+                  "request streams' lengths, nothing of the requests)"),
         ]
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -19,6 +18,11 @@ import pytest
 from redroll.embedded import RedisServer, start_redis_server
 from redroll.shared.connection import connect
 from redroll.shared.settings import Settings
+from tests.support.poll import wait_until
+from tests.support.processes import redroll_argv, start_process, stop_process
+
+__all__ = ["read_jsonl", "redroll_env", "run_until_drained", "running", "spawn", "start_test_server", "started",
+           "stop_process", "wait_until", "workers_and_consumer"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,25 +118,9 @@ def redroll_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 def spawn(settings: Settings, *args: str, log: Path | None = None, **env: str) -> subprocess.Popen:
-    """Run ``redroll ARGS`` as a real subprocess (``python -m redroll.cli``)."""
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "redroll.cli", *args], cwd=ROOT,
-                            env=redroll_env(settings, **env), stdout=out, stderr=subprocess.STDOUT)
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """SIGTERM a spawned process and wait for it. One that does not exit in time has its stacks
-    printed (py-spy, when installed) for the failure report, is killed, and fails the test."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        if shutil.which("py-spy"):
-            subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], timeout=30)
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"process {proc.pid} ({' '.join(map(str, proc.args[-4:]))}) ignored SIGTERM for {timeout}s")
+    """Run ``redroll ARGS`` as a real subprocess (``python -m redroll.cli``), its output appended to
+    ``log`` (default: discarded). Stop it with :func:`stop_process`."""
+    return start_process(redroll_argv(*args), env=redroll_env(settings, **env), log=log)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -143,20 +131,6 @@ def read_jsonl(path: Path) -> list[dict]:
     text_ = path.read_text()
     complete = text_[: text_.rfind("\n") + 1]
     return [json.loads(x) for x in complete.splitlines() if x.strip()]
-
-
-async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> None:
-    """Await until ``predicate()`` (sync or async) is truthy, or fail."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 @contextlib.asynccontextmanager
@@ -180,6 +154,15 @@ async def running(*roles: Any) -> AsyncIterator[None]:
         for x in roles:
             x.request_stop()
         await asyncio.gather(*tasks)
+
+
+async def run_until_drained(*roles: Any, timeout: float = 60.0) -> None:
+    """Run workers and consumers in this event loop in burst mode until each has stopped on its own:
+    nothing queued or claimed, nothing left for its group (see ``redroll.shared.backlog``). Waits
+    on their own decision, not on a clock; fails after ``timeout`` seconds."""
+    for role in roles:
+        role.burst = True
+    await asyncio.wait_for(asyncio.gather(*(role.run() for role in roles)), timeout)
 
 
 def workers_and_consumer(settings: Settings, applied: list[str], workers: int = 2) -> tuple[list, Any]:

@@ -1,6 +1,6 @@
 """Chaos: the delivery promises while workers, consumers and redis-server are killed under traffic.
 
-A reduced run of the chaos harness (``python -m benchmarks.chaos``), through the same code:
+A reduced run of the chaos harness (:mod:`tests.chaos`, ``python -m benchmarks.chaos``), through the same code:
 separate worker and consumer processes on a private redis-server with AOF (appendfsync always),
 real SIGKILL / SIGSTOP, an audit consumer group counting every record.
 """
@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from benchmarks.chaos import ChaosConfig, run_chaos
+from tests.chaos import ChaosConfig, run_chaos
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from redroll.producer.client import make_request, send
 from redroll.shared.keys import Keys
 from redroll.shared.types import RecordStatus
 from redroll.status import collect_pipeline_status
-from tests.conftest import running, wait_until, workers_and_consumer
+from tests.conftest import run_until_drained, wait_until, workers_and_consumer
 
 
 async def test_placement_processing_and_status_over_three_partitions(settings, r):
@@ -38,10 +38,9 @@ async def test_placement_processing_and_status_over_three_partitions(settings, r
         assert status["requests"]["backlog"] == 188 and len(status["partitions"]) == 3
 
         workers, consumer = workers_and_consumer(s, applied)
-        async with running(*workers, consumer):
-            records = await asyncio.wait_for(asyncio.gather(*futs), 30)
-            members = await group.wait(timeout=30)
-            await wait_until(lambda: len(applied) >= 60, timeout=30)
+        await run_until_drained(*workers, consumer, timeout=60)
+        records = await asyncio.wait_for(asyncio.gather(*futs), 30)
+        members = await group.wait(timeout=30)
     assert all(rec.status is RecordStatus.FINISHED for rec in records + members)
     assert sorted(applied) == sorted(f"cb-{i}" for i in range(60))
     assert sum(w.stats.published for w in workers) == 188

@@ -17,7 +17,7 @@ from redroll.producer.client import make_request, send
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
-from tests.conftest import running, wait_until
+from tests.conftest import run_until_drained, running, wait_until
 
 
 def test_recovery_split_setting():
@@ -86,8 +86,8 @@ async def test_only_an_entry_whose_worker_died_while_it_ran_alone_is_dead_letter
                                                 **{f"{e}#deaths": "4 0 2 0 dead-0" for e in pair}})
     await asyncio.sleep(settings.claim_idle_ms / 1000 + 0.1)
     worker = Worker(settings, SyntheticEngine(token_ms=5), max_inflight=8, block_ms=100)
-    async with running(worker):
-        await wait_until(lambda: worker.stats.dead_lettered == 1 and worker.stats.published == 2, 20)
+    await run_until_drained(worker, timeout=30)
+    assert worker.stats.dead_lettered == 1 and worker.stats.published == 2
     dead = await r.xrange(settings.keys.dead)
     assert [d[1][b"rid"] for d in dead] == [b"alone-0"]
     assert b"its worker died while it ran alone: 5 worker deaths witnessed" in dead[0][1][b"reason"]
@@ -111,9 +111,9 @@ async def test_alone_takes_suspects_one_at_a_time(settings, r, caplog):
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
-    async with running(worker):
-        await wait_until(lambda: worker.stats.published == 3, 20)
+    await run_until_drained(worker, timeout=30)
     watcher.cancel()
+    assert worker.stats.published == 3
     assert peak == 1
     assert caplog.text.count("running it alone") == 3
     assert await records(r, settings) == {f"a-{i}": ("finished", 2) for i in range(3)}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import time
@@ -16,13 +15,13 @@ from collections import Counter
 import pytest
 
 from redroll.consumer.runner import ConsumerRunner
-from redroll.embedded import start_redis_server
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
-from tests.conftest import spawn, stop_process, wait_until
+from tests.conftest import run_until_drained, running, spawn, stop_process, wait_until
+from tests.support.servers import RestartableRedis
 
 pytestmark = pytest.mark.slow
 
@@ -186,8 +185,7 @@ async def test_second_signal_exits_at_once(settings, r):
 async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, fsync, stop_signal):
     """Worker, consumer and producer survive redis-server restarts. With appendfsync always a
     SIGKILLed server loses no acknowledged request; with everysec a clean (SIGTERM) restart loses none."""
-    server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, directory=str(tmp_path))
-    port = server.port
+    server = RestartableRedis(tmp_path, fsync).start()
     s = settings.with_(redis_url=server.url)
     applied = tmp_path / "applied.jsonl"
     log = tmp_path / "procs.log"
@@ -197,10 +195,8 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             # Requests acknowledged before the crash, with no worker running yet.
             first = await p.submit_many([dict(request_id=f"before-{i}", prompt=str(i), callback="apply",
                                               sampling_params={"max_new_tokens": 3}) for i in range(50)])
-            os.kill(server.process.pid, stop_signal)
-            server.process.wait()
-            server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,
-                                        directory=str(tmp_path))
+            server.crash(stop_signal)
+            server.start()  # (same port, same AOF)
             procs.append(spawn(s, "worker", "--engine", "synthetic", "--token-ms", "2", log=log))
             records = await asyncio.wait_for(asyncio.gather(*first), 60)
             assert all(x.status is RecordStatus.FINISHED for x in records)
@@ -214,11 +210,9 @@ async def test_redis_restart_survived_and_aof_loses_nothing(settings, tmp_path, 
             await send(s, rc, [make_request(request_id=f"cb-{i}", prompt=str(i), callback="apply",
                                             sampling_params={"max_new_tokens": 3}) for i in range(30)])
             await wait_until(lambda: applied.exists() and len(applied.read_text().splitlines()) >= 30, timeout=60)
-            os.kill(server.process.pid, stop_signal)
-            server.process.wait()
+            server.crash(stop_signal)
             await asyncio.sleep(1.0)
-            server = start_redis_server("--appendonly", "yes", "--appendfsync", fsync, port=port,
-                                        directory=str(tmp_path))
+            server.start()
             second = await p.submit_many([dict(request_id=f"after-{i}", prompt=str(i),
                                                sampling_params={"max_new_tokens": 3}) for i in range(50)])
             await send(s, rc, [make_request(request_id=f"cb2-{i}", prompt=str(i), callback="apply",
@@ -244,9 +238,11 @@ async def test_10k_requests_leave_only_unacked_results(settings, r):
     s = settings.with_(claim_idle_ms=30_000)
     worker = Worker(s, SyntheticEngine(), max_inflight=256, block_ms=200)
     applied: list[str] = []
-    fast = ConsumerRunner(s, group="fast", handlers={"h": lambda rec: applied.append(rec.request_id)},
-                          block_ms=200, trim_interval_s=0.2, batch=512)
-    tasks = [asyncio.create_task(worker.run()), asyncio.create_task(fast.run())]
+
+    def fast_consumer() -> ConsumerRunner:
+        return ConsumerRunner(s, group="fast", handlers={"h": lambda rec: applied.append(rec.request_id)},
+                              block_ms=200, trim_interval_s=0.2, batch=512)
+
     from redroll.producer.client import make_request, send
 
     # A second group exists but reads nothing until the end: nothing it has not acked may go.
@@ -255,18 +251,19 @@ async def test_10k_requests_leave_only_unacked_results(settings, r):
     for i in range(0, n, 1000):
         await send(s, r, [make_request(request_id=f"k{j}", input_ids=[1], callback="h",
                                        sampling_params={"max_new_tokens": 1}) for j in range(i, i + 1000)])
-    await wait_until(lambda: len(applied) >= n, timeout=120, interval=0.2)
+    # burst roles: both stop once every request is done and group "fast" applied every record (its
+    # trim loop ran meanwhile, every 0.2 s)
+    await run_until_drained(worker, fast_consumer(), timeout=120)
+    assert len(applied) == n
     assert await r.xlen(s.keys.requests) == 0
-    await asyncio.sleep(0.5)
     assert await r.xlen(s.keys.results) == n  # the slow group has acked none of them
     # The slow group now reads and acks half; the trim keeps exactly the rest.
     got = await r.xreadgroup("slow", "s1", {s.keys.results: ">"}, count=n // 2)
     ids = [e[0] for e in got[0][1]]
     await r.xack(s.keys.results, "slow", *ids)
-    await wait_until(lambda: _xlen_is(r, s.keys.results, n // 2), timeout=10)
-    worker.request_stop()
-    fast.request_stop()
-    await asyncio.gather(*tasks)
+    fast = fast_consumer()
+    async with running(fast):  # (its trim loop: nothing left to apply)
+        await wait_until(lambda: _xlen_is(r, s.keys.results, n // 2), timeout=10)
     assert len(applied) == n == len(set(applied))
     assert int((await r.xpending(s.keys.requests, WORKERS_GROUP))["pending"]) == 0
 

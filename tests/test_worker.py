@@ -14,7 +14,7 @@ from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
-from tests.conftest import wait_until
+from tests.conftest import run_until_drained, wait_until
 
 
 async def start_worker(settings, token_ms: float = 0.0, **kw) -> tuple[Worker, asyncio.Task]:
@@ -218,10 +218,8 @@ async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r)
     assert len(pending) == 3 and all(int(p["times_delivered"]) == 1 for p in pending)
     assert all(int(p["time_since_delivered"]) >= settings.claim_idle_ms for p in pending)
     second = Worker(settings, SyntheticEngine(), max_inflight=8, block_ms=200)
-    second_task = asyncio.create_task(second.run())
-    await wait_until(lambda: second.stats.published == 3, 10)
-    second.request_stop()
-    await second_task
+    await run_until_drained(second, timeout=30)
+    assert second.stats.published == 3
     collected = [f[b"rid"] for _, f in await r.xrange(settings.keys.results)]
     assert sorted(collected) == [b"late-0", b"late-1", b"late-2"]
 
@@ -271,12 +269,8 @@ async def test_a_previous_runs_entries_under_the_same_name_are_still_suspects(se
     await asyncio.sleep(0.05)  # (its restart)
     engine = _Counting(token_ms=50)
     worker = Worker(settings, engine, max_inflight=8, block_ms=200, name="fixed-name")
-    task = asyncio.create_task(worker.run())
-    try:
-        await wait_until(lambda: worker.stats.published == 2, timeout=15)
-    finally:
-        await stop(worker, task)
-    assert worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
+    await run_until_drained(worker, timeout=30)
+    assert worker.stats.published == 2 and worker.stats.reclaimed == 2 and engine.most_at_once == 1  # one at a time
 
 
 async def test_a_stop_while_a_suspect_runs_alone_drains_it_in_time_and_hands_it_back(settings, r):

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from redroll.burst import add_burst_flag
 from redroll.commands.options import SETTING_DEFAULTS, add_connection_options, positive_int, settings_from_args
 from redroll.commands.serving import serve
 
@@ -32,6 +33,7 @@ def add_parser(sub: Any) -> None:
                    help="record data per read and per applied chunk (default 1 MiB, at least one record): "
                         "async handlers run concurrently within a chunk")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_burst_flag(p, "consume")
     p.set_defaults(run=run)
 
 
@@ -49,7 +51,8 @@ async def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     runner = ConsumerRunner(settings, group=args.group, handlers=handlers, default_handler=default,
-                            stream=args.stream, batch=args.batch, apply_bytes=args.batch_bytes)
+                            stream=args.stream, batch=args.batch, apply_bytes=args.batch_bytes,
+                            burst=args.burst)
     from redroll.shared.metrics import ConsumerMetrics
 
     return await serve(runner, ConsumerMetrics, args.metrics_port, settings)

@@ -9,6 +9,7 @@ import re
 import sys
 from typing import Any, Sequence
 
+from redroll.burst import add_burst_flag
 from redroll.commands.options import (
     SETTING_DEFAULTS,
     add_connection_options,
@@ -107,6 +108,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--name", default=None,
                    help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_burst_flag(p, "worker")
     p.set_defaults(run=run)
 
 
@@ -180,7 +182,8 @@ async def run_worker(args: argparse.Namespace) -> int:
             raise SystemExit(f"redroll worker: --only-partitions {args.only_partitions!r} is not a list of "
                              "partition numbers (e.g. 0,2)") from None
     try:
-        worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only)
+        worker = Worker(settings, engine, max_inflight=args.max_inflight, name=args.name, only_partitions=only,
+                        burst=args.burst)
     except ValueError as exc:
         raise SystemExit(f"redroll worker: {exc}") from None
     from redroll.shared.metrics import WorkerMetrics
