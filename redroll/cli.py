@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import redis
 
+from redroll import functions_cli
 from redroll.runtime import run as run_async_main
 from redroll.shared.connection import RedisConfigError, connect, describe_error
 from redroll.shared.lanes import LanesMismatchError
@@ -312,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the benchmark suite (from a source checkout): python -m benchmarks.bench",
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+    functions_cli.add_parser(sub, _common)
 
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
@@ -853,7 +856,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "exporter": _run_exporter,
                   "abort": _run_abort,
                   "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "lanes": _run_lanes,
-                  "dead": _run_dead, "gc": _run_gc}
+                  "dead": _run_dead, "gc": _run_gc,
+                  "functions": lambda a: functions_cli.run(a, _settings(a))}
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130
