@@ -20,9 +20,10 @@ How the rules are built (Redis 7 / Valkey 7.2+ ACL semantics, checked by tests/t
   (FLUSHALL, CONFIG, KEYS, ACL, SCRIPT FLUSH, DEBUG, ...).
 
 Limits of Redis ACLs that no rule can close: commands are granted per key pattern, not per call
-site, so a command a script needs is also allowed outside the script (the producer can XDEL a
-queued request of its namespace because cancelling one does); SCAN (worker housekeeping) lists key
-names of the whole database, although it cannot read them.
+site, so a command a function needs is also allowed outside it (the producer can XDEL a queued
+request of its namespace because cancelling one does), and not per option (XADD ... MAXLEN 0
+empties a stream the role may write); SCAN (worker housekeeping) lists key names of the whole
+database, although it cannot read them. docs/acl.md lists what remains possible.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         applied = f"{pt}:applied:{glob_escape(group)}:*" if group else f"{pt}:applied:*"
         return [
             Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
-                  "connection upkeep; MULTI/EXEC (mark applied + ack); the Lua scripts dead_letter and "
-                  "renew with their keys"),
+                  "connection upkeep; MULTI/EXEC (mark applied + ack); the functions dead_letter and "
+                  "renew with their keys (FCALL)"),
             Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xclaim", "xack", "xinfo|groups",
                    "xtrim"), rw(source),
                   "read records through the group, reclaim a dead consumer's (XAUTOCLAIM), hand back a failed "
