@@ -24,6 +24,7 @@ from redroll.shared.scripts import (
     Scripts,
     raising_first_error,
 )
+from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 
@@ -660,3 +661,31 @@ async def test_a_send_to_a_server_without_the_library_loads_it_and_adds_each_req
     await r.function_flush()
     ids = await send(settings, r, [make_request(request_id=f"cold-{i}", prompt="x" * 400) for i in range(500)])
     assert len(set(ids)) == 500 and await r.xlen(settings.keys.requests) == 500
+
+
+async def test_submit_notes_a_reply_stream_request_in_its_producers_ownership_hash(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    owned = await scripts.submit(keys.requests, keys.rid("o1"), "t", "o1", keys.reply("p"), data_for("o1"), 60)
+    await scripts.submit(keys.requests, keys.rid("f1"), "t", "f1", keys.results, data_for("f1"), 60)
+    assert await r.hgetall(keys.owner("p")) == {b"o1": owned.entry_id.encode()}
+    assert 0 < await r.ttl(keys.owner("p")) <= 60
+    # An ownership key of another type refuses that item alone: nothing of it is written.
+    await r.set(keys.owner("q"), "not a hash")
+    with pytest.raises(StreamRefusedError, match="WRONGTYPE"):
+        await scripts.submit(keys.requests, keys.rid("o2"), "t", "o2", keys.reply("q"), data_for("o2"), 60)
+    assert not await r.exists(keys.rid("o2")) and await r.xlen(keys.requests) == 2
+
+
+async def test_finish_publishes_to_a_reply_stream_only_what_its_ownership_hash_names(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    entry = (await r.xadd(keys.requests, {"rid": "o1", "reply_to": keys.reply("p"), "data": data_for("o1")})).decode()
+    await r.xreadgroup(G, "c1", {keys.requests: ">"})
+    kwargs = dict(requests_key=keys.requests, reply_key=keys.reply("p"), rid_key=keys.rid("o1"), group=G,
+                  consumer="c1", entry_id=entry, record=record("o1", worker="c1"))
+    with pytest.raises(OwnershipError, match="did not submit it"):
+        await scripts.finish(**kwargs)
+    assert await r.xlen(keys.reply("p")) == 0
+    await r.hset(keys.owner("p"), "o1", entry)  # (what p's submit writes)
+    assert await scripts.finish(**kwargs) == 1
+    assert await r.xlen(keys.reply("p")) == 1 and await r.hlen(keys.owner("p")) == 0
