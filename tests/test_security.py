@@ -398,8 +398,9 @@ async def test_a_role_meets_a_missing_library_with_the_command_to_run(acl_server
         # ... which an administrator runs (here with the admin user), once: the role's submit then works.
         admin_s = Settings(redis_url=acl_server.url, namespace=ns, redis_username="admin",
                            redis_password=ADMIN_PASSWORD)
-        for expected in ("loaded on", "already loaded"):
-            proc = await asyncio.to_thread(run_cli, admin_s, "functions", "load")
+        for action, expected in (("show", "not loaded"), ("load", "loaded on"), ("load", "already loaded"),
+                                 ("show", f"{LIBRARY}: loaded")):
+            proc = await asyncio.to_thread(run_cli, admin_s, "functions", action)
             assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
         p = connect(settings)
         try:
