@@ -20,8 +20,14 @@ from redroll.errors import RedrollError
 
 from .codec import encode_record
 from .connection import large_argument
-from .functions import (FunctionsMissingError, ensure_library, function_name, is_missing, load_library,
-                        whole_call_refusal)
+from .functions import (
+    FunctionsMissingError,
+    ensure_library,
+    function_name,
+    is_missing,
+    load_library,
+    whole_call_refusal,
+)
 from .keys import finish_marker_key, owner_key_for
 from .refusals import StreamRefusedError
 from .types import CompletionRecord
@@ -207,20 +213,22 @@ def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[st
 
 
 async def _call(client: Any, name: str, keys: list, args: list, refused: Callable[[str], Any] | None) -> Any:
-    try:
-        return await client.execute_command("FCALL", name, len(keys), *keys, *args)
-    except redis.ResponseError as exc:
-        if is_missing(exc):
-            await load_library(client)  # (a fresh or flushed server; raises when this user may not)
-            return await _call(client, name, keys, args, refused)
-        message = whole_call_refusal(exc)
-        if message is None or refused is None:
-            raise
-        return refused(message)
+    for attempt in (1, 2):
+        try:
+            return await client.execute_command("FCALL", name, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            if is_missing(exc) and attempt == 1:
+                await load_library(client)  # (a fresh or flushed server; raises when this user may not)
+                continue
+            message = whole_call_refusal(exc)
+            if message is None or refused is None:
+                raise
+            return refused(message)
+    raise AssertionError("unreachable")
 
 
 class Scripts:
-    """Registered scripts on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
+    """The library's functions, called on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
 
     def __init__(self, redis: Redis):
