@@ -24,8 +24,7 @@ import redis
 from redroll.shared.codec import ValidationError
 from redroll.shared.keys import WORKERS_GROUP, owner_key_for
 from redroll.shared.refusals import StreamRefusedError
-from redroll.shared.scripts import (DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused,
-                                    dead_letter_refused)
+from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused, dead_letter_refused
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 

@@ -15,6 +15,7 @@ from redroll.shared.codec import decode_record
 from redroll.shared.functions import FunctionsMissingError
 from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import (
     FINISH_MARKER_TTL_MS,
     DeadLetter,
@@ -24,7 +25,6 @@ from redroll.shared.scripts import (
     Scripts,
     raising_first_error,
 )
-from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 
