@@ -454,15 +454,12 @@ def packed_arrays_cost(ids: list[list[int]], logprobs: list[list[float]], timed:
 
 
 def _command_name(command: bytes | str) -> str:
-    """A slowlog entry's command without its arguments; a script call by its file name."""
-    import hashlib
-    from importlib import resources
+    """A slowlog entry's command without its arguments; a function call by its script's name."""
+    from redroll.shared.functions import LIBRARY
 
     words = (command.decode(errors="replace") if isinstance(command, bytes) else command).split()
-    if len(words) > 1 and words[0].upper() == "EVALSHA":
-        lua = resources.files("redroll.shared").joinpath("lua")
-        scripts = {hashlib.sha1(f.read_bytes()).hexdigest(): f.name for f in lua.iterdir() if f.name.endswith(".lua")}
-        return f"EVALSHA {scripts.get(words[1].lower(), words[1])}"
+    if len(words) > 1 and words[0].upper() == "FCALL":
+        return f"FCALL {words[1].removeprefix(LIBRARY + '_')}"
     return words[0] if words else ""
 
 

@@ -22,9 +22,9 @@ from typing import Awaitable, Callable, TypeVar
 import redis
 
 from redroll.shared.codec import ValidationError
-from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.keys import WORKERS_GROUP, owner_key_for
 from redroll.shared.refusals import StreamRefusedError
-from redroll.shared.scripts import DeadLetter, DeadLetterOutcome
+from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused, dead_letter_refused
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
@@ -75,6 +75,9 @@ class Outcomes:
         except StreamRefusedError as exc:  # a private reply stream that cannot take entries
             reason = f"reply stream {exc.key} refused the record: {exc.message}"
             await self.dead_letter(flight, flight.fields, reason, request=request, reply_refused=reason)
+            return
+        except OwnershipError as exc:  # nothing published; no error record either: it is not its waiter's
+            await self.dead_letter(flight, flight.fields, str(exc))
             return
         if published is None:
             return  # handed back (a drain) while Redis refused it: the fleet runs it again
@@ -146,6 +149,9 @@ class Outcomes:
                                              meta_info={"worker": ctx.name, "attempt": flight.attempt})
             if request is None and error is not None:
                 record.callback = error.callback  # (routed to the handler the request named)
+        owner = owner_key_for(reply_to) if record is not None and reply_to else None
+        if record is not None and not await self._bound(part.rid(request_id), owner, request_id, flight.entry_id):
+            record = None  # (an entry that fails the ownership checks gets no error record: see finish_many.lua)
         flight.publishing = True
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
                             fields=fields, deliveries=flight.deliveries, delete_entry=True,
@@ -154,8 +160,9 @@ class Outcomes:
                             partial_key=part.partial(request_id) if request_id else None, reply_refused=reply_refused)
 
         async def attempt() -> DeadLetterOutcome:
-            reply = await ctx.batcher.call(lambda pipe: ctx.scripts.dead_letter_in(
-                pipe, dead_key=part.dead, group=WORKERS_GROUP, consumer=ctx.name, letter=letter))
+            reply = await call_or_refused(lambda: ctx.batcher.call(lambda pipe: ctx.scripts.dead_letter_in(
+                pipe, dead_key=part.dead, group=WORKERS_GROUP, consumer=ctx.name, letter=letter)), ctx.scripts,
+                dead_letter_refused)
             outcome = DeadLetterOutcome.from_reply(reply)
             if outcome.refused is not None:
                 raise StreamRefusedError(part.dead, outcome.refused)
@@ -166,6 +173,8 @@ class Outcomes:
             return
         if outcome.done:
             ctx.stats.dead_lettered += 1
+            if owner is not None and record is not None:
+                await ctx.redis.hdel(owner, request_id)  # (it named this entry: checked above)
             if flight.deliveries > 1 or flight.reclaimed:
                 await ctx.redis.hdel(ctx.keys.errors, *notes_of(flight))
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
@@ -175,6 +184,19 @@ class Outcomes:
                             "stream, which is how its waiter learns of it", request_id, outcome.reply_error)
         else:
             ctx.stats.fenced += 1
+
+    async def _bound(self, rid_key: str, owner: str | None, request_id: str, entry_id: str) -> bool:
+        """The ownership checks of finish_many.lua, for an error record: the rid key names this
+        entry (or is gone), and the producer whose reply stream it goes to submitted it."""
+        async with self.ctx.redis.pipeline(transaction=False) as pipe:
+            pipe.get(rid_key)
+            if owner is not None:
+                pipe.hget(owner, request_id)
+            found = await pipe.execute(raise_on_error=False)
+        held = found[0].decode() if isinstance(found[0], bytes) else None  # (another type: not a holder)
+        if held is not None and held.rpartition(" ")[2] != entry_id:
+            return False
+        return owner is None or (isinstance(found[1], bytes) and found[1].decode() == entry_id)
 
     # ------------------------------------------------------------ refused writes
 

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import Scripts, raising_first_error, refusal
+from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -43,8 +43,9 @@ class Finish:
 Outcome = bool | Exception
 """Of one finish: True published (by this call, or by an earlier one whose reply was lost: the
 script finds the entry in this worker's finish marker), False fenced (the entry is no longer this
-worker's and it did not finish it), or the
-:class:`redroll.shared.refusals.StreamRefusedError` of a reply stream that refused the record."""
+worker's and it did not finish it), the
+:class:`redroll.shared.refusals.StreamRefusedError` of a reply stream that refused the record, or
+the :class:`redroll.shared.scripts.OwnershipError` of an entry that failed an ownership check."""
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Publisher(Coalescer[list[_Queued]]):
             for item, outcome in zip(items, reply):
                 # (a refusal of this item's reply stream, or 1 published / 2 published by an earlier
                 # try whose reply was lost / 0 fenced)
-                item.outcome = refusal(outcome, item.finish.reply_key) or bool(int(outcome))
+                item.outcome = refusal(outcome, item.finish.reply_key) or ownership_refusal(outcome) \
+                    or bool(int(outcome))
                 if item.outcome is True and int(outcome) == 2:
                     self.found_published += 1
                     log.info("entry %s: a retried finish found its record published by the first try "
@@ -137,7 +139,8 @@ class Publisher(Coalescer[list[_Queued]]):
                                                         i.encoded, i.finish.cap, i.finish.partial_key)
                                                        for i in items])
                 try:
-                    return raising_first_error(await pipe.execute(raise_on_error=False))
+                    return call_replies(await pipe.execute(raise_on_error=False),
+                                        [finish_refused(len(items)) for items in calls])
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:
                         raise

@@ -15,7 +15,7 @@ from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.keys import Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
-from redroll.shared.scripts import DuplicateRequestError, Scripts, raising_first_error
+from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
 from redroll.shared.types import GenerationRequest
@@ -121,7 +121,8 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                     (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
                      items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
             try:
-                replies = raising_first_error(await pipe.execute(raise_on_error=False))
+                replies = call_replies(await pipe.execute(raise_on_error=False),
+                                       [submit_refused(stream, len(idx)) for stream, _, idx in calls])
                 break
             except redis.exceptions.NoScriptError:
                 if attempt == 2:

@@ -15,6 +15,12 @@ error                          also a                          raised when
 ``NewerSchemaError``           ``ValidationError``             an entry was written for a newer schema
 ``DuplicateRequestError``      ``RuntimeError``                a request_id is already queued or done
 ``StreamRefusedError``         ``redis.ResponseError``         Redis refused a write to a stream
+``OwnershipError``             ``ValueError``                  a finish refused an entry that failed an
+                                                               ownership check (it is dead-lettered)
+``FunctionsMissingError``      ``redis.NoScriptError``         the server lacks redroll's function library
+                                                               (reloaded by callers that may load it)
+``FunctionsNotLoadedError``    ``redis.NoPermissionError``     the library is missing and this user may
+                                                               not load it (``redroll functions load``)
 ``LanesMismatchError``         ``RuntimeError``                a process's affinity lanes differ from the
                                                                pipeline's
 ``BeforeAckError``             ``RuntimeError``                a record was lost before the producer acked
@@ -54,6 +60,9 @@ _DEFINED_IN = {
     "ValidationError": "redroll.shared.codec",
     "NewerSchemaError": "redroll.shared.codec",
     "DuplicateRequestError": "redroll.shared.scripts",
+    "OwnershipError": "redroll.shared.scripts",
+    "FunctionsMissingError": "redroll.shared.functions",
+    "FunctionsNotLoadedError": "redroll.shared.functions",
     "StreamRefusedError": "redroll.shared.refusals",
     "LanesMismatchError": "redroll.shared.lanes",
     "BeforeAckError": "redroll.producer.replies",

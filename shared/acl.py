@@ -5,12 +5,13 @@
 
 How the rules are built (Redis 7 / Valkey 7.2+ ACL semantics, checked by tests/test_security.py):
 
-- The root permissions hold only commands without keys (PING, MULTI/EXEC, SCRIPT LOAD|EXISTS,
-  SCAN) and the Lua entry points EVALSHA (and EVAL for the worker's housekeeping). Redis checks
-  a script's declared KEYS as read+write, so the root lists, read+write, exactly the keys this
-  role passes to its scripts — and no command that could use them directly.
-- Every command a role runs on keys, directly *or inside one of the Lua scripts* (Redis checks the
-  commands a script calls against the calling user too), is granted in a selector ``(...)`` that
+- The root permissions hold only commands without keys (PING, MULTI/EXEC, SCAN) and FCALL, the
+  entry point of the project's function library (shared/functions.py): no role may run Lua of its
+  own (no EVAL, EVALSHA, SCRIPT, FUNCTION). Redis checks a function's declared KEYS as read+write,
+  so the root lists, read+write, exactly the keys this role passes to its functions — and no
+  command that could use them directly.
+- Every command a role runs on keys, directly *or inside one of the functions* (Redis checks the
+  commands a function calls against the calling user too), is granted in a selector ``(...)`` that
   names only the keys it may touch, read (``%R~``), write (``%W~``) or both (``~``). So the
   producer may DEL only ``rid`` keys, XACK only its reply stream; the worker may XACK only
   the request streams; the consumer may write nothing but its result stream, the dead-letter
@@ -19,9 +20,10 @@ How the rules are built (Redis 7 / Valkey 7.2+ ACL semantics, checked by tests/t
   (FLUSHALL, CONFIG, KEYS, ACL, SCRIPT FLUSH, DEBUG, ...).
 
 Limits of Redis ACLs that no rule can close: commands are granted per key pattern, not per call
-site, so a command a script needs is also allowed outside the script (the producer can XDEL a
-queued request of its namespace because cancelling one does); SCAN (worker housekeeping) lists key
-names of the whole database, although it cannot read them.
+site, so a command a function needs is also allowed outside it (the producer can XDEL a queued
+request of its namespace because cancelling one does), and not per option (XADD ... MAXLEN 0
+empties a stream the role may write); SCAN (worker housekeeping) lists key names of the whole
+database, although it cannot read them. docs/acl.md lists what remains possible.
 """
 
 from __future__ import annotations
@@ -101,20 +103,22 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     partial = f"{pt}:partial:*"
     finished = f"{pt}:finished:*"
     replies = f"{pt}:reply:*"
+    owners = f"{pt}:own:*"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
     conn = connection_commands(server_version)
     rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
     rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
     wr = lambda *ks: tuple(WRITE + k for k in ks)  # noqa: E731
-    scripts = ("script|load", "script|exists", "evalsha")
+    scripts = ("fcall",)
 
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
+        owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, results, dead),
-                  "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
-                  "cancel_queued and dead_letter with the keys they are given (checked read+write)"),
+            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, owner, dead),
+                  "connection upkeep; MULTI/EXEC (acks, abort, weight update); the functions submit_many, "
+                  "cancel_queued and dead_letter with the keys they are given (FCALL: checked read+write)"),
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
@@ -125,9 +129,13 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
                   "records, dead-letter an undecodable one, receive the record of a cancelled request; "
                   "`submit --resume` reads the records that came while nothing read (XRANGE)"),
-            Grant(("xadd",), wr(results, dead, control),
-                  "the aborted record of a cancelled fire-and-forget request (results), dead letters of "
-                  "undecodable records, abort / weight / drain commands on the control stream"),
+            Grant(("type", "hset", "expire", "hdel"), rw(owner),
+                  "its ownership hash: the submit notes each request it queues for its reply stream there "
+                  "(request_id → entry id; the worker publishes to the reply stream only what it names), "
+                  "a cancelled one is taken out"),
+            Grant(("xadd",), wr(dead, control),
+                  "dead letters of undecodable records, abort / weight / drain commands on the control stream "
+                  "(no results stream: the worker publishes a cancelled fire-and-forget request's record)"),
             Grant(("xread", "xrevrange"), rd(dead),
                   "watch for dead letters of its requests whose reply stream refused the error record"),
             Grant(("zadd", "zremrangebyscore"), wr(aborted), "mark request/group ids aborted, prune old marks"),
@@ -139,11 +147,11 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         ]
     if role == "worker":
         return [
-            Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, partial, finished, results, replies, dead),
-                  "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
+            Grant((*conn, "multi", "exec", *scripts, "scan", "time"),
+                  rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead),
+                  "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
-                  "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
+                  "delete_consumer_if_empty with their keys (FCALL); SCAN ... TYPE stream for reply "
                   "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
                    "xinfo|groups", "xrange", "xlen", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
@@ -156,6 +164,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
                   "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
+            Grant(("hget", "hdel"), rw(owners),
+                  "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
+                  "before an error record): the producer's hash names the entry; its field goes with the finish"),
             Grant(("type", "lrange", "rpush", "ltrim", "pexpire"), rw(finished),
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
@@ -178,8 +189,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         applied = f"{pt}:applied:{glob_escape(group)}:*" if group else f"{pt}:applied:*"
         return [
             Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
-                  "connection upkeep; MULTI/EXEC (mark applied + ack); the Lua scripts dead_letter and "
-                  "renew with their keys"),
+                  "connection upkeep; MULTI/EXEC (mark applied + ack); the functions dead_letter and "
+                  "renew with their keys (FCALL)"),
             Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xclaim", "xack", "xinfo|groups",
                    "xtrim"), rw(source),
                   "read records through the group, reclaim a dead consumer's (XAUTOCLAIM), hand back a failed "

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from .codec import ValidationError, check_request_id, decode_request
 from .commands import Abort, Command, CommandFailed, UpdateMode, UpdateWeights, command_fields, parse_command
-from .keys import WORKERS_GROUP, Keys
+from .keys import WORKERS_GROUP, Keys, owner_key_for
 from .types import CompletionRecord, RecordStatus
 
 log = logging.getLogger("redroll")
@@ -47,11 +47,13 @@ async def send_abort(r: Redis, keys: Keys, request_ids: Sequence[str] = (), grou
 async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
                         parts: Sequence[Keys] | None = None) -> list[str]:
     """Report aborted requests that no worker has taken yet at once (their record is published
-    here and the entry deleted), instead of when a worker reaches them in the backlog.
+    here to the producer's reply stream and the entry deleted), instead of when a worker reaches
+    them in the backlog.
 
     Returns the request_ids cancelled this way; the others are in flight (the worker aborts them),
-    already finished, or their reply stream refused the record (the worker that takes them deals
-    with that).
+    already finished, fire-and-forget (no producer writes a results stream: the worker that takes
+    one publishes its aborted record), or their reply stream refused the record (the worker that
+    takes them deals with that).
 
     Such a record has no engine facts (prompt_tokens, cached_tokens, engine_ms, eos/pad ids):
     no engine saw the request. It carries the pipeline's desired ``weight_version`` (the version
@@ -82,6 +84,9 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
             except ValidationError:
                 break  # a worker will dead-letter it
             reply = req.reply_to if req.reply_to and keys_.is_reply_key(req.reply_to) else keys_.results
+            owner = owner_key_for(reply)
+            if owner is None:
+                break  # (no producer writes a results stream: the worker that meets it publishes its record)
             queue_ms = max(0.0, (time.time() - req.submitted_at) * 1000.0)
             record = CompletionRecord.failed(req, request_id=req.request_id, status=RecordStatus.ABORTED, error=None,
                                              worker=None, n=req.n,
@@ -95,6 +100,7 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
                             "takes it aborts it", request_id, reply, done.decode(errors="replace"))
             elif int(done):
                 cancelled.append(request_id)
+                await r.hdel(owner, request_id)  # (its own ownership hash: the submit wrote it there)
             break
     return cancelled
 

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from .keys import WORKERS_GROUP, Keys
 from .lanes import pipeline_lanes
+from .scripts import Scripts
 from .streams import id_tuple, text
 
 
@@ -121,14 +122,8 @@ async def _collect_consumers(r: Redis, stream: str, idle_consumer_s: float, dry_
     for c in consumers:
         if int(c["pending"]) == 0 and int(c["idle"]) / 1000.0 > idle_consumer_s:
             name = text(c["name"])
-            if not dry_run and int(await r.eval(DELETE_IF_EMPTY_LUA, 1, stream, WORKERS_GROUP, name)) < 0:
+            if not dry_run and await Scripts(r).delete_consumer_if_empty(stream, WORKERS_GROUP, name) < 0:
                 continue  # atomic re-check: a consumer that gained pending entries meanwhile is kept
             if name not in report.consumers:
                 report.consumers.append(name)
 
-
-DELETE_IF_EMPTY_LUA = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if #p > 0 then return -1 end
-return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-"""

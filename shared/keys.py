@@ -60,6 +60,15 @@ def finish_marker_key(stream: str, consumer: str) -> str:
     return f"{tag}:finished:{consumer}"
 
 
+def owner_key_for(reply_key: str) -> str | None:
+    """The ownership hash (``Keys.owner``) of the producer whose reply stream is ``reply_key``
+    (``{tag}:reply:<producer>``), else None (a results stream: no producer owns it)."""
+    tag, sep, producer = reply_key.partition("}:reply:")
+    if not sep or not tag.startswith("{") or not producer:
+        return None
+    return f"{tag}}}:own:{producer}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """All key names of a pipeline in namespace ``namespace``.
@@ -154,6 +163,13 @@ class Keys:
 
     def rid(self, request_id: str) -> str:
         return f"{self.tag}:rid:{request_id}"
+
+    def owner(self, producer: str) -> str:
+        """Hash: request_id → entry id of ``producer``'s live requests, written by its submit in the
+        producer's own key space (an exact key name, which only its ACL user may write), checked by
+        the worker's finish before it publishes to the producer's reply stream; the field goes with
+        the finish."""
+        return f"{self.tag}:own:{producer}"
 
     def finished(self, consumer: str) -> str:
         """List: the entries ``consumer`` (a worker) finished lately, so that a retry of a finish

@@ -1,15 +1,17 @@
-"""The Lua scripts of the delivery promise, with typed async wrappers.
+"""The project's Lua code (shared/lua/*.lua, one Redis function library: see functions.py), with
+typed async wrappers that call it with FCALL.
 
-Each script touches only keys of one hash tag, so it runs unchanged on Redis Cluster (claim.lua reads
-several partitions' streams in one call on a single server only: on a cluster each claim loop reads one).
+Each function touches only keys of one hash tag, so it runs unchanged on Redis Cluster (claim.lua
+reads several partitions' streams in one call on a single server only: on a cluster each claim
+loop reads one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+import redis
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
@@ -17,24 +19,18 @@ from redis.asyncio.cluster import ClusterPipeline
 from redroll.errors import RedrollError
 
 from .codec import encode_record
-from .connection import is_cluster, large_argument
-from .keys import finish_marker_key
+from .connection import large_argument
+from .functions import (
+    FunctionsMissingError,
+    ensure_library,
+    function_name,
+    is_missing,
+    load_library,
+    whole_call_refusal,
+)
+from .keys import finish_marker_key, owner_key_for
 from .refusals import StreamRefusedError
 from .types import CompletionRecord
-
-
-def _load(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", name).read_text()
-
-
-DEAD_LETTER_LUA = _load("dead_letter.lua")
-RENEW_LUA = _load("renew.lua")
-CANCEL_QUEUED_LUA = _load("cancel_queued.lua")
-FINISH_MANY_LUA = _load("finish_many.lua")
-SUBMIT_MANY_LUA = _load("submit_many.lua")
-CLAIM_LUA = _load("claim.lua")
-CLAIM_LANES_LUA = _load("claim_lanes.lua")
-CHECKPOINT_LUA = _load("checkpoint.lua")
 
 FINISH_MARKER_TTL_MS = 300_000
 """How long a worker's finish marker (``Keys.finished``: the entries it finished lately) lives
@@ -45,6 +41,18 @@ FINISH_MARKER_CAP = 10_000
 0.3 MB) and the one read of it that a call with an entry no longer owned makes. A retried finish is
 recognised while fewer than this many later finishes of the same worker in the partition came
 between its first run and the retry."""
+
+
+OWNERSHIP_CHECKS = {
+    3: "ownership check failed: the request_id is held by another entry (another submit holds it)",
+    4: "ownership check failed: the producer whose reply stream this entry names did not submit it",
+}
+"""The finish's refusals of an entry that fails an ownership check (finish_many.lua), as the
+reason its dead letter gives: nothing is published, the worker dead-letters it."""
+
+
+class OwnershipError(RedrollError, ValueError):
+    """A finish refused to publish an entry that failed an ownership check (:data:`OWNERSHIP_CHECKS`)."""
 
 
 class DuplicateRequestError(RedrollError, RuntimeError):
@@ -119,58 +127,112 @@ def refusal(reply: Any, key: str) -> StreamRefusedError | None:
     return None
 
 
+def ownership_refusal(reply: Any) -> OwnershipError | None:
+    """A finish item's reply that is an ownership check's refusal, as an exception."""
+    if isinstance(reply, int) and reply in OWNERSHIP_CHECKS:
+        return OwnershipError(OWNERSHIP_CHECKS[reply])
+    return None
+
+
 def raising_first_error(replies: list) -> list:
     """A pipeline's replies, executed with ``raise_on_error=False``, or its first error raised as it
-    is. (redis-py's own raise writes the whole command into the message: for a script call of 500
-    requests that formats hundreds of kilobytes of text, about 80 ms, on every NOSCRIPT reply.)"""
-    for reply in replies:
-        if isinstance(reply, Exception):
+    is (:class:`FunctionsMissingError` when the server lacks the function library). (redis-py's own
+    raise writes the whole command into the message: for a call of 500 requests that formats
+    hundreds of kilobytes of text, about 80 ms.)"""
+    return call_replies(replies, [None] * len(replies))
+
+
+def call_replies(replies: list, refusals: Sequence[Callable[[str], Any] | None]) -> list:
+    """:func:`raising_first_error`, except that a function call refused as a whole for a reason
+    each of its items would meet alone (out of memory, a read-only replica:
+    :func:`~.functions.whole_call_refusal`) gets ``refusals[i](message)``, the per-item replies
+    the call would have given, when ``refusals[i]`` is set."""
+    out = list(replies)
+    for i, reply in enumerate(replies):
+        if not isinstance(reply, Exception):
+            continue
+        if is_missing(reply):
+            raise FunctionsMissingError(str(reply)) from reply
+        message = whole_call_refusal(reply)
+        if message is None or refusals[i] is None:
             raise reply
-    return replies
+        out[i] = refusals[i](message)
+    return out
+
+
+def submit_refused(stream: str, n: int) -> Callable[[str], list]:
+    """The replies of a submit_many call of ``n`` items refused as a whole with a message."""
+    return lambda message: [[3, f"{stream}: {message}"] for _ in range(n)]
+
+
+def finish_refused(n: int) -> Callable[[str], list]:
+    """The replies of a finish_many call of ``n`` items refused as a whole with a message."""
+    return lambda message: [message] * n
+
+
+def dead_letter_refused(message: str) -> list:
+    """The reply of a dead_letter call refused as a whole: the dead stream refused the letter."""
+    return [-1, message]
+
+
+async def call_or_refused(call: Callable[[], Awaitable[Any]], scripts: "Scripts",
+                          refused: Callable[[str], Any]) -> Any:
+    """``await call()``, a function call queued on a pipeline elsewhere (a batcher): a missing
+    library is loaded (:meth:`Scripts.load_all`) and the call made once more; a call refused as a
+    whole (out of memory, a read-only replica) returns ``refused(message)``."""
+    try:
+        return await call()
+    except redis.ResponseError as exc:
+        if is_missing(exc):
+            await scripts.load_all()
+            return await call()
+        message = whole_call_refusal(exc)
+        if message is None:
+            raise
+        return refused(message)
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _run(script: Any, keys: list, args: list, client: Any, *, checked: bool = True) -> Any:
-    """Run ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None).
+def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[str], Any] | None = None) -> Any:
+    """Call function ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None:
+    read the pipeline's replies with :func:`call_replies`).
 
-    On a pipeline, ``checked`` makes the pipeline verify (SCRIPT EXISTS, one more round trip per
-    execute) that the server has the script; hot paths pass ``checked=False`` and handle a
-    NOSCRIPT reply themselves with :meth:`Scripts.load_all` (after a server restart).
+    Called now, a missing library is loaded (when this user may: else
+    :class:`~.functions.FunctionsNotLoadedError`) and the call made again, and a call refused as a
+    whole (out of memory, a read-only replica) returns ``refused(message)`` when given.
     """
-    if isinstance(client, ClusterPipeline):
-        # redis-py refuses its eval/evalsha methods on a cluster pipeline, but routes the raw
-        # command by its keys. A cluster pipeline cannot check the script cache of the node each
-        # call lands on (a promoted replica has an empty one): checked calls send the script itself.
-        if checked:
-            client.execute_command("EVAL", script.script, len(keys), *keys, *args)
-        else:
-            client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    name = function_name(script)
+    if isinstance(client, (ClusterPipeline, Pipeline)):
+        # (redis-py routes a cluster pipeline's raw command by the keys FCALL declares)
+        client.execute_command("FCALL", name, len(keys), *keys, *args)
         return None
-    if isinstance(client, Pipeline):
-        if checked:
-            client.scripts.add(script)
-        client.evalsha(script.sha, len(keys), *keys, *args)
-        return None
-    return script(keys=keys, args=args, client=client)
+    return _call(client, name, keys, args, refused)
+
+
+async def _call(client: Any, name: str, keys: list, args: list, refused: Callable[[str], Any] | None) -> Any:
+    for attempt in (1, 2):
+        try:
+            return await client.execute_command("FCALL", name, len(keys), *keys, *args)
+        except redis.ResponseError as exc:
+            if is_missing(exc) and attempt == 1:
+                await load_library(client)  # (a fresh or flushed server; raises when this user may not)
+                continue
+            message = whole_call_refusal(exc)
+            if message is None or refused is None:
+                raise
+            return refused(message)
+    raise AssertionError("unreachable")
 
 
 class Scripts:
-    """Registered scripts on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
+    """The library's functions, called on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
 
     def __init__(self, redis: Redis):
         self.redis = redis
-        self._dead = redis.register_script(DEAD_LETTER_LUA)
-        self._renew = redis.register_script(RENEW_LUA)
-        self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
-        self._finish_many = redis.register_script(FINISH_MANY_LUA)
-        self._submit_many = redis.register_script(SUBMIT_MANY_LUA)
-        self._claim = redis.register_script(CLAIM_LUA)
-        self._claim_lanes = redis.register_script(CLAIM_LANES_LUA)
-        self._checkpoint = redis.register_script(CHECKPOINT_LUA)
 
     # -- submit
     @staticmethod
@@ -190,22 +252,23 @@ class Scripts:
                      data: bytes, rid_ttl_s: int) -> SubmitOutcome:
         """Submit one request now (see :meth:`submit_many_in` and :meth:`submit_outcome`)."""
         (reply,) = await self.submit_many_in(self.redis, requests_key=requests_key, rid_ttl_s=rid_ttl_s,
-                                             items=[(rid_key, token, request_id, reply_to, data)], checked=True)
+                                             items=[(rid_key, token, request_id, reply_to, data)])
         return self.submit_outcome(request_id, reply)
 
     def submit_many_in(self, client: Any, *, requests_key: str, rid_ttl_s: int,
-                       items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
+                       items: Sequence[tuple[Any, ...]]) -> Any:
         """De-duplicated submit of many requests to one stream in one script call.
 
         ``items``: (rid_key, token, request_id, reply_to, data[, affinity_key]). Result: one
-        [code, value] per item (see :meth:`submit_outcome`).
+        [code, value] per item (see :meth:`submit_outcome`). A request whose reply_to is a
+        producer's reply stream is noted in that producer's ownership hash (``Keys.owner``).
         """
         keys: list[Any] = [requests_key]
         args: list[Any] = [rid_ttl_s]
         for rid_key, token, request_id, reply_to, data, *rest in items:
-            keys.append(rid_key)
+            keys += [rid_key, (owner_key_for(reply_to) if reply_to else None) or rid_key]
             args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
-        return _run(self._submit_many, keys, args, client, checked=checked)
+        return _run("submit_many", keys, args, client, submit_refused(requests_key, len(items)))
 
     # -- finish
     async def finish(self, *, requests_key: str, reply_key: str, rid_key: str, group: str, consumer: str,
@@ -215,23 +278,24 @@ class Scripts:
         :meth:`finish_many_in`), 0 fenced; raises
         :class:`StreamRefusedError` when the reply stream refused the record (nothing written)."""
         (reply,) = await self.finish_many_in(self.redis, requests_key=requests_key, group=group, consumer=consumer,
-                                             worker=record.worker or "", checked=True,
+                                             worker=record.worker or "",
                                              items=[(entry_id, reply_key, rid_key, record, reply_cap,
                                                      partial_key)])
-        error = refusal(reply, reply_key)
+        error = refusal(reply, reply_key) or ownership_refusal(reply)
         if error is not None:
             raise error
         return int(reply)
 
     def finish_many_in(self, client: Any, *, requests_key: str, group: str, consumer: str, worker: str,
-                       items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
+                       items: Sequence[tuple[Any, ...]]) -> Any:
         """Fenced finish of many entries of one stream in one script call.
 
         ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None), the record
         a :class:`CompletionRecord` or its stream fields from ``encode_record``. Result:
         per item 1 (published), 2 (published by an earlier call of this consumer: a retry whose
-        first reply was lost; nothing is written again), 0 (fenced) or the error its reply stream
-        answered (see :func:`refusal`). A resumable request's checkpoint (when it names this entry)
+        first reply was lost; nothing is written again), 0 (fenced), 3 or 4 (an ownership check
+        refused it: see :data:`OWNERSHIP_CHECKS`) or the error its reply stream answered (see
+        :func:`refusal`). A resumable request's checkpoint (when it names this entry)
         is deleted with the finish. The entries published are noted in ``consumer``'s finish marker
         (``Keys.finished``) for :data:`FINISH_MARKER_TTL_MS`.
         """
@@ -240,24 +304,15 @@ class Scripts:
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
             f = encode_record(record) if isinstance(record, CompletionRecord) else record
-            keys += [reply_key, rid_key, partial_key or rid_key]
+            keys += [reply_key, rid_key, partial_key or rid_key, owner_key_for(reply_key) or rid_key]
             args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
-        return _run(self._finish_many, keys, args, client, checked=checked)
+        return _run("finish_many", keys, args, client, finish_refused(len(items)))
 
     async def load_all(self) -> None:
-        """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
-
-        On a cluster, SCRIPT LOAD goes to every primary."""
-        scripts = (self._dead, self._renew, self._cancel, self._finish_many, self._submit_many, self._claim,
-                   self._claim_lanes, self._checkpoint)
-        if is_cluster(self.redis):
-            for script in scripts:
-                await self.redis.script_load(script.script)
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for script in scripts:
-                pipe.script_load(script.script)
-            await pipe.execute()
+        """Make sure the server has the function library (at start, and after a call found it
+        missing): loads it when this user may, else raises
+        :class:`~.functions.FunctionsNotLoadedError` naming what an administrator runs."""
+        await ensure_library(self.redis)
 
     # -- claim (plain layout)
     async def claim(self, *, streams: Sequence[str], group: str, consumer: str,
@@ -265,7 +320,7 @@ class Scripts:
         """Up to ``budget`` new entries of ``streams``, read in their order with the budget carried
         over (see claim.lua). Returns the (stream, entries) pairs that had entries, and one
         ``"<stream>: <error>"`` for each stream that refused the read."""
-        reply = await _run(self._claim, list(streams), [group, consumer, budget], self.redis)
+        reply = await _run("claim", list(streams), [group, consumer, budget], self.redis)
         got: list[tuple[str, list]] = []
         refused: list[str] = []
         for i in range(0, len(reply), 2):
@@ -283,7 +338,7 @@ class Scripts:
         """Up to ``budget`` new entries: high priority, own lanes, the shared stream, then entries
         overdue in the other lanes, or beyond their first ``steal_depth`` undelivered entries (see
         claim_lanes.lua). Returns (stream, kind, entries) triples."""
-        reply = await _run(self._claim_lanes, [high, *own, shared, *others],
+        reply = await _run("claim_lanes", [high, *own, shared, *others],
                            [group, consumer, budget, len(own), steal_after_ms, steal_depth], self.redis)
         return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
 
@@ -293,9 +348,9 @@ class Scripts:
         """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
         consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
         or (2, the error that refused the write: nothing written)."""
-        code, detail = await _run(self._checkpoint, [requests_key, partial_key],
+        code, detail = await _run("checkpoint", [requests_key, partial_key],
                                   [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s],
-                                  self.redis)
+                                  self.redis, lambda message: [2, message])
         return int(code), (detail if isinstance(detail, int) else _s(detail))
 
     # -- dead letter
@@ -320,7 +375,7 @@ class Scripts:
         args = [group, consumer, letter.entry_id, letter.reason, letter.source,
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
                 letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs]
-        return _run(self._dead, keys, args, client)
+        return _run("dead_letter", keys, args, client, dead_letter_refused)
 
     async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:
         reply = await self.dead_letter_in(self.redis, dead_key=dead_key, group=group, consumer=consumer,
@@ -333,8 +388,8 @@ class Scripts:
         """Publish ``record`` and delete the entry, only if no worker has taken it (1) — else 0, or
         the error the reply stream answered (nothing written)."""
         f = encode_record(record)
-        return _run(self._cancel, [stream, reply_key, rid_key], [group, entry_id, f["rid"], f["status"], f["data"]],
-                    client)
+        return _run("cancel_queued", [stream, reply_key, rid_key],
+                    [group, entry_id, f["rid"], f["status"], f["data"]], client, lambda message: message)
 
     # -- leases
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],
@@ -342,5 +397,11 @@ class Scripts:
         """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost."""
         if not entry_ids:
             return []
-        lost = await _run(self._renew, [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
+        lost = await _run("renew", [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
         return [_s(x) for x in lost]
+
+    # -- housekeeping
+    async def delete_consumer_if_empty(self, stream: str, group: str, consumer: str) -> int:
+        """Delete ``consumer`` of ``group`` only if it holds no pending entry (checked atomically):
+        -1 when it was kept, else what XGROUP DELCONSUMER answered."""
+        return int(await _run("delete_consumer_if_empty", [stream], [group, consumer], self.redis))

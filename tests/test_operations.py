@@ -80,7 +80,8 @@ async def test_dead_requeue_fixed_and_still_invalid(settings, r):
     async with Producer(settings) as p:
         bad = {"v": 1, "request_id": "fix-me", "prompt": "x", "submitted_at": time.time(), "reply_to": p.reply_to,
                "sampling_params": {"temperature": -1.0, "max_new_tokens": 4}}
-        await r.xadd(keys.requests, {"rid": "fix-me", "reply_to": p.reply_to, "data": msgpack.packb(bad)})
+        entry = await r.xadd(keys.requests, {"rid": "fix-me", "reply_to": p.reply_to, "data": msgpack.packb(bad)})
+        await r.hset(keys.owner(p.name), "fix-me", entry)  # (as p's own submit would note it)
         first = await p.result("fix-me", timeout=10)
         assert first.status is RecordStatus.ERROR and "temperature" in first.error
         entries = await dead.list_dead(r, keys, reason="temperature")

@@ -112,6 +112,6 @@ def test_wheel_holds_only_the_redroll_namespace(wheel):
 
 
 def test_lua_scripts_load_from_the_package():
-    from redroll.shared import scripts
+    from redroll.shared import functions
 
-    assert "XADD" in scripts.FINISH_MANY_LUA and "XPENDING" in scripts.RENEW_LUA
+    assert "XADD" in functions.LIBRARY_SOURCE and "XPENDING" in functions.LIBRARY_SOURCE

@@ -257,7 +257,7 @@ async def test_submit_survives_connection_drop_after_server_applied(settings, r,
 
     async def flaky_execute(self, *a, **kw):
         state["calls"] += 1
-        carries_submit = any(str(args[0]).upper() == "EVALSHA" for args, _opts in self.command_stack)
+        carries_submit = any(str(args[0]).upper() == "FCALL" for args, _opts in self.command_stack)
         result = await original(self, *a, **kw)  # the server runs it ...
         if carries_submit and state["dropped"] == 0:
             state["dropped"] += 1  # ... but the reply is lost

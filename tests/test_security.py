@@ -37,6 +37,7 @@ from redroll.shared.acl import ROLES, acl_rules, setuser_args
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
 from redroll.shared.control import send_abort
+from redroll.shared.functions import LIBRARY, LIBRARY_SOURCE, FunctionsNotLoadedError
 from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.scripts import Scripts
@@ -60,6 +61,7 @@ def acl_server() -> Iterator[RedisServer]:
     with redis.Redis(port=server.port) as c:
         c.execute_command("ACL", "SETUSER", "admin", "on", f">{ADMIN_PASSWORD}", "~*", "&*", "+@all")
         c.execute_command("ACL", "SETUSER", "default", "off")
+        c.function_load(LIBRARY_SOURCE)  # (the roles may not: an administrator loads it)
     yield server
     server.stop()
     shutil.rmtree(server.directory, ignore_errors=True)
@@ -155,7 +157,8 @@ async def test_every_role_runs_with_only_its_acl_user(acl_server, admin):
             await send(prod_s, p.redis, [make_request(request_id="ff-queued", prompt="q", sampling_params=SP,
                                                       callback="apply")])
             # (queued ones first: aborting the running ones frees the slots they wait for)
-            assert sorted(await p.abort(["queued-1", "ff-queued"])) == ["ff-queued", "queued-1"]
+            # (no producer writes the results stream: the worker that meets ff-queued publishes its record)
+            assert sorted(await p.abort(["queued-1", "ff-queued"])) == ["queued-1"]
             assert await p.abort(["long-0", "long-1"]) == []  # in flight: the worker stops them
             for fut in [queued, *running]:
                 assert (await asyncio.wait_for(fut, 15)).status is RecordStatus.ABORTED
@@ -324,6 +327,13 @@ async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
             ("EVAL", "return 1", "0"), ("KEYS", "*"),
         ],
     }
+    # No role runs Lua of its own (a busy loop would block the server): only the library's functions.
+    own_lua = [("EVAL", "return 1", "0"), ("EVAL_RO", "return 1", "0"), ("SCRIPT", "LOAD", "return 1"),
+               ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", "0"), ("SCRIPT", "FLUSH"),
+               ("FUNCTION", "LOAD", "#!lua name=mine\nredis.register_function('spin', function() while true do end end)"),
+               ("FUNCTION", "DELETE", LIBRARY), ("FUNCTION", "FLUSH")]
+    for role in ("producer", "worker", "consumer"):
+        forbidden[role] += own_lua
     for role, commands in forbidden.items():
         settings = users[role]
         client = connect(settings)
@@ -371,6 +381,38 @@ async def test_forbidden_operations_fail_with_a_clear_error(acl_server, admin):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("redroll abort: redis at redis://127.0.0.1:") and "lacks a permission" in line, line
     assert users["operator"].redis_password not in proc.stderr
+
+
+async def test_a_role_meets_a_missing_library_with_the_command_to_run(acl_server, admin):
+    ns = "sec" + uuid.uuid4().hex[:8]
+    keys = Settings(namespace=ns).keys
+    settings = make_user(admin, acl_server, ns, "producer")
+    admin.function_delete(LIBRARY)
+    try:
+        p = connect(settings)
+        try:
+            with pytest.raises(FunctionsNotLoadedError) as info:
+                await send(settings, p, [make_request(request_id="x", prompt="x", sampling_params=SP)])
+        finally:
+            await p.aclose()
+        message = assert_denied(info.value, settings)
+        assert "redroll functions load" in message and LIBRARY in message
+        assert admin.xlen(keys.requests) == 0
+        # ... which an administrator runs (here with the admin user), once: the role's submit then works.
+        admin_s = Settings(redis_url=acl_server.url, namespace=ns, redis_username="admin",
+                           redis_password=ADMIN_PASSWORD)
+        for action, expected in (("show", "not loaded"), ("load", "loaded on"), ("load", "already loaded"),
+                                 ("show", f"{LIBRARY}: loaded")):
+            proc = await asyncio.to_thread(run_cli, admin_s, "functions", action)
+            assert proc.returncode == 0 and expected in proc.stdout, proc.stderr
+        p = connect(settings)
+        try:
+            assert len(await send(settings, p, [make_request(request_id="x", prompt="x", sampling_params=SP)])) == 1
+        finally:
+            await p.aclose()
+    finally:
+        if not admin.function_list(library=LIBRARY):
+            admin.function_load(LIBRARY_SOURCE)
 
 
 async def test_submit_and_its_resume_run_with_the_producer_user(acl_server, admin, tmp_path):

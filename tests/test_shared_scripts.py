@@ -12,13 +12,16 @@ import redis
 from redroll.producer.client import make_request, send
 from redroll.shared import scripts as scripts_module
 from redroll.shared.codec import decode_record
+from redroll.shared.functions import FunctionsMissingError
 from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import (
     FINISH_MARKER_TTL_MS,
     DeadLetter,
     DeadLetterOutcome,
     DuplicateRequestError,
+    OwnershipError,
     Scripts,
     raising_first_error,
 )
@@ -95,10 +98,10 @@ async def test_submit_dedup_retry_and_refusal(r, settings):
 
 async def test_submit_without_reply_to_and_in_pipeline(r, settings):
     keys, scripts = settings.keys, Scripts(r)
-    await r.script_flush()  # the pipeline must load the script itself
+    await scripts.load_all()  # (a pipeline cannot load the library: its caller does, see below)
     async with r.pipeline(transaction=False) as pipe:
         for rid, reply_to in (("p1", None), ("p2", keys.results), ("p1", None)):
-            scripts.submit_many_in(pipe, requests_key=keys.requests, rid_ttl_s=60, checked=True,
+            scripts.submit_many_in(pipe, requests_key=keys.requests, rid_ttl_s=60,
                                    items=[(keys.rid(rid), "t", rid, reply_to, data_for(rid))])
         replies = await pipe.execute()
     outs = [Scripts.submit_outcome(rid, rep) for rid, (rep,) in zip(["p1", "p2", "p1"], replies)]
@@ -140,12 +143,16 @@ async def test_finish_releases_rid_so_it_can_be_reused(r, settings):
     assert (await r.get(keys.rid("reuse-me"))).decode() == f"tok-2 {second.entry_id}"
 
 
-async def test_finish_keeps_a_rid_key_naming_another_entry(r, settings):
+async def test_finish_refuses_an_entry_whose_rid_key_names_another_entry(r, settings):
+    # Another entry holds the request_id (a later submit; or a producer's XADD of another's live
+    # request_id): publishing this one would let consumer groups apply it and skip the holder's.
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1", rid="x1")
-    await r.set(keys.rid("x1"), "other-token 1-1")  # a later submit holds the id now
-    assert await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="x1")) == 1
+    await r.set(keys.rid("x1"), "other-token 1-1")
+    with pytest.raises(OwnershipError, match="request_id is held by another entry"):
+        await scripts.finish(**finish_kwargs(keys, "c1", entry, rid="x1"))
     assert (await r.get(keys.rid("x1"))) == b"other-token 1-1"
+    assert await r.xlen(keys.results) == 0 and (await r.xpending(keys.requests, G))["pending"] == 1
 
 
 # ---------------------------------------------------------------- fenced finish
@@ -176,12 +183,12 @@ async def test_finish_in_pipeline(r, settings):
         await r.xadd(keys.requests, {"rid": f"r{i}", "data": data_for(f"r{i}")})
     resp = await r.xreadgroup(G, "c1", {keys.requests: ">"}, count=3)
     ids = [e[0].decode() for e in resp[0][1]]
-    await r.script_flush()
+    await scripts.load_all()
     async with r.pipeline(transaction=False) as pipe:
         for i, entry in enumerate(ids):
             consumer = "c1" if i != 1 else "intruder"
             scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer=consumer, worker=consumer,
-                                   checked=True, items=[(entry, keys.results, keys.rid(f"r{i}"),
+                                   items=[(entry, keys.results, keys.rid(f"r{i}"),
                                                          record(f"r{i}", worker=consumer), 0)])
         res = await pipe.execute()
     assert res == [[1], [0], [1]]
@@ -204,7 +211,7 @@ async def test_large_requests_and_records_arrive_whole(r, settings):
                            finish_reasons=["length"] * 2, output_logprobs=[[-0.5] * 30_000] * 2, meta_info={},
                            worker="c1")
     async with r.pipeline(transaction=False) as pipe:
-        scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1", checked=True,
+        scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1",
                                items=[(entry.decode(), keys.results, keys.rid("big"), rec, 0)])
         assert await pipe.execute() == [[1]]
     (_, published), = await r.xrange(keys.results)
@@ -256,7 +263,7 @@ async def test_a_retried_finish_is_told_from_a_lost_lease(r, settings):
     for expected in ([1, 0], [2, 0]):  # the first call, then its retry (same arguments)
         async with r.pipeline(transaction=False) as pipe:
             scripts.finish_many_in(pipe, requests_key=keys.requests, group=G, consumer="c1", worker="c1",
-                                   checked=True, items=items)
+                                   items=items)
             (reply,) = await pipe.execute()
         assert [int(x) for x in reply] == expected
     assert [f[b"rid"] for _, f in await r.xrange(keys.results)] == [b"mine"]
@@ -640,17 +647,45 @@ async def test_a_pipelines_first_error_is_raised_as_the_server_gave_it(r, settin
     async with r.pipeline(transaction=False) as pipe:
         pipe.get(keys.rid("plain"))
         pipe.xlen(keys.rid("plain"))  # WRONGTYPE: no stream there
-        pipe.evalsha("0" * 40, 0)  # NOSCRIPT
+        pipe.fcall("redroll_not_loaded_here", 0)  # a function the server does not have
         replies = await pipe.execute(raise_on_error=False)
     with pytest.raises(redis.ResponseError) as ei:
         raising_first_error(replies)
     assert ei.value is replies[1] and str(ei.value).startswith("WRONGTYPE")  # (not rewritten with the command)
     assert raising_first_error(replies[:1]) == [b"x"]
-    with pytest.raises(redis.exceptions.NoScriptError):
+    with pytest.raises(FunctionsMissingError):  # (a NoScriptError: callers that reloaded scripts load the library)
         raising_first_error(replies[2:])
 
 
-async def test_a_send_to_a_server_without_the_script_loads_it_and_adds_each_request_once(r, settings):
-    await r.script_flush()
+async def test_a_send_to_a_server_without_the_library_loads_it_and_adds_each_request_once(r, settings):
+    await r.function_flush()
     ids = await send(settings, r, [make_request(request_id=f"cold-{i}", prompt="x" * 400) for i in range(500)])
     assert len(set(ids)) == 500 and await r.xlen(settings.keys.requests) == 500
+
+
+async def test_submit_notes_a_reply_stream_request_in_its_producers_ownership_hash(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    owned = await scripts.submit(keys.requests, keys.rid("o1"), "t", "o1", keys.reply("p"), data_for("o1"), 60)
+    await scripts.submit(keys.requests, keys.rid("f1"), "t", "f1", keys.results, data_for("f1"), 60)
+    assert await r.hgetall(keys.owner("p")) == {b"o1": owned.entry_id.encode()}
+    assert 0 < await r.ttl(keys.owner("p")) <= 60
+    # An ownership key of another type refuses that item alone: nothing of it is written.
+    await r.set(keys.owner("q"), "not a hash")
+    with pytest.raises(StreamRefusedError, match="WRONGTYPE"):
+        await scripts.submit(keys.requests, keys.rid("o2"), "t", "o2", keys.reply("q"), data_for("o2"), 60)
+    assert not await r.exists(keys.rid("o2")) and await r.xlen(keys.requests) == 2
+
+
+async def test_finish_publishes_to_a_reply_stream_only_what_its_ownership_hash_names(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    await ensure_group(r, keys.requests, G)
+    entry = (await r.xadd(keys.requests, {"rid": "o1", "reply_to": keys.reply("p"), "data": data_for("o1")})).decode()
+    await r.xreadgroup(G, "c1", {keys.requests: ">"})
+    kwargs = dict(requests_key=keys.requests, reply_key=keys.reply("p"), rid_key=keys.rid("o1"), group=G,
+                  consumer="c1", entry_id=entry, record=record("o1", worker="c1"))
+    with pytest.raises(OwnershipError, match="did not submit it"):
+        await scripts.finish(**kwargs)
+    assert await r.xlen(keys.reply("p")) == 0
+    await r.hset(keys.owner("p"), "o1", entry)  # (what p's submit writes)
+    assert await scripts.finish(**kwargs) == 1
+    assert await r.xlen(keys.reply("p")) == 1 and await r.hlen(keys.owner("p")) == 0

@@ -121,6 +121,8 @@ async def test_malformed_requests_are_dead_lettered_and_waiters_told(settings, r
                 if case.name != "no-data-field":
                     fields["data"] = case.data
                 case.entry_id = (await r.xadd(keys.requests, fields)).decode()
+                if isinstance(case.rid, str) and case.reply_to == producer.reply_to:  # (as its submit notes it)
+                    await r.hset(keys.owner(producer.name), case.rid, case.entry_id)
                 valid_futures.append(await producer.submit(
                     request_id=f"good-{i}", input_ids=[1, 2, 3 + i], sampling_params={"max_new_tokens": 4 + i}))
             valid_futures.append(await producer.submit(request_id="good-prompt", prompt="a prompt",

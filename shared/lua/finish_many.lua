@@ -1,13 +1,18 @@
 -- Fenced finish of many requests of one stream in one call.
 -- KEYS[1] request stream, KEYS[2] this consumer's finish marker ({tag}:finished:<consumer>, a list),
--- then per item i (1-based): KEYS[3i] reply stream, KEYS[3i+1] rid key,
--- KEYS[3i+2] checkpoint key ({tag}:partial:<rid>)
+-- then per item i (1-based): KEYS[4i-1] reply stream, KEYS[4i] rid key,
+-- KEYS[4i+1] checkpoint key ({tag}:partial:<rid>), KEYS[4i+2] the ownership hash of the producer
+-- whose reply stream it is ({tag}:own:<producer>; the rid key again for a results stream)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker  ARGV[4] marker TTL (ms)  ARGV[5] marker cap
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
 -- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
 -- Returns one value per item: 1 published, 2 published by an earlier call of this consumer (a
 -- retried finish whose first reply was lost: nothing is written again), 0 fenced (this consumer no
--- longer owns the entry and did not finish it, or the entry came earlier in this call), or the
+-- longer owns the entry and did not finish it, or the entry came earlier in this call), 3 refused:
+-- the rid key names another entry (another submit holds this request_id), 4 refused: the producer's
+-- ownership hash does not name this entry (it was not submitted by the producer whose reply
+-- stream it names) — nothing of a refused item is written, it stays pending for the worker to
+-- dead-letter — or the
 -- error the reply stream answered (a string: nothing of that item was written; it stays pending for
 -- the worker to dead-letter, hold or retry).
 --
@@ -23,7 +28,7 @@
 -- reply was lost tells its own earlier success from a lost lease.
 local out = {}
 local done = {}
-local n = (#KEYS - 2) / 3
+local n = (#KEYS - 2) / 4
 local marker = KEYS[2]
 local sname = string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]
 local marked = nil  -- (this consumer's finished entries, read once, when an item is not owned)
@@ -69,13 +74,22 @@ for i = 1, n do
     if marked and marked[entry .. ' ' .. sname] then out[i] = 2 else out[i] = 0 end
   else
     owned[entry] = nil  -- (an entry listed twice is published once)
-    local reply, ridkey, partial = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
+    local reply, ridkey, partial, ownkey = KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1], KEYS[4 * i + 2]
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
+    -- The ownership checks: the request_id is this entry's, and so is the reply stream.
+    local check = 0
+    if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) ~= ' ' .. entry then
+      check = 3
+    elseif ownkey ~= ridkey and redis.pcall('HGET', ownkey, ARGV[a + 2]) ~= entry then
+      check = 4
+    end
     -- The cap goes to XADD as the string it came as: a Lua number would be formatted back with
     -- printf for every item.
     local cap = ARGV[a + 5]
     local added
-    if cap ~= '0' then
+    if check ~= 0 then
+      added = check
+    elseif cap ~= '0' then
       added = redis.pcall('XADD', reply, 'MAXLEN', '~', cap, '*', 'rid', ARGV[a + 2], 'status', ARGV[a + 3],
                           'worker', ARGV[3], 'data', ARGV[a + 4])
     else
@@ -84,7 +98,10 @@ for i = 1, n do
     end
     if type(added) == 'table' and added.err then
       out[i] = added.err
+    elseif check ~= 0 then
+      out[i] = check
     else
+      if ownkey ~= ridkey then redis.call('HDEL', ownkey, ARGV[a + 2]) end
       done[#done + 1] = entry
       -- Release the submit de-duplication key only if it still names this entry.
       if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then

@@ -1,22 +1,34 @@
 -- De-duplicated submit of many requests to one stream in one call, atomically with each XADD.
--- KEYS[1] request stream, then KEYS[1 + i] the rid key of item i
+-- KEYS[1] request stream, then per item i KEYS[2i] its rid key, KEYS[2i + 1] the ownership hash of
+-- the producer whose reply stream reply_to is ({tag}:own:<producer>; the rid key again when reply_to
+-- is none or a results stream: then nothing is written there)
 -- ARGV[1] rid key TTL in seconds, then per item 5 values: token, request_id, reply_to ('' = none),
 -- affinity key ('' = none: the plain field ak), data
+-- An added request with an ownership hash gets its field request_id = entry id there (the hash's
+-- TTL renewed once per call): the worker publishes to a producer's reply stream only what that hash names.
 -- Returns per item {code, value}: {1, entry_id} added, {2, entry_id} a retry of this token (it was
 -- added before), {0, holder_token} refused (another submit holds the request_id), {3, error} the
 -- request stream or the rid key refused it (out of memory, a read-only replica, a key of another
 -- type): nothing of that item was written.
 -- All or nothing per item: its reads come first, its first write (the XADD) goes through pcall,
--- and the SET that follows a successful XADD cannot fail. One item never changes another's fate.
+-- and the SET (and HSET: its key's type was checked) that follow a successful XADD cannot fail. One item never changes another's fate.
 local out = {}
 local ttl = ARGV[1]
 local stream = KEYS[1]
-for i = 1, #KEYS - 1 do
+local owners = {}  -- ownership hash -> its type, looked up once per call; 'written' once a field went in
+for i = 1, (#KEYS - 1) / 2 do
   local a = 1 + (i - 1) * 5
   local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local ridkey = KEYS[1 + i]
+  local ridkey, ownkey = KEYS[2 * i], KEYS[2 * i + 1]
   local held = redis.pcall('GET', ridkey)
-  if held then
+  local owntype = 'none'
+  if ownkey ~= ridkey then
+    owntype = owners[ownkey] or redis.call('TYPE', ownkey)['ok']
+    owners[ownkey] = owntype
+  end
+  if owntype ~= 'none' and owntype ~= 'hash' and owntype ~= 'written' then
+    out[i] = {3, ownkey .. ': WRONGTYPE Operation against a key holding the wrong kind of value'}
+  elseif held then
     if type(held) == 'table' and held.err then
       out[i] = {3, ridkey .. ': ' .. held.err}
     else
@@ -52,8 +64,15 @@ for i = 1, #KEYS - 1 do
       out[i] = {3, stream .. ': ' .. id.err}
     else
       redis.call('SET', ridkey, token .. ' ' .. id, 'EX', ttl)
+      if ownkey ~= ridkey then
+        redis.call('HSET', ownkey, rid, id)
+        owners[ownkey] = 'written'
+      end
       out[i] = {1, id}
     end
   end
+end
+for ownkey, state in pairs(owners) do
+  if state == 'written' then redis.call('EXPIRE', ownkey, ttl) end
 end
 return out
