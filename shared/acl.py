@@ -13,7 +13,8 @@ How the rules are built (Redis 7 / Valkey 7.2+ ACL semantics, checked by tests/t
 - Every command a role runs on keys, directly *or inside one of the functions* (Redis checks the
   commands a function calls against the calling user too), is granted in a selector ``(...)`` that
   names only the keys it may touch, read (``%R~``), write (``%W~``) or both (``~``). So the
-  producer may DEL only ``rid`` keys, XACK only its reply stream; the worker may XACK only
+  producer may only create ``rid`` keys (SETNX: never overwrite, expire or delete one), XACK only
+  its reply stream; the worker may XACK only
   the request streams; the consumer may write nothing but its result stream, the dead-letter
   stream and its de-duplication sets.
 - No pub/sub channels (``resetchannels``), no other namespace, no admin or dangerous commands
@@ -122,9 +123,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
-            Grant(("get", "set", "mget", "del"), rw(rid),
-                  "submit de-duplication keys: set with the XADD, read to find a queued request, "
-                  "deleted when a queued request is cancelled"),
+            Grant(("get", "setnx", "mget"), rw(rid),
+                  "submit de-duplication keys: created with the XADD (SETNX, no expiry: nothing that could "
+                  "overwrite, expire or delete another producer's), read to find a queued request"),
             Grant(("xgroup|create", "expire", "xreadgroup", "xpending", "xack", "xdel", "xadd", "xrange"), rw(own),
                   "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
                   "records, dead-letter an undecodable one, receive the record of a cancelled request; "
@@ -151,8 +152,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
-                  "delete_consumer_if_empty with their keys (FCALL); SCAN ... TYPE stream for reply "
-                  "streams to collect (SCAN is keyless: ACLs cannot narrow it)"),
+                  "delete_consumer_if_empty and release_rids with their keys (FCALL); SCAN ... TYPE for reply "
+                  "streams, rid keys and checkpoints to collect (SCAN is keyless: ACLs cannot narrow it)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
                    "xinfo|groups", "xrange", "xlen", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
                   "claim (XREADGROUP, plain or in claim.lua; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane "
@@ -160,7 +161,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "reclaim (XPENDING ... IDLE, XCLAIM), renew and hand back leases "
                   "(renew.lua), fenced finish and dead letters (XACK+XDEL), drop idle empty consumers"),
             Grant(("get", "del", "exists"), rw(rid), "release the submit de-duplication key in the finish "
-                  "(housekeeping: is a checkpoint's request still there?)"),
+                  "or a dead letter; housekeeping releases those whose entry is gone (release_rids.lua: a "
+                  "request cancelled while queued) and asks whether a checkpoint's request is still there"),
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
                   "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),

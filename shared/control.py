@@ -50,6 +50,10 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     here to the producer's reply stream and the entry deleted), instead of when a worker reaches
     them in the backlog.
 
+    The request_id's rid key stays until housekeeping releases it (``redroll gc``, and every
+    worker each ``gc_interval_s``): a producer may not delete rid keys, so until then a submit of
+    the same request_id is refused as a duplicate.
+
     Returns the request_ids cancelled this way; the others are in flight (the worker aborts them),
     already finished, fire-and-forget (no producer writes a results stream: the worker that takes
     one publishes its aborted record), or their reply stream refused the record (the worker that
@@ -93,8 +97,8 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
                                              meta_info={"abort_reason": "user", "cancelled_in_queue": True,
                                                         "weight_version": weight_version, "worker": None,
                                                         "attempt": 0, "queue_ms": round(queue_ms, 3)})
-            done = await scripts.cancel_queued_in(r, stream=stream, reply_key=reply, rid_key=keys_.rid(request_id),
-                                                  group=WORKERS_GROUP, entry_id=entry_id, record=record)
+            done = await scripts.cancel_queued_in(r, stream=stream, reply_key=reply, group=WORKERS_GROUP,
+                                                  entry_id=entry_id, record=record)
             if isinstance(done, bytes):
                 log.warning("request %s stays queued: %s refused its aborted record (%s); the worker that "
                             "takes it aborts it", request_id, reply, done.decode(errors="replace"))

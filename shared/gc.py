@@ -1,4 +1,5 @@
-"""Housekeeping: reply streams of producers that never came back, stale heartbeats, idle empty consumers.
+"""Housekeeping: reply streams of producers that never came back, stale heartbeats, idle empty consumers,
+rid keys whose request is gone (cancelled while queued), orphaned checkpoints.
 
 Run by ``redroll gc`` and periodically by workers. Never removes a consumer that owns pending
 entries (XGROUP DELCONSUMER would drop them).
@@ -25,14 +26,16 @@ class GcReport:
     heartbeats: list[str] = field(default_factory=list)
     consumers: list[str] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
+    rid_keys: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers,
-                "checkpoints": self.checkpoints}
+                "checkpoints": self.checkpoints, "rid_keys": self.rid_keys}
 
     @property
     def total(self) -> int:
-        return len(self.reply_streams) + len(self.heartbeats) + len(self.consumers) + len(self.checkpoints)
+        return (len(self.reply_streams) + len(self.heartbeats) + len(self.consumers) + len(self.checkpoints)
+                + len(self.rid_keys))
 
 
 async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
@@ -63,12 +66,31 @@ async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_wor
     parts = [Keys(p.namespace, p.partition, lanes) for p in (partitions or [keys])]
     for part in parts:
         await _collect_reply_streams(r, part, reply_ttl_s, now, dry_run, report)
+        await _collect_rid_keys(r, part, dry_run, report)
         await _collect_checkpoints(r, part, dry_run, report)
     await _collect_heartbeats(r, keys, stale_worker_s, now, dry_run, report)
     for part in parts:
         for stream in part.request_streams:
             await _collect_consumers(r, stream, idle_consumer_s, dry_run, report)
     return report
+
+
+RID_BATCH = 500
+"""Rid keys checked per function call."""
+
+
+async def _collect_rid_keys(r: Redis, keys: Keys, dry_run: bool, report: GcReport) -> None:
+    """Rid keys whose entry is in none of the request streams (release_rids.lua checks and deletes
+    each atomically). The finish and a dead letter delete their rid key; a request cancelled while
+    queued leaves it, because producers may not delete rid keys (docs/acl.md)."""
+    streams = keys.request_streams
+    batch: list[str] = []
+    async for raw in r.scan_iter(match=keys.rid("") + "*", count=RID_BATCH, _type="string"):
+        batch.append(text(raw))
+        if len(batch) >= RID_BATCH:
+            report.rid_keys += await Scripts(r).release_rids(streams, batch, dry_run=dry_run)
+            batch = []
+    report.rid_keys += await Scripts(r).release_rids(streams, batch, dry_run=dry_run)
 
 
 async def _collect_checkpoints(r: Redis, keys: Keys, dry_run: bool, report: GcReport) -> None:

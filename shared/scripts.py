@@ -383,13 +383,26 @@ class Scripts:
         return DeadLetterOutcome.from_reply(reply)
 
     # -- cancel
-    def cancel_queued_in(self, client: Any, *, stream: str, reply_key: str, rid_key: str, group: str,
+    def cancel_queued_in(self, client: Any, *, stream: str, reply_key: str, group: str,
                          entry_id: str, record: CompletionRecord) -> Any:
         """Publish ``record`` and delete the entry, only if no worker has taken it (1) — else 0, or
-        the error the reply stream answered (nothing written)."""
+        the error the reply stream answered (nothing written). The request_id's rid key stays until
+        housekeeping releases it (:meth:`release_rids`): producers may not delete rid keys."""
         f = encode_record(record)
-        return _run("cancel_queued", [stream, reply_key, rid_key],
+        return _run("cancel_queued", [stream, reply_key],
                     [group, entry_id, f["rid"], f["status"], f["data"]], client, lambda message: message)
+
+    # -- housekeeping
+    async def release_rids(self, streams: Sequence[str], rid_keys: Sequence[str], *,
+                           dry_run: bool = False) -> list[str]:
+        """Delete those of ``rid_keys`` whose entry is in none of ``streams`` (the request streams of
+        their partition), each checked and deleted atomically; returns the keys released (with
+        ``dry_run``: that would be)."""
+        if not rid_keys:
+            return []
+        reply = await _run("release_rids", [*streams, *rid_keys], [len(streams), "1" if dry_run else "0"],
+                           self.redis)
+        return [key for key, released in zip(rid_keys, reply) if int(released)]
 
     # -- leases
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],

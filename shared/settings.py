@@ -89,7 +89,9 @@ class Settings:
     gc_interval_s: float = 300.0
     """Workers run housekeeping (see ``redroll gc``) this often."""
     rid_ttl_s: int = 7 * 86_400
-    """Submit de-duplication keys expire after this long even if no finish deleted them."""
+    """The expiry of a producer's ownership hash (renewed by each submit) and of checkpoints. Submit
+    de-duplication keys (rid keys) have none: a producer may not set one on an existing key (it could
+    shorten another producer's), so the finish, a dead letter or housekeeping deletes them."""
     checkpoint_tokens: int = 256
     """Resumable requests: save partial output every this many new tokens ..."""
     checkpoint_interval_s: float = 10.0

@@ -80,7 +80,7 @@ async def test_submit_dedup_retry_and_refusal(r, settings):
     assert f[b"rid"] == b"rid-a" and f[b"reply_to"] == keys.results.encode() and f[b"data"] == data_for("rid-a")
     held = (await r.get(keys.rid("rid-a"))).decode()
     assert held == f"tok-1 {first.entry_id}"
-    assert 0 < await r.ttl(keys.rid("rid-a")) <= 60
+    assert await r.ttl(keys.rid("rid-a")) == -1  # no expiry: the finish, a dead letter or gc deletes it
 
     again = await submit(scripts, keys, "rid-a", "tok-1")  # a retried submit (same token)
     assert again.entry_id == first.entry_id and again.retried is True
@@ -156,6 +156,30 @@ async def test_finish_refuses_an_entry_whose_rid_key_names_another_entry(r, sett
 
 
 # ---------------------------------------------------------------- fenced finish
+
+
+async def test_release_rids_deletes_only_keys_whose_entry_is_in_no_request_stream(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    queued = await submit(scripts, keys, "queued", "t")
+    high = await scripts.submit(keys.requests_high, keys.rid("high"), "t", "high", None, data_for("high"), 60)
+    gone = await submit(scripts, keys, "gone", "t")
+    await r.xdel(keys.requests, gone.entry_id)  # (as a producer's cancel of a queued request leaves it)
+    await r.set(keys.rid("junk"), "no entry")
+    await r.set(keys.rid("ahead"), "t 99999999999999-0")  # (an id past every entry)
+    await r.hset(keys.rid("hash"), "x", "1")
+    names = ["queued", "high", "gone", "junk", "ahead", "hash", "missing"]
+    streams = keys.request_streams
+    expected = [keys.rid(x) for x in ("gone", "junk", "ahead")]
+    assert await scripts.release_rids(streams, [keys.rid(x) for x in names], dry_run=True) == expected
+    assert await r.exists(*expected) == 3
+    assert await scripts.release_rids(streams, [keys.rid(x) for x in names]) == expected
+    assert await r.exists(*expected) == 0
+    assert await r.exists(keys.rid("queued"), keys.rid("high"), keys.rid("hash")) == 3
+    assert (await r.get(keys.rid("queued"))).decode().endswith(queued.entry_id)
+    assert (await r.get(keys.rid("high"))).decode().endswith(high.entry_id)
+    assert await scripts.release_rids(streams, []) == []
+    report = await collect_garbage(r, keys, reply_ttl_s=3600)
+    assert report.rid_keys == [] and report.to_json()["rid_keys"] == []
 
 
 async def test_finish_by_owner_publishes_once_acks_and_deletes(r, settings):

@@ -1,6 +1,8 @@
 -- Cancel a request that no worker has taken yet: publish its (prebuilt) aborted record at once
 -- instead of when a worker finally reaches it in the backlog.
--- KEYS[1] request stream  KEYS[2] reply stream  KEYS[3] rid key
+-- KEYS[1] request stream  KEYS[2] reply stream
+-- The request_id's rid key stays (a producer may not delete rid keys): housekeeping releases it
+-- once the entry is gone (release_rids).
 -- ARGV[1] group  ARGV[2] request entry id  ARGV[3] rid  ARGV[4] status  ARGV[5] data (msgpack record)
 -- Returns 1 when cancelled, 0 when the entry is gone or already delivered to a worker (the worker
 -- then aborts it, as for any in-flight request), or the error the reply stream answered (nothing
@@ -32,13 +34,9 @@ if ok then
     end
   end
 end
-local held = redis.pcall('GET', KEYS[3])
 local added = redis.pcall('XADD', KEYS[2], '*', 'rid', ARGV[3], 'status', ARGV[4], 'worker', '', 'data', ARGV[5])
 if type(added) == 'table' and added.err then
   return added.err
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-if type(held) == 'string' and string.sub(held, -string.len(ARGV[2]) - 1) == ' ' .. ARGV[2] then
-  redis.call('DEL', KEYS[3])
-end
 return 1

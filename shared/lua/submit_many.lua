@@ -2,8 +2,11 @@
 -- KEYS[1] request stream, then per item i KEYS[2i] its rid key, KEYS[2i + 1] the ownership hash of
 -- the producer whose reply stream reply_to is ({tag}:own:<producer>; the rid key again when reply_to
 -- is none or a results stream: then nothing is written there)
--- ARGV[1] rid key TTL in seconds, then per item 5 values: token, request_id, reply_to ('' = none),
--- affinity key ('' = none: the plain field ak), data
+-- ARGV[1] the ownership hash's TTL in seconds, then per item 5 values: token, request_id, reply_to
+-- ('' = none), affinity key ('' = none: the plain field ak), data
+-- The rid key is created with SETNX and no TTL: a producer may create rid keys but never overwrite,
+-- expire or delete one (another producer's live request_id cannot be freed and taken over); the
+-- finish, a dead letter or housekeeping (release_rids) deletes it.
 -- An added request with an ownership hash gets its field request_id = entry id there (the hash's
 -- TTL renewed once per call): the worker publishes to a producer's reply stream only what that hash names.
 -- Returns per item {code, value}: {1, entry_id} added, {2, entry_id} a retry of this token (it was
@@ -11,7 +14,8 @@
 -- request stream or the rid key refused it (out of memory, a read-only replica, a key of another
 -- type): nothing of that item was written.
 -- All or nothing per item: its reads come first, its first write (the XADD) goes through pcall,
--- and the SET (and HSET: its key's type was checked) that follow a successful XADD cannot fail. One item never changes another's fate.
+-- and the SETNX (the key was read absent just before) and HSET (its key's type was checked) that
+-- follow a successful XADD cannot fail. One item never changes another's fate.
 local out = {}
 local ttl = ARGV[1]
 local stream = KEYS[1]
@@ -63,7 +67,7 @@ for i = 1, (#KEYS - 1) / 2 do
     if type(id) == 'table' and id.err then
       out[i] = {3, stream .. ': ' .. id.err}
     else
-      redis.call('SET', ridkey, token .. ' ' .. id, 'EX', ttl)
+      redis.call('SETNX', ridkey, token .. ' ' .. id)
       if ownkey ~= ridkey then
         redis.call('HSET', ownkey, rid, id)
         owners[ownkey] = 'written'

@@ -1,0 +1,31 @@
+-- Housekeeping: release the rid keys (submit de-duplication) whose entry is gone from every
+-- request stream: a request cancelled while queued (a producer may not delete rid keys), an entry
+-- deleted by other means, or a value that names no entry at all.
+-- KEYS[1..ARGV[1]] the request streams of the rid keys' partition, then the rid keys
+-- ARGV[1] number of request streams  ARGV[2] '1' = dry run (report, delete nothing)
+-- Returns one value per rid key: 1 released (or would be, in a dry run), 0 kept (its entry is still
+-- in a stream, or the key is gone or not a string).
+-- One atomic call: the check and the delete see the same key, so a rid key re-created for a new
+-- submit between a scan and this call is judged by its own entry. DEL is its only write.
+local nstreams = tonumber(ARGV[1])
+local out = {}
+for i = nstreams + 1, #KEYS do
+  local held = redis.pcall('GET', KEYS[i])
+  local release = 0
+  if type(held) == 'string' then
+    local entry = string.match(held, '(%d+%-%d+)$')
+    release = 1
+    if entry then
+      for s = 1, nstreams do
+        local found = redis.pcall('XRANGE', KEYS[s], entry, entry, 'COUNT', 1)
+        if type(found) == 'table' and not found.err and #found > 0 then
+          release = 0
+          break
+        end
+      end
+    end
+    if release == 1 and ARGV[2] ~= '1' then redis.call('DEL', KEYS[i]) end
+  end
+  out[#out + 1] = release
+end
+return out
