@@ -406,9 +406,13 @@ async def test_operator_commands_on_the_cluster(cluster_settings, rc):
         assert weights.returncode == 0, weights.stderr[-2000:]
         # A reply stream without TTL, last written long ago: gc finds it (SCAN on every node).
         await rc.xadd(s.partition_keys[5].reply("gone-producer"), {"rid": "x"}, id="1-1")
+        # ... and a rid key whose entry is gone (release_rids on the partition's node).
+        await rc.set(s.partition_keys[4].rid("cancelled"), "tok 1-1")
         gc = await asyncio.to_thread(_cli, s, "gc", "--dry-run")
         assert gc.returncode == 0, gc.stderr[-2000:]
         assert s.partition_keys[5].reply("gone-producer") in gc.stdout + gc.stderr
+        assert json.loads(gc.stdout)["removed"]["rid_keys"] == [s.partition_keys[4].rid("cancelled")]
+        assert await rc.exists(s.partition_keys[4].rid("cancelled"))  # (a dry run)
         drain = await asyncio.to_thread(_cli, s, "drain", "--all")
         assert drain.returncode == 0, drain.stderr[-2000:]
         assert await asyncio.to_thread(worker.wait, 30) == 0
