@@ -404,8 +404,8 @@ class Producer(ReplyReader):
         it meanwhile); then the rest is aborted in flight by its worker. (In that order: an
         in-flight abort frees slots, and workers would claim the queued ones next.) Returns the
         request_ids cancelled while still queued; their request_ids stay held (a submit of one is
-        refused as a duplicate) until housekeeping releases them (``redroll gc``, workers every
-        ``gc_interval_s``)."""
+        refused as a duplicate) until housekeeping releases them (``redroll gc``, the workers'
+        about once per ``gc_interval_s``)."""
         members = self._groups.get(group_id, []) if group_id is not None else []
         return await abort_requests(self.redis, self.keys, request_ids, group_ids=[group_id] if group_id else [],
                                     known_members=members, parts=self.parts, what=f"producer {self.name}: abort")

@@ -50,9 +50,9 @@ async def cancel_queued(r: Redis, keys: Keys, request_ids: Sequence[str],
     here to the producer's reply stream and the entry deleted), instead of when a worker reaches
     them in the backlog.
 
-    The request_id's rid key stays until housekeeping releases it (``redroll gc``, and every
-    worker each ``gc_interval_s``): a producer may not delete rid keys, so until then a submit of
-    the same request_id is refused as a duplicate.
+    The request_id's rid key stays until housekeeping releases it (``redroll gc``, and the
+    workers' about once per ``gc_interval_s``): a producer may not delete rid keys, so until then
+    a submit of the same request_id is refused as a duplicate.
 
     Returns the request_ids cancelled this way; the others are in flight (the worker aborts them),
     already finished, fire-and-forget (no producer writes a results stream: the worker that takes

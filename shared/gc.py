@@ -57,16 +57,19 @@ async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
 
 async def collect_garbage(r: Redis, keys: Keys, *, reply_ttl_s: float, stale_worker_s: float = 3600.0,
                           idle_consumer_s: float = 3600.0, dry_run: bool = False,
-                          partitions: list[Keys] | None = None) -> GcReport:
+                          partitions: list[Keys] | None = None, rid_keys: bool = True) -> GcReport:
     """``keys``: the pipeline-wide keys (heartbeats); ``partitions``: the per-request key sets
-    (reply streams, request streams), default ``[keys]``."""
+    (reply streams, request streams), default ``[keys]``. ``rid_keys``: also sweep the rid keys
+    (one check per queued or in-flight request: workers share it out, see
+    ``engine_worker/housekeeping.py``)."""
     report = GcReport()
     now = time.time()
     lanes = await pipeline_lanes(r, keys) or 0
     parts = [Keys(p.namespace, p.partition, lanes) for p in (partitions or [keys])]
     for part in parts:
         await _collect_reply_streams(r, part, reply_ttl_s, now, dry_run, report)
-        await _collect_rid_keys(r, part, dry_run, report)
+        if rid_keys:
+            await _collect_rid_keys(r, part, dry_run, report)
         await _collect_checkpoints(r, part, dry_run, report)
     await _collect_heartbeats(r, keys, stale_worker_s, now, dry_run, report)
     for part in parts:

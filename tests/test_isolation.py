@@ -290,3 +290,27 @@ async def test_housekeeping_releases_the_rid_key_of_a_request_cancelled_while_qu
                 assert (await asyncio.wait_for(fut, 15)).status is RecordStatus.FINISHED
     assert acl_denials(admin, ns) == []
     assert not admin.exists(keys.rid("kept"), keys.rid("cancelled"))
+
+
+async def test_a_workers_housekeeping_releases_a_cancelled_requests_rid_key_on_its_own(acl_server, admin):
+    ns = "iso" + uuid.uuid4().hex[:8]
+    keys = Settings(namespace=ns).keys
+    _, p2_s, work_s = users(admin, acl_server, ns)
+    admin.acl_log_reset()
+    async with Producer(p2_s, name="p2", block_ms=100) as p2:
+        fut = await p2.submit(request_id="cancelled", prompt="c", sampling_params=SP)
+        assert await p2.abort(["cancelled"]) == ["cancelled"]
+        assert (await asyncio.wait_for(fut, 15)).status is RecordStatus.ABORTED
+        assert admin.exists(keys.rid("cancelled"))
+        # (the only live worker: its every round sweeps the rid keys)
+        async with running(Worker(work_s.with_(gc_interval_s=0.2), SyntheticEngine(), block_ms=100)):
+            await wait_until(lambda: not admin.exists(keys.rid("cancelled")), 15)
+            again = await p2.submit(request_id="cancelled", prompt="c", sampling_params=SP)
+            assert (await asyncio.wait_for(again, 15)).status is RecordStatus.FINISHED
+    assert acl_denials(admin, ns) == []
+
+
+def test_the_fleet_sweeps_rid_keys_about_once_per_interval():
+    from redroll.engine_worker.housekeeping import sweep_share
+
+    assert sweep_share(0) == sweep_share(1) == 1.0 and sweep_share(50) == 0.02
