@@ -133,8 +133,9 @@ async def test_dead_letter_and_gc_delete_checkpoints(settings, r):
     outcome = await scripts.dead_letter(dead_key=keys.dead, group=WORKERS_GROUP, consumer="w", letter=letter)
     assert outcome.done and not await r.exists(keys.partial("d1"))
     # GC: a checkpoint whose request has no de-duplication key any more is an orphan.
-    await r.set(keys.rid("live"), "token 1-0")
-    await r.set(keys.partial("live"), header("1-0", 0))
+    live = (await r.xadd(keys.requests, {"rid": "live", "data": b"x"})).decode()  # (still queued)
+    await r.set(keys.rid("live"), f"token {live}")
+    await r.set(keys.partial("live"), header(live, 0))
     report = await collect_garbage(r, keys, reply_ttl_s=3600)
     assert report.checkpoints == [keys.partial("other")]
     assert await r.exists(keys.partial("live")) and not await r.exists(keys.partial("other"))
