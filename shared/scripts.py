@@ -56,11 +56,13 @@ class OwnershipError(RedrollError, ValueError):
 
 
 class DuplicateRequestError(RedrollError, RuntimeError):
-    """A different submit already holds this request_id and it has not finished yet."""
+    """A different submit already holds this request_id and it has not finished yet (or it was
+    cancelled while queued and housekeeping has not released it yet)."""
 
     def __init__(self, request_id: str):
         super().__init__(
-            f"request_id {request_id!r} is already queued or in flight (submitted by another caller); "
+            f"request_id {request_id!r} is already queued or in flight (submitted by another caller), "
+            "or was cancelled while queued and not yet released by housekeeping; "
             "pick a new request_id or wait for its record"
         )
         self.request_id = request_id
