@@ -43,7 +43,7 @@ HOT_MODULES = (
 """Every redroll module of the worker's per-request path (see the worker's profile in
 docs/performance.md)."""
 
-PACKAGES = ("redroll", "redroll.shared", "redroll.producer", "redroll.engine_worker",
+PACKAGES = ("redroll", "redroll.commands", "redroll.shared", "redroll.producer", "redroll.engine_worker",
             "redroll.engine_worker.engines", "redroll.consumer")
 
 _BUILD = """

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import redis
 
+from redroll.shared.continuing import continue_after, join_parts
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.types import GenerationRequest
 
@@ -119,30 +120,24 @@ def is_checkpointed(request: GenerationRequest, min_new_tokens: int) -> bool:
     return request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens
 
 
-def continuation(request: GenerationRequest, cp: Checkpoint) -> GenerationRequest:
-    """``request`` continued after the checkpoint's tokens: the prompt grows by them and the
-    budget shrinks by as much; a seeded request continues with ``sampling_seed + tokens saved``."""
-    sp = request.sampling_params
-    changes: dict[str, Any] = {"max_new_tokens": sp.max_new_tokens - cp.tokens,
-                               "min_new_tokens": max(0, sp.min_new_tokens - cp.tokens)}
-    if sp.sampling_seed is not None:
-        changes["sampling_seed"] = sp.sampling_seed + cp.tokens
-    return msgspec.structs.replace(request, input_ids=list(request.input_ids or []) + cp.token_ids,
-                                   sampling_params=msgspec.structs.replace(sp, **changes))
+def resume_request(request: GenerationRequest, cp: Checkpoint) -> GenerationRequest:
+    """``request`` continued after the checkpoint's tokens (see :func:`~redroll.shared.continuing.continue_after`):
+    the prompt grows by them and the budget shrinks by as much; a seeded request continues with
+    ``sampling_seed + tokens saved``."""
+    seed = request.sampling_params.sampling_seed
+    return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens)
 
 
-def stitch(cp: Checkpoint, output: EngineOutput, request: GenerationRequest, worker: str) -> EngineOutput:
-    """One output from the saved part and what this worker made after it."""
+def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequest, worker: str) -> EngineOutput:
+    """One output from the saved part and what this worker made after it (joined as
+    :func:`~redroll.shared.continuing.join_parts` says)."""
     new = output.samples[0]
     version = output.weight_version
     new_versions = list(new.weight_versions) if new.weight_versions else [str(version)] * len(new.token_ids)
-    logprobs = None
-    if cp.logprobs is not None and new.logprobs is not None:
-        logprobs = cp.logprobs + list(new.logprobs)
-    sample = SampleOutput(token_ids=cp.token_ids + list(new.token_ids), logprobs=logprobs,
-                          finish_reason=new.finish_reason, weight_versions=cp.weight_versions + new_versions)
-    if len(set(sample.weight_versions or [])) <= 1:
-        sample.weight_versions = None
+    joined = join_parts([(cp.token_ids, cp.logprobs, cp.weight_versions),
+                         (new.token_ids, None if new.logprobs is None else list(new.logprobs), new_versions)])
+    sample = SampleOutput(token_ids=joined.token_ids, logprobs=joined.logprobs, finish_reason=new.finish_reason,
+                          weight_versions=joined.weight_versions)
     segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
     extra = dict(output.extra)
     extra.update(segments=segments, resumed_from=cp.tokens)

@@ -11,7 +11,7 @@ from redroll.shared.codec import NewerSchemaError, ValidationError, decode_reque
 from redroll.shared.keys import Keys
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
-from .checkpoints import Checkpoint, Checkpoints, Saver, continuation, is_checkpointed, stitch
+from .checkpoints import Checkpoint, Checkpoints, Saver, is_checkpointed, resume_request, stitch_resumed
 from .context import WorkerContext
 from .control import AbortedSet
 from .engines.base import EngineOutput, SampleOutput
@@ -225,7 +225,7 @@ class RequestRunner:
                 await saver.flush(output.samples[0])
             return
         if resume is not None:
-            output = stitch(resume, output, request, ctx.name)
+            output = stitch_resumed(resume, output, request, ctx.name)
         await self.outcomes.finish(flight, request, self._record(flight, request, output, queue_ms, engine_ms))
 
     def _record(self, flight: InFlight, request: GenerationRequest, output: EngineOutput, queue_ms: float,
@@ -258,7 +258,7 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
-        generating = continuation(request, resume) if resume is not None else request
+        generating = resume_request(request, resume) if resume is not None else request
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:
             return await ctx.engine.generate(generating, flight.handle)

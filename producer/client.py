@@ -8,106 +8,54 @@ restarted producer with the same name finds the records it had not yet handled.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import secrets
-import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
+import warnings
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
 
 import msgspec
 import redis
 from redis.asyncio import Redis
 
-from redroll.errors import RedrollError
-from redroll.shared.codec import (
-    ValidationError,
-    check_request_id,
-    decode_messages,
-    decode_record,
-    decode_sampling_params,
-    encode_request,
-)
+from redroll.shared.codec import check_request_id, encode_request
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
-from redroll.shared.keys import PRODUCER_GROUP, Keys, lane_index
+from redroll.shared.keys import PRODUCER_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
-from redroll.shared.refusals import StreamRefusedError, is_transient
-from redroll.shared.scripts import DeadLetter, DuplicateRequestError, Scripts, raising_first_error
+from redroll.shared.refusals import StreamRefusedError
+from redroll.shared.scripts import DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
-from redroll.shared.streams import (
-    drop_read,
-    ensure_group,
-    is_unblocked,
-    read_count,
-    read_group,
-    text,
-    unique_consumer_name,
-)
-from redroll.shared.types import ChatMessage, CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.streams import ensure_group, unique_consumer_name
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from . import dead_notices
-from .rollout import RolloutGroup, continuation, group_members, stitch
+from .replies import BeforeAckError, Callback, ReplyReader, _Waiter
+from .request import make_request, request_stream
+from .rollout import RolloutGroup, group_members, next_segment, stitch_segments
+from .sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
 
 if TYPE_CHECKING:
     from .session import Session
 
+__all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "make_request", "request_stream", "send",
+           "send_each", "submit_batch", "submit_until_accepted"]
+
 log = logging.getLogger("redroll.producer")
 
-Callback = Callable[[CompletionRecord], Any]
+
+_warned_renames: set[str] = set()
+"""The deprecated names this process was already warned about (each warns once)."""
 
 
-def make_request(
-    *,
-    request_id: str | None = None,
-    prompt: str | None = None,
-    input_ids: list[int] | None = None,
-    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
-    messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    return_text: bool | None = None,
-    **fields: Any,
-) -> GenerationRequest:
-    """Build a request from plain values; ``sampling_params`` may be a dict (validated here), as may
-    each of ``messages`` (``{"role": ..., "content": ...}``: a chat, rendered by the worker with
-    the model's chat template). ``return_text``: records carry ``output_text`` (nil: on for
-    ``prompt`` and ``messages``, off for ``input_ids``)."""
-    if not isinstance(sampling_params, SamplingParams):
-        sampling_params = decode_sampling_params(dict(sampling_params or {}))
-    return GenerationRequest(
-        request_id=request_id or uuid.uuid4().hex,
-        prompt=prompt,
-        input_ids=list(input_ids) if input_ids is not None else None,
-        messages=decode_messages(messages) if messages is not None else None,
-        tools=[dict(t) for t in tools] if tools is not None else None,
-        return_text=return_text,
-        sampling_params=sampling_params,
-        **fields,
-    )
-
-
-def request_stream(keys: Keys, request: GenerationRequest) -> str:
-    """The stream a request is queued on: high priority has its own, claimed first; with affinity
-    lanes, a request with an affinity key (or a group) queues on its lane; the rest on the shared one."""
-    if request.priority:
-        return keys.requests_high
-    if keys.lanes and request.lane_key:
-        return keys.lane(lane_index(request.lane_key, keys.lanes))
-    return keys.requests
-
-
-class BeforeAckError(RedrollError, RuntimeError):
-    """The producer's ``before_ack`` raised (its error is the cause): the records it was to make
-    last were applied here, and their reply entries were not acked."""
-
-
-@dataclass
-class _Waiter:
-    future: asyncio.Future
-    callback: Callback | None
+def warn_renamed(old: str, new: str) -> None:
+    """A DeprecationWarning, the first time in this process, that ``Producer.old`` is now ``Producer.new``."""
+    if old in _warned_renames:
+        return
+    _warned_renames.add(old)
+    warnings.warn(f"Producer.{old} is renamed Producer.{new}; the old name will be removed in a later release",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> None:
@@ -123,7 +71,7 @@ def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> 
         seen.add(rid)
 
 
-class Producer:
+class Producer(ReplyReader):
     """Submit generation requests and receive their records.
 
     Use as ``async with Producer(settings) as p: rec = await (await p.submit(prompt="hi"))``.
@@ -478,14 +426,16 @@ class Producer:
 
         return Session(self, key) if key else Session(self)
 
-    async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
-                                 **fields: Any) -> CompletionRecord:
-        """Generate one sample that survives weight updates with ``abort_inflight``: each time it is
-        cut short by one, resubmit prompt + partial tokens with the remaining budget, then stitch
-        the segments (ids, logprobs, per-segment weight versions) into one record."""
+    async def generate_across_updates(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
+                                      **fields: Any) -> CompletionRecord:
+        """Generate one sample that survives weight updates with ``abort_inflight``: each time one
+        cuts it short, submit the rest as a new segment (prompt + tokens so far, the remaining
+        budget, the same seed), then stitch the segments (ids, logprobs, per-segment weight
+        versions) into one record. (A dead worker is survived by the request flag ``resumable``
+        instead, which the workers handle: see :mod:`redroll.shared.continuing`.)"""
         original = request or make_request(**fields)
         if original.n != 1:
-            raise ValueError("generate_resumable is single-sample; use submit_group for n samples")
+            raise ValueError("generate_across_updates is single-sample; use submit_group for n samples")
         original = msgspec.structs.replace(original, collect_unfinished=True)
         segments: list[CompletionRecord] = []
         current: GenerationRequest | None = original
@@ -495,8 +445,14 @@ class Producer:
             if rec.status is not RecordStatus.ABORTED or rec.meta_info.get("abort_reason") != "weight_update":
                 break
             so_far = [t for seg in segments for t in seg.output_token_ids[0]]
-            current = continuation(original, so_far, len(segments))
-        return stitch(original.request_id, segments)
+            current = next_segment(original, so_far, len(segments))
+        return stitch_segments(original.request_id, segments)
+
+    async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
+                                 **fields: Any) -> CompletionRecord:
+        """Deprecated: the old name of :meth:`generate_across_updates` (warns once per process)."""
+        warn_renamed("generate_resumable", "generate_across_updates")
+        return await self.generate_across_updates(request, max_segments=max_segments, **fields)
 
     async def update_weights(self, model_path: str, weight_version: str, *, abort_inflight: bool = False,
                              mode: str | None = None, wait: bool = True,
@@ -526,334 +482,3 @@ class Producer:
         from .weight_sync import WeightSync  # (torch is needed only for this)
 
         return WeightSync(self, **options)
-
-    async def _read_what_came(self, streams: list[str]) -> None:
-        """Deliver every record on ``streams`` now, without waiting for more: this name's pending
-        entries (a restart resumes them), then the new ones. ``start`` returns after it, so a
-        record that came before the first submit is held (a restarted producer with
-        ``tokens_from_ids`` resolves a submit of its request from it, and does not send it again)."""
-        count = self.read_count  # (fewer once records are large: see read_count)
-        for stream in streams:
-            last_id = "0"
-            while last_id != ">":
-                batch, last_id = await self._read_page(stream, last_id, count)
-                count = read_count([e for _s, e in batch], self.read_count) if batch else count
-                await self._deliver(batch)
-        while True:
-            asked = count
-            batch = [(s, e) for s, es in await read_group(self.redis, PRODUCER_GROUP, self.name, streams,
-                                                          count=asked) for e in es]
-            count = read_count([e for _s, e in batch], self.read_count) if batch else count
-            await self._deliver(batch)
-            if len(batch) < asked:
-                return
-
-    async def _read_page(self, stream: str, last_id: str, count: int) -> tuple[list, str]:
-        """A page of this name's pending entries on ``stream`` after ``last_id``: the entries, and
-        where the next page starts (``>`` once none are left)."""
-        resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
-        entries = [e for _s, es in (resp or []) for e in es]
-        return [(stream, e) for e in entries], ">" if len(entries) < count else text(entries[-1][0])
-
-    async def _read_loop(self, streams: list[str]) -> None:
-        # New entries: our own pending ones were read before start returned (_read_what_came); they
-        # are paged again ("0") after a connection error, a read that lost its reply, or a
-        # before_ack that raised.
-        last_ids = {stream: ">" for stream in streams}
-        delay = 0.1
-        recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
-        next_check = time.monotonic() + recheck_s
-        count = self.read_count  # (fewer after large records: see read_count)
-        # The next new-entries read, asked for before a batch is delivered (Redis builds its reply
-        # meanwhile). None while paging, and none once the lost-reads check is due: the check counts
-        # this reader's pending entries, which an outstanding read adds to.
-        ahead: asyncio.Task | None = None
-        try:
-            while not self._closed:
-                try:
-                    paging = {s: i for s, i in last_ids.items() if i != ">"}
-                    if not paging and ahead is None and time.monotonic() >= next_check:
-                        next_check = time.monotonic() + recheck_s
-                        if await self._lost_reads(streams):
-                            last_ids = {stream: "0" for stream in streams}
-                            continue
-                    if paging:
-                        stream, last_id = next(iter(paging.items()))
-                        batch, last_ids[stream] = await self._read_page(stream, last_id, count)
-                    else:
-                        reading, ahead = ahead or self._read_new(streams, count), None
-                        batch = [(s, e) for s, es in await reading for e in es]
-                    if batch:
-                        count = read_count([e for _s, e in batch], self.read_count)
-                    if not paging and not self._closed and time.monotonic() < next_check:
-                        ahead = self._read_new(streams, count)
-                    await self._deliver(batch)
-                    await self._refresh_ttl()
-                    delay = 0.1
-                except asyncio.CancelledError:
-                    raise
-                except BeforeAckError as exc:
-                    ahead = drop_read(ahead)
-                    log.error("reply reader: %s; trying again in %.1fs", exc, delay)
-                    last_ids = {stream: "0" for stream in streams}  # (their acks come when they are read again)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                except redis.ResponseError as exc:  # (a read asked for ahead stays: the next turn awaits it)
-                    if "NOGROUP" in str(exc):
-                        for stream in streams:
-                            await ensure_group(self.redis, stream, PRODUCER_GROUP)
-                        continue
-                    if is_unblocked(exc):
-                        continue
-                    log.exception("reply reader failed")
-                    await asyncio.sleep(delay)
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                    ahead = drop_read(ahead)
-                    log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
-                    # A read the server ran before the connection dropped left its entries pending here,
-                    # with no reply to deliver them: page this reader's own pending entries again.
-                    last_ids = {stream: "0" for stream in streams}
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                except Exception as exc:
-                    # Anything else (a cluster client giving up mid-failover: "TTL exhausted", a bug)
-                    # must not end the reader for good: its waiters would wait forever.
-                    ahead = drop_read(ahead)
-                    log.exception("reply reader: %s; reading again in %.1fs", type(exc).__name__, delay)
-                    last_ids = {stream: "0" for stream in streams}
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-        finally:
-            drop_read(ahead)
-
-    def _read_new(self, streams: list[str], count: int) -> asyncio.Task:
-        return asyncio.ensure_future(read_group(self.redis, PRODUCER_GROUP, self.name, streams, count=count,
-                                                block=self.block_ms))
-
-    async def _lost_reads(self, streams: list[str]) -> bool:
-        """True when this reader has entries pending that it neither holds for :meth:`unclaimed`
-        nor knows about: a read the server ran whose reply never came back. The client retries a
-        read on a dropped connection by itself (the cluster client after a failover too), so the
-        retried read (``>``) finds nothing new and no error tells the loop to page them again."""
-        held = Counter(held_stream for (held_stream, _id), _rec in self._unclaimed.values())
-        for stream in streams:
-            summary = await self.redis.xpending(stream, PRODUCER_GROUP)
-            mine = sum(c["pending"] for c in summary.get("consumers") or () if text(c["name"]) == self.name)
-            if mine > held[stream]:
-                log.warning("reply reader: %d record(s) on %s were read without a reply; reading them again",
-                            mine - held[stream], stream)
-                return True
-        return False
-
-    async def _deliver(self, entries: list) -> None:
-        done: list[tuple[str, str]] = []
-        for stream, (raw_id, fields) in entries:
-            entry_id = (stream, text(raw_id))
-            if not fields:
-                done.append(entry_id)
-                continue
-            try:
-                record = decode_record(fields)
-            except ValidationError as exc:
-                await self._dead_letter(entry_id, fields, exc.reason)
-                continue
-            if await self._resolve(record, entry_id):
-                done.append(entry_id)
-        await self._ack(done)
-        if done and (self.max_inflight is not None or self.max_staleness is not None):
-            await self._notify_room()
-
-    async def _resolve(self, record: CompletionRecord, entry_id: tuple[str, str] | None = None) -> bool:
-        """Hand ``record`` to its waiter (callback, future); True when its entry can be acked now
-        (False: kept unacked for :meth:`unclaimed`, which acks it when it hands it out)."""
-        waiter = self._waiters.pop(record.request_id, None)
-        if waiter is None:
-            if record.request_id in self._recent:
-                # Already applied here: skipped (ROLL's pop). A record from another entry is kept
-                # for result(fresh=True) (a requeued request's new record may arrive before that
-                # call); the applied entry itself, read again after a lost ack, is not.
-                applied_from = self._recent[record.request_id][0]
-                if entry_id is None or entry_id != applied_from:
-                    self._recent[record.request_id] = (applied_from, record)
-            elif entry_id is not None and self._unclaimed.get(record.request_id, (None,))[0] == entry_id:
-                return False  # the held entry itself, read again (a lost reply): pending until handed out
-            elif record.request_id in self._unclaimed or entry_id is None:
-                pass  # a duplicate of a record not yet handed out, or a notice nobody waits for
-            else:
-                self._unclaimed[record.request_id] = (entry_id, record)
-                self._unclaimed_event.set()
-                return False
-            return True
-        if waiter.callback is not None:
-            try:
-                res = waiter.callback(record)
-                if inspect.isawaitable(res):
-                    await res
-            except Exception:
-                log.exception("callback for request %s raised", record.request_id)
-        if not waiter.future.done():
-            waiter.future.set_result(record)
-        self._remember(record.request_id, entry_id)
-        if record.status is not RecordStatus.FINISHED:
-            self.admitted -= 1  # no sample came of it: give its staleness capacity back
-        return True
-
-    async def _resolve_notice(self, record: CompletionRecord) -> None:
-        """A dead letter says this request's record could not reach its reply stream."""
-        if record.request_id in self._waiters:
-            log.warning("request %s was dead-lettered and its reply stream refused the error record (%s)",
-                        record.request_id, record.meta_info.get("reply_error"))
-            await self._resolve(record)
-            await self._notify_room()
-
-    def _remember(self, request_id: str, entry_id: tuple[str, str] | None) -> None:
-        """Remember applied request_ids (and the entry each came from) for a while, so a duplicate
-        record is skipped, not re-applied."""
-        self._recent[request_id] = (entry_id, None)
-        if len(self._recent) > self.RECENT_LIMIT:
-            self._recent.pop(next(iter(self._recent)))
-
-    async def _ack(self, entries: list[tuple[str, str]]) -> None:
-        """Ack and delete (stream, entry id) pairs: one transaction per reply stream."""
-        if entries and self._before_ack is not None:
-            try:
-                self._before_ack()
-            except Exception as exc:
-                raise BeforeAckError(f"before_ack raised {exc!r}: {len(entries)} reply entries left unacked") from exc
-        by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in entries:
-            by_stream.setdefault(stream, []).append(entry_id)
-        for stream, ids in by_stream.items():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(stream, PRODUCER_GROUP, *ids)
-                pipe.xdel(stream, *ids)
-                await pipe.execute()
-
-    async def _dead_letter(self, entry: tuple[str, str], fields: dict, reason: str) -> None:
-        stream, entry_id = entry
-        part = self.parts[self.reply_streams.index(stream)]
-        letter = DeadLetter(stream=stream, entry_id=entry_id, reason=reason, source="producer",
-                            fields=fields, delete_entry=True)
-        outcome = await self.scripts.dead_letter(dead_key=part.dead, group=PRODUCER_GROUP, consumer=self.name,
-                                                 letter=letter)
-        if outcome.refused is not None:
-            log.error("undecodable record %s on %s: the dead stream refused its letter (%s); it stays pending "
-                      "here and is tried again", entry_id, stream, outcome.refused)
-        else:
-            log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
-
-    async def _refresh_ttl(self) -> None:
-        now = time.monotonic()
-        if now - self._last_expire > min(60.0, self.settings.reply_ttl_s / 4):
-            self._last_expire = now
-            for stream in self.reply_streams:
-                await self.redis.expire(stream, self.settings.reply_ttl_s)
-
-
-async def send(
-    settings: Settings,
-    redis_client: Redis,
-    requests: Iterable[GenerationRequest],
-    *,
-    reply_to: str | None = None,
-) -> list[str]:
-    """Fire-and-forget: queue requests whose records go to ``reply_to`` (default ``{ns}:results``),
-    for consumer groups to handle. Returns the request entry ids. A request Redis refused raises
-    its error (:class:`DuplicateRequestError`, :class:`StreamRefusedError`) once the others are
-    queued: :func:`send_each` reports each item instead."""
-    outcomes = await send_each(settings, redis_client, requests, reply_to=reply_to)
-    for outcome in outcomes:
-        if isinstance(outcome, Exception):
-            raise outcome
-    return outcomes  # type: ignore[return-value]
-
-
-async def send_each(
-    settings: Settings,
-    redis_client: Redis,
-    requests: Iterable[GenerationRequest],
-    *,
-    reply_to: str | None = None,
-) -> list[str | DuplicateRequestError | StreamRefusedError]:
-    """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
-    scripts = Scripts(redis_client)
-    prepared = []
-    for req in requests:
-        part = settings.keys_for(req)
-        target = reply_to or part.results
-        if not part.is_reply_key(target):
-            raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this request's "
-                                              f"partition ({part.tag})")
-        req.reply_to = target
-        prepared.append((req, encode_request(req, settings.limits)))
-    if settings.affinity_lanes:  # a producer with another L would queue on lanes nobody reads
-        await agree_on_lanes(redis_client, settings.keys, settings.affinity_lanes)
-    token_base = secrets.token_hex(8)
-    items = [(req, fields["data"], f"send:{token_base}:{i}") for i, (req, fields) in enumerate(prepared)]
-    replies = await submit_until_accepted(lambda chunk: submit_batch(redis_client, scripts, settings, chunk), items,
-                                          "send")
-    outcomes: list[str | DuplicateRequestError | StreamRefusedError] = []
-    for (req, _), reply in zip(prepared, replies):
-        try:
-            outcomes.append(Scripts.submit_outcome(req.request_id, reply).entry_id)
-        except (DuplicateRequestError, StreamRefusedError) as exc:
-            outcomes.append(exc)
-    return outcomes
-
-
-async def submit_until_accepted(submit: Any, items: list, what: str) -> list:
-    """``await submit(items)``; the items Redis refuses for a passing reason (out of memory, a
-    read-only replica) are submitted again, with their own tokens, until it takes them: a submit
-    waits, nothing is dropped (other refusals are the caller's, per item). One reply per item."""
-    replies = await submit(items)
-    delay, said = 0.2, False
-    while True:
-        waiting = [i for i, reply in enumerate(replies)
-                   if int(reply[0]) == 3 and is_transient(text(reply[1]).partition(": ")[2])]
-        if not waiting:
-            if said:
-                log.info("%s: Redis accepts submits again", what)
-            return replies
-        if not said:
-            log.error("%s: Redis refuses %d submit(s) (%s); retrying until it accepts them", what, len(waiting),
-                      text(replies[waiting[0]][1]))
-            said = True
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
-        for i, reply in zip(waiting, await submit([items[i] for i in waiting])):
-            replies[i] = reply
-
-
-SUBMIT_CHUNK = 500
-"""Requests per submit_many script call (a script blocks the server while it runs)."""
-
-
-async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
-                       items: list[tuple[GenerationRequest, bytes, str]]) -> list:
-    """Submit (request, data, token) items with ``submit_many`` calls (one per request stream, in
-    each request's partition) in one round trip; returns one [code, value] reply per item, in order
-    (see :meth:`Scripts.submit_outcome`)."""
-    groups: dict[tuple[str, Keys], list[int]] = {}
-    for i, (req, _, _) in enumerate(items):
-        part = settings.keys_for(req)
-        groups.setdefault((request_stream(part, req), part), []).append(i)
-    calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
-             for j in range(0, len(idx), SUBMIT_CHUNK)]
-    for attempt in (1, 2):
-        async with r.pipeline(transaction=False) as pipe:
-            for stream, part, idx in calls:
-                scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
-                    (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
-                     items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
-            try:
-                replies = raising_first_error(await pipe.execute(raise_on_error=False))
-                break
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                await scripts.load_all()  # the server restarted and lost its script cache
-    out: list = [None] * len(items)
-    for (_, _, idx), reply in zip(calls, replies):
-        for i, rep in zip(idx, reply):
-            out[i] = rep
-    return out

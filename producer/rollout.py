@@ -13,8 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
-import msgspec
-
+from redroll.shared.continuing import continue_after, join_parts
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 
@@ -123,58 +122,48 @@ def group_members(group_id: str, n: int, base: dict[str, Any]) -> list[dict[str,
 # ---------------------------------------------------------------- partial rollouts
 
 
-def continuation(original: GenerationRequest, so_far: list[int], segment: int) -> GenerationRequest | None:
-    """The request that continues ``original`` after ``so_far`` output tokens, or None when its
-    budget is spent. The prompt becomes prompt + tokens so far; the budget shrinks by as much."""
+def next_segment(original: GenerationRequest, so_far: list[int], segment: int) -> GenerationRequest | None:
+    """The segment that continues ``original`` after ``so_far`` output tokens, or None when its
+    budget is spent: prompt + tokens so far, the budget shrunk by as much (see
+    :func:`~redroll.shared.continuing.continue_after`), the same ``sampling_seed``, and its own
+    request_id, ``<request_id>~<segment>``."""
     if original.input_ids is None:
-        raise ValueError("partial rollouts continue from token ids: submit the request with input_ids")
-    left = original.sampling_params.max_new_tokens - len(so_far)
-    if left <= 0:
+        raise ValueError("segments continue from token ids: submit the request with input_ids")
+    if original.sampling_params.max_new_tokens - len(so_far) <= 0:
         return None
-    sp = msgspec.structs.replace(original.sampling_params, max_new_tokens=left,
-                             min_new_tokens=max(0, original.sampling_params.min_new_tokens - len(so_far)))
     meta = dict(original.meta_info)
     meta.update(continues=original.request_id, segment=segment)
-    return msgspec.structs.replace(original, request_id=f"{original.request_id}~{segment}",
-                               input_ids=list(original.input_ids) + list(so_far), sampling_params=sp,
-                               meta_info=meta, collect_unfinished=True, reply_to=None)
+    return continue_after(original, so_far, request_id=f"{original.request_id}~{segment}", meta_info=meta,
+                          collect_unfinished=True, reply_to=None)
 
 
-def stitch(request_id: str, segments: list[CompletionRecord]) -> CompletionRecord:
-    """One record from the segments of a rollout that ran in parts: ids and logprobs concatenated,
-    the last segment's status and finish reason, ``meta_info["segments"]`` (which worker and version
-    made which part) and the record's per-token ``weight_versions``."""
+def stitch_segments(request_id: str, segments: list[CompletionRecord]) -> CompletionRecord:
+    """One record from the segments of a sample that ran in parts (joined as
+    :func:`~redroll.shared.continuing.join_parts` says): ids and logprobs end to end, the last
+    segment's status and finish reason, ``meta_info["segments"]`` (which worker and version made
+    which part) and the record's per-token ``weight_versions``."""
     if not segments:
         raise ValueError("no segments to stitch")
     for seg in segments:
         if len(seg.output_token_ids) != 1:
-            raise ValueError("partial rollouts are single-sample (use groups for n > 1)")
-    ids: list[int] = []
-    logprobs: list[float] | None = []
-    per_token_versions: list[Any] = []
-    parts = []
-    for seg in segments:
-        seg_ids = seg.output_token_ids[0]
-        ids += seg_ids
-        if logprobs is not None and seg.output_logprobs is not None:
-            logprobs += seg.output_logprobs[0]
-        else:
-            logprobs = None
-        per_token_versions += seg.token_versions(0)
-        parts.append({"request_id": seg.request_id, "tokens": len(seg_ids),
-                      "weight_version": seg.meta_info.get("weight_version"),
-                      "finish_reason": seg.finish_reasons[0], "worker": seg.worker})
+            raise ValueError("segmented generation is single-sample (use groups for n > 1)")
+    joined = join_parts((seg.output_token_ids[0], seg.output_logprobs[0] if seg.output_logprobs is not None else None,
+                         seg.token_versions(0)) for seg in segments)
+    parts = [{"request_id": seg.request_id, "tokens": len(seg.output_token_ids[0]),
+              "weight_version": seg.meta_info.get("weight_version"),
+              "finish_reason": seg.finish_reasons[0], "worker": seg.worker} for seg in segments]
     last = segments[-1]
     meta = dict(last.meta_info)
-    meta.update(segments=parts, completion_tokens=len(ids), prompt_tokens=segments[0].meta_info.get("prompt_tokens"))
+    meta.update(segments=parts, completion_tokens=len(joined.token_ids),
+                prompt_tokens=segments[0].meta_info.get("prompt_tokens"))
     meta.pop("continues", None)
     meta.pop("segment", None)
-    spans = len(set(per_token_versions)) > 1
-    return CompletionRecord(request_id=request_id, status=last.status, output_token_ids=[ids],
-                            finish_reasons=list(last.finish_reasons), output_logprobs=[logprobs] if logprobs is not None else None,
+    return CompletionRecord(request_id=request_id, status=last.status, output_token_ids=[joined.token_ids],
+                            finish_reasons=list(last.finish_reasons),
+                            output_logprobs=[joined.logprobs] if joined.logprobs is not None else None,
                             meta_info=meta, error=last.error, worker=last.worker, callback=last.callback,
                             group_id=last.group_id,
-                            weight_versions=[[str(v) for v in per_token_versions]] if spans else None)
+                            weight_versions=[joined.weight_versions] if joined.weight_versions else None)
 
 
 # ---------------------------------------------------------------- staleness

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 
-from .client import Callback, Producer
+from .client import Callback, Producer, warn_renamed
 from .rollout import GroupOutcome, RolloutGroup
 from .session import Session
 
@@ -25,7 +25,7 @@ class SyncProducer:
     ``before_ack`` run on the producer's own thread, not the caller's.
 
     What it has, each blocking the caller until done and with :class:`Producer`'s arguments:
-    ``submit``/``submit_many`` (concurrent futures), ``generate``, ``generate_resumable``,
+    ``submit``/``submit_many`` (concurrent futures), ``generate``, ``generate_across_updates``,
     ``result``, ``abort``, ``as_completed`` (a plain iterator), ``submit_group`` (a
     :class:`SyncRolloutGroup`: ``wait``, ``take``, ``stream``, ``abort``), ``session`` (a
     :class:`SyncSession`: ``turn``), ``update_weights``, ``set_weight_version`` and
@@ -84,8 +84,13 @@ class SyncProducer:
         """Submit and wait for the record."""
         return self.submit(request, **fields).result(timeout)
 
+    def generate_across_updates(self, request: GenerationRequest | None = None, **fields: Any) -> CompletionRecord:
+        return self._call(self._producer.generate_across_updates(request, **fields))
+
     def generate_resumable(self, request: GenerationRequest | None = None, **fields: Any) -> CompletionRecord:
-        return self._call(self._producer.generate_resumable(request, **fields))
+        """Deprecated: the old name of :meth:`generate_across_updates` (warns once per process)."""
+        warn_renamed("generate_resumable", "generate_across_updates")
+        return self.generate_across_updates(request, **fields)
 
     def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
         return self._call(self._producer.result(request_id, timeout))

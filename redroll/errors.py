@@ -55,7 +55,7 @@ _DEFINED_IN = {
     "DuplicateRequestError": "redroll.shared.scripts",
     "StreamRefusedError": "redroll.shared.refusals",
     "LanesMismatchError": "redroll.shared.lanes",
-    "BeforeAckError": "redroll.producer.client",
+    "BeforeAckError": "redroll.producer.replies",
     "WeightSyncError": "redroll.producer.weight_sync",
     "WeightUpdateError": "redroll.engine_worker.engines.sglang_weights",
     "EngineCommandRefused": "redroll.engine_worker.engines.sglang_weights",

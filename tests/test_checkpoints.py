@@ -12,10 +12,10 @@ import pytest
 from redroll.engine_worker.checkpoints import (
     Checkpoint,
     Part,
-    continuation,
     encode_part,
     parse_checkpoint,
-    stitch,
+    resume_request,
+    stitch_resumed,
 )
 from redroll.engine_worker.engines.base import EngineCapabilities, EngineOutput, SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
@@ -69,15 +69,15 @@ def test_validation_refuses_what_cannot_resume():
         encode_request(make_request(request_id="x", input_ids=[1], resumable=True, sampling_params={"n": 2}))
 
 
-def test_continuation_and_stitch():
+def test_resume_request_and_stitch_resumed():
     request = resumable("r", 10, meta_info={"k": 1})
     cp = Checkpoint(entry_id="1-0", token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, -1.0], weight_versions=["v1"] * 3,
                     segments=[{"worker": "a", "weight_version": "v1", "tokens": 3}])
-    cont = continuation(request, cp)
+    cont = resume_request(request, cp)
     assert cont.input_ids == PROMPT + [5, 6, 7] and cont.sampling_params.max_new_tokens == 7
     assert cont.sampling_params.sampling_seed == 10 and cont.request_id == "r"
     out = EngineOutput(samples=[SampleOutput([8, 9], [-2.0, -2.0], "stop")], prompt_tokens=11, weight_version="v2")
-    merged = stitch(cp, out, request, "b")
+    merged = stitch_resumed(cp, out, request, "b")
     sample = merged.samples[0]
     assert sample.token_ids == [5, 6, 7, 8, 9] and sample.logprobs == [-1.0] * 3 + [-2.0] * 2
     assert sample.finish_reason == "stop" and sample.weight_versions == ["v1"] * 3 + ["v2"] * 2
@@ -312,8 +312,8 @@ async def test_transformers_continues_greedy_output_exactly():
         head = whole.samples[0]
         cp = Checkpoint(entry_id="1-0", token_ids=head.token_ids[:10], logprobs=head.logprobs[:10],
                         weight_versions=["v"] * 10, segments=[{"worker": "a", "weight_version": "v", "tokens": 10}])
-        rest = await engine.generate(continuation(request, cp), "h2")
-    merged = stitch(cp, rest, request, "b").samples[0]
+        rest = await engine.generate(resume_request(request, cp), "h2")
+    merged = stitch_resumed(cp, rest, request, "b").samples[0]
     assert merged.token_ids == head.token_ids
     ref = teacher_forced_logprobs(build_tiny_model(0), PROMPT, merged.token_ids, 1.0)
     assert max(abs(x - y) for x, y in zip(merged.logprobs, ref)) < 1e-4

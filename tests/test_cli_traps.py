@@ -53,7 +53,7 @@ def test_a_missing_model_directory_is_named(settings, tmp_path, engine):
 
 
 def test_transformers_keeps_its_built_in_tiny_model_and_synthetic_needs_no_model():
-    from redroll.cli import _worker_refusal
+    from redroll.commands.worker import worker_refusal as _worker_refusal
 
     parser = build_parser()
     for argv in (["worker", "--engine", "transformers"], ["worker", "--engine", "transformers", "--model-path",

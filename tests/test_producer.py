@@ -88,9 +88,9 @@ async def test_generate_submits_and_waits_in_one_call(settings):
 async def test_the_reply_reader_survives_an_unexpected_redis_error(settings, monkeypatch):
     """A cluster client that gives up mid-failover raises ClusterError ("TTL exhausted"), which is
     neither a connection nor a response error: the reader reads again instead of ending for good."""
-    from redroll.producer import client
+    from redroll.producer import replies
 
-    real = client.read_group
+    real = replies.read_group
     raised = asyncio.Event()
 
     async def flaky(*args, **kwargs):
@@ -100,7 +100,7 @@ async def test_the_reply_reader_survives_an_unexpected_redis_error(settings, mon
         return await real(*args, **kwargs)
 
     async with running_worker(settings), Producer(settings, block_ms=100) as p:
-        monkeypatch.setattr(client, "read_group", flaky)  # (after the start: its reads go on)
+        monkeypatch.setattr(replies, "read_group", flaky)  # (after the start: its reads go on)
         await asyncio.wait_for(raised.wait(), 10)
         record = await p.generate(prompt="after", sampling_params=SP, timeout=20)
     assert record.status is RecordStatus.FINISHED
@@ -284,9 +284,9 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
     # pending entries again, or the client retries the read by itself (redis-py does on a dropped
     # connection, its cluster client after a failover): the retried read finds nothing new, no
     # error reaches the reader, and its check of its own pending count finds them.
-    from redroll.producer import client
+    from redroll.producer import replies
 
-    original = client.read_group  # (the reads of new records; paging its pending ones is xreadgroup)
+    original = replies.read_group  # (the reads of new records; paging its pending ones is xreadgroup)
     state = {"lost": 0}
 
     async def lossy_read(r, group, consumer, streams, **kw):
@@ -298,7 +298,7 @@ async def test_records_read_without_their_reply_are_read_again(settings, r, monk
             return await original(r, group, consumer, streams, **kw)  # the silent retry
         return result
 
-    monkeypatch.setattr(client, "read_group", lossy_read)  # (before the start: its reader reads at once)
+    monkeypatch.setattr(replies, "read_group", lossy_read)  # (before the start: its reader reads at once)
     async with Producer(settings, name="lossy", block_ms=100) as p:
         futures = await p.submit_many([make_request(request_id=f"lost-{i}", prompt="x", sampling_params=SP)
                                        for i in range(5)])
@@ -332,9 +332,9 @@ def _count_reply_reads(monkeypatch) -> list[int]:
     (``xreadgroup``) and reads of new ones (``read_group``)."""
     from redis.asyncio import Redis
 
-    from redroll.producer import client
+    from redroll.producer import replies
 
-    original_paging, original_reading = Redis.xreadgroup, client.read_group
+    original_paging, original_reading = Redis.xreadgroup, replies.read_group
     counts: list[int] = []
 
     async def counting_paging(self, groupname, consumername, streams, *a, **kw):
@@ -348,7 +348,7 @@ def _count_reply_reads(monkeypatch) -> list[int]:
         return await original_reading(r, group, consumer, streams, **kw)
 
     monkeypatch.setattr(Redis, "xreadgroup", counting_paging)
-    monkeypatch.setattr(client, "read_group", counting_reading)
+    monkeypatch.setattr(replies, "read_group", counting_reading)
     return counts
 
 
@@ -374,9 +374,9 @@ async def test_the_reads_before_start_returns_ask_for_fewer_large_records_too(se
 
 
 async def test_the_next_reply_read_is_asked_for_before_a_batch_is_delivered(settings, r, monkeypatch):
-    from redroll.producer import client
+    from redroll.producer import replies
 
-    original = client.read_group
+    original = replies.read_group
     events: list[str] = []
 
     def asked(r, group, consumer, streams, **kw):  # (called when the read is asked for)
@@ -384,7 +384,7 @@ async def test_the_next_reply_read_is_asked_for_before_a_batch_is_delivered(sett
             events.append("read")
         return original(r, group, consumer, streams, **kw)
 
-    monkeypatch.setattr(client, "read_group", asked)
+    monkeypatch.setattr(replies, "read_group", asked)
     async with Producer(settings, name="ahead", block_ms=100) as p:
         deliver = p._deliver
 

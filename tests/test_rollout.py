@@ -141,7 +141,7 @@ async def test_staleness_bound_blocks_until_version_advances(settings):
 async def test_partial_rollout_stitched_across_a_weight_update(settings):
     pair = await _start(settings, token_ms=20)
     async with Producer(settings) as p:
-        task = asyncio.create_task(p.generate_resumable(
+        task = asyncio.create_task(p.generate_across_updates(
             request_id="long-1", input_ids=[1, 2, 3], return_logprob=True,
             sampling_params={"max_new_tokens": 60, "sampling_seed": 9}))
         await wait_until(lambda: pair[0].inflight_count == 1)

@@ -887,3 +887,9 @@ def test_a_refused_request_id_names_the_rule_in_words(rid):
 def test_the_schema_version_is_named_the_same_way_whatever_is_wrong(v):
     err = field_error(valid_map(v=v))
     assert (err.field, err.rule.split(",")[0]) == ("v", "schema version must be a positive integer"), err.rule
+
+
+@pytest.mark.parametrize("v", [0, -1, "1", 1.0, None, True, [1]])
+def test_a_records_schema_version_is_named_as_a_requests_is(v):
+    err = record_error(valid_record_map(v=v))  # (a record that leaves v out is version 1)
+    assert (err.field, err.rule.split(",")[0]) == ("v", "schema version must be a positive integer"), err.rule

@@ -112,6 +112,19 @@ def test_extras_it_cannot_produce_are_refused_naming_the_field(extra, field):
     assert ei.value.field == field and "synthetic" in ei.value.reason
 
 
+def test_with_a_context_a_text_prompt_is_checked_as_token_ids_are():
+    from redroll.shared.codec import ValidationError
+
+    engine = SyntheticEngine(max_context=64)  # (a text prompt is one token per byte)
+    for req in (make_request(request_id="t", prompt="x" * 60, sampling_params={"max_new_tokens": 10}),
+                make_request(request_id="i", input_ids=[1] * 60, sampling_params={"max_new_tokens": 10})):
+        with pytest.raises(ValidationError) as ei:
+            engine.validate(req)
+        assert ei.value.field == "sampling_params.max_new_tokens"
+        assert "prompt (60 tokens) + max_new_tokens (10) exceeds the model context of 64" in ei.value.rule
+    engine.validate(make_request(request_id="fits", prompt="x" * 60, sampling_params={"max_new_tokens": 4}))
+
+
 async def test_without_per_token_time_or_slots_it_is_instant_and_generate_now_gives_generates_output():
     engine = SyntheticEngine()
     assert engine.instant

@@ -303,9 +303,6 @@ async def test_validate_rejects_bad_requests(engine: TransformersEngine) -> None
         "sampling_params.max_new_tokens": request("long_ids", [1] * 2000, max_new_tokens=100),
         "sampling_params.repetition_penalty": request("penalty", repetition_penalty=1.2),
     }
-    long_prompt = GenerationRequest(request_id="long_prompt", prompt="a" * 2000,
-                                    sampling_params=SamplingParams(max_new_tokens=100))
-    cases["prompt"] = long_prompt
     for field_name, req in cases.items():
         with pytest.raises(ValidationError) as info:
             engine.validate(req)
@@ -314,6 +311,26 @@ async def test_validate_rejects_bad_requests(engine: TransformersEngine) -> None
         await engine.generate(request("oov2", [1, 300]), "oov2")
     fits = GenerationRequest(request_id="ok", prompt="a" * 1900, sampling_params=SamplingParams(max_new_tokens=100))
     engine.validate(fits)
+
+
+async def test_a_context_overflow_names_max_new_tokens_and_the_numbers_for_text_and_token_prompts(
+        engine: TransformersEngine) -> None:
+    # The tiny model's context is 2048 tokens; its tokenizer makes one token per byte.
+    by_text = GenerationRequest(request_id="text", prompt="a" * 2000, sampling_params=SamplingParams(max_new_tokens=100))
+    by_ids = request("ids", [97] * 2000, max_new_tokens=100)
+    for req in (by_text, by_ids):
+        with pytest.raises(ValidationError) as info:
+            engine.validate(req)
+        assert info.value.field == "sampling_params.max_new_tokens", req.request_id
+        assert info.value.rule == ("prompt (2000 tokens) + max_new_tokens (100) exceeds the model context of 2048: "
+                                   "at most 48 new tokens fit")
+    # A prompt that fills the context alone is the prompt's fault, whatever max_new_tokens says.
+    full_text = GenerationRequest(request_id="full", prompt="a" * 2048, sampling_params=SamplingParams(max_new_tokens=1))
+    for req, field_name in ((full_text, "prompt"), (request("full_ids", [97] * 2048, max_new_tokens=1), "input_ids")):
+        with pytest.raises(ValidationError) as info:
+            engine.validate(req)
+        assert (info.value.field, info.value.rule) == (
+            field_name, "the prompt (2048 tokens) leaves no room in the model context of 2048")
 
 
 async def test_prompt_requests_match_token_requests(engine: TransformersEngine) -> None:

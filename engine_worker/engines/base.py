@@ -390,11 +390,22 @@ def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_cont
             for i, t in enumerate(ids):
                 if t >= vocab_size:
                     raise ValidationError(f"{field_name}[{i}]", f"token id {t} is outside the vocabulary of {vocab_size}")
-    if max_context is not None and request.input_ids is not None:
-        total = len(request.input_ids) + request.sampling_params.max_new_tokens
-        if total > max_context:
-            raise ValidationError(
-                "sampling_params.max_new_tokens",
-                f"prompt ({len(request.input_ids)}) + max_new_tokens ({request.sampling_params.max_new_tokens}) "
-                f"exceeds the model context of {max_context}",
-            )
+    if request.input_ids is not None:
+        check_context(request, len(request.input_ids), max_context)
+
+
+def check_context(request: GenerationRequest, prompt_tokens: int, max_context: int | None) -> None:
+    """The prompt (``prompt_tokens`` long: token ids, or the text as this engine tokenizes it) and
+    ``max_new_tokens`` fit the context window. Over it, the prompt field is named when the prompt
+    alone fills the window, else ``sampling_params.max_new_tokens``, with the numbers either way."""
+    if max_context is None:
+        return
+    max_new = request.sampling_params.max_new_tokens
+    if prompt_tokens >= max_context:
+        raise ValidationError("input_ids" if request.input_ids is not None else "prompt",
+                              f"the prompt ({prompt_tokens} tokens) leaves no room in the model context of "
+                              f"{max_context}")
+    if prompt_tokens + max_new > max_context:
+        raise ValidationError("sampling_params.max_new_tokens",
+                              f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the model "
+                              f"context of {max_context}: at most {max_context - prompt_tokens} new tokens fit")

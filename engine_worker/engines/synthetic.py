@@ -28,7 +28,15 @@ import msgspec
 
 from redroll.shared.types import GenerationRequest, SamplingParams
 
-from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import (
+    EngineCapabilities,
+    EngineInfo,
+    EngineOutput,
+    SampleOutput,
+    check_context,
+    check_token_ids,
+    refuse_extras,
+)
 from .text import cut_at_stop, sample_text
 
 SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
@@ -82,6 +90,8 @@ class SyntheticEngine:
 
     def validate(self, request: GenerationRequest) -> None:
         check_token_ids(request, self.info.vocab_size, self.info.max_context)
+        if request.input_ids is None:  # (a text prompt is one token per byte here)
+            check_context(request, len((request.prompt or "").encode()), self.info.max_context)
         refuse_extras(request, "synthetic")
 
     def abort(self, handle: str) -> None:

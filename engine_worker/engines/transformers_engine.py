@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
-from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
+from .base import (
+    EngineCapabilities,
+    EngineInfo,
+    EngineOutput,
+    SampleOutput,
+    check_context,
+    check_token_ids,
+    refuse_extras,
+)
 from .prefix_cache import PrefixCache
 from .text import add_text, cut_at_stop, render_chat
 from .tiny_model import TINY_RANDOM
@@ -230,7 +238,6 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             if not request.input_ids:
                 raise ValidationError("input_ids", "must not be empty")
             return list(request.input_ids)
-        field_name = "messages" if request.messages is not None else "prompt"
         if request.messages is not None:
             ids = render_chat(tokenizer, request, ENGINE_NAME)
         elif request.prompt:
@@ -239,13 +246,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             raise ValidationError("input_ids/prompt/messages", "exactly one of input_ids, prompt or messages is required")
         if not ids:
             raise ValidationError("prompt", "tokenizes to no tokens")
-        max_new = request.sampling_params.max_new_tokens
-        if self.info.max_context is not None and len(ids) + max_new > self.info.max_context:
-            raise ValidationError(
-                field_name,
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the model context "
-                f"of {self.info.max_context}",
-            )
+        check_context(request, len(ids), self.info.max_context)
         return ids
 
     @property

@@ -1,0 +1,265 @@
+"""The producer's reply reader: read its reply streams, hand each record to its waiter, ack.
+
+:class:`ReplyReader` holds the reading half of :class:`redroll.producer.client.Producer` (which
+sets the state it reads: ``_waiters``, ``_unclaimed``, ``_recent``, the reply streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import redis
+
+from redroll.errors import RedrollError
+from redroll.shared.codec import ValidationError, decode_record
+from redroll.shared.keys import PRODUCER_GROUP
+from redroll.shared.scripts import DeadLetter
+from redroll.shared.streams import drop_read, ensure_group, is_unblocked, read_count, read_group, text
+from redroll.shared.types import CompletionRecord, RecordStatus
+
+log = logging.getLogger("redroll.producer")
+
+Callback = Callable[[CompletionRecord], Any]
+
+
+class BeforeAckError(RedrollError, RuntimeError):
+    """The producer's ``before_ack`` raised (its error is the cause): the records it was to make
+    last were applied here, and their reply entries were not acked."""
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    callback: Callback | None
+
+
+class ReplyReader:
+    """The reply reader of :class:`~redroll.producer.client.Producer` (its base class)."""
+
+    async def _read_what_came(self, streams: list[str]) -> None:
+        """Deliver every record on ``streams`` now, without waiting for more: this name's pending
+        entries (a restart resumes them), then the new ones. ``start`` returns after it, so a
+        record that came before the first submit is held (a restarted producer with
+        ``tokens_from_ids`` resolves a submit of its request from it, and does not send it again)."""
+        count = self.read_count  # (fewer once records are large: see read_count)
+        for stream in streams:
+            last_id = "0"
+            while last_id != ">":
+                batch, last_id = await self._read_page(stream, last_id, count)
+                count = read_count([e for _s, e in batch], self.read_count) if batch else count
+                await self._deliver(batch)
+        while True:
+            asked = count
+            batch = [(s, e) for s, es in await read_group(self.redis, PRODUCER_GROUP, self.name, streams,
+                                                          count=asked) for e in es]
+            count = read_count([e for _s, e in batch], self.read_count) if batch else count
+            await self._deliver(batch)
+            if len(batch) < asked:
+                return
+
+    async def _read_page(self, stream: str, last_id: str, count: int) -> tuple[list, str]:
+        """A page of this name's pending entries on ``stream`` after ``last_id``: the entries, and
+        where the next page starts (``>`` once none are left)."""
+        resp = await self.redis.xreadgroup(PRODUCER_GROUP, self.name, {stream: last_id}, count=count)
+        entries = [e for _s, es in (resp or []) for e in es]
+        return [(stream, e) for e in entries], ">" if len(entries) < count else text(entries[-1][0])
+
+    async def _read_loop(self, streams: list[str]) -> None:
+        # New entries: our own pending ones were read before start returned (_read_what_came); they
+        # are paged again ("0") after a connection error, a read that lost its reply, or a
+        # before_ack that raised.
+        last_ids = {stream: ">" for stream in streams}
+        delay = 0.1
+        recheck_s = min(self.settings.claim_idle_ms / 1000, 5.0)
+        next_check = time.monotonic() + recheck_s
+        count = self.read_count  # (fewer after large records: see read_count)
+        # The next new-entries read, asked for before a batch is delivered (Redis builds its reply
+        # meanwhile). None while paging, and none once the lost-reads check is due: the check counts
+        # this reader's pending entries, which an outstanding read adds to.
+        ahead: asyncio.Task | None = None
+        try:
+            while not self._closed:
+                try:
+                    paging = {s: i for s, i in last_ids.items() if i != ">"}
+                    if not paging and ahead is None and time.monotonic() >= next_check:
+                        next_check = time.monotonic() + recheck_s
+                        if await self._lost_reads(streams):
+                            last_ids = {stream: "0" for stream in streams}
+                            continue
+                    if paging:
+                        stream, last_id = next(iter(paging.items()))
+                        batch, last_ids[stream] = await self._read_page(stream, last_id, count)
+                    else:
+                        reading, ahead = ahead or self._read_new(streams, count), None
+                        batch = [(s, e) for s, es in await reading for e in es]
+                    if batch:
+                        count = read_count([e for _s, e in batch], self.read_count)
+                    if not paging and not self._closed and time.monotonic() < next_check:
+                        ahead = self._read_new(streams, count)
+                    await self._deliver(batch)
+                    await self._refresh_ttl()
+                    delay = 0.1
+                except asyncio.CancelledError:
+                    raise
+                except BeforeAckError as exc:
+                    ahead = drop_read(ahead)
+                    log.error("reply reader: %s; trying again in %.1fs", exc, delay)
+                    last_ids = {stream: "0" for stream in streams}  # (their acks come when they are read again)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                except redis.ResponseError as exc:  # (a read asked for ahead stays: the next turn awaits it)
+                    if "NOGROUP" in str(exc):
+                        for stream in streams:
+                            await ensure_group(self.redis, stream, PRODUCER_GROUP)
+                        continue
+                    if is_unblocked(exc):
+                        continue
+                    log.exception("reply reader failed")
+                    await asyncio.sleep(delay)
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    ahead = drop_read(ahead)
+                    log.warning("reply reader: redis unavailable (%s); retrying in %.1fs", exc, delay)
+                    # A read the server ran before the connection dropped left its entries pending here,
+                    # with no reply to deliver them: page this reader's own pending entries again.
+                    last_ids = {stream: "0" for stream in streams}
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                except Exception as exc:
+                    # Anything else (a cluster client giving up mid-failover: "TTL exhausted", a bug)
+                    # must not end the reader for good: its waiters would wait forever.
+                    ahead = drop_read(ahead)
+                    log.exception("reply reader: %s; reading again in %.1fs", type(exc).__name__, delay)
+                    last_ids = {stream: "0" for stream in streams}
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            drop_read(ahead)
+
+    def _read_new(self, streams: list[str], count: int) -> asyncio.Task:
+        return asyncio.ensure_future(read_group(self.redis, PRODUCER_GROUP, self.name, streams, count=count,
+                                                block=self.block_ms))
+
+    async def _lost_reads(self, streams: list[str]) -> bool:
+        """True when this reader has entries pending that it neither holds for :meth:`unclaimed`
+        nor knows about: a read the server ran whose reply never came back. The client retries a
+        read on a dropped connection by itself (the cluster client after a failover too), so the
+        retried read (``>``) finds nothing new and no error tells the loop to page them again."""
+        held = Counter(held_stream for (held_stream, _id), _rec in self._unclaimed.values())
+        for stream in streams:
+            summary = await self.redis.xpending(stream, PRODUCER_GROUP)
+            mine = sum(c["pending"] for c in summary.get("consumers") or () if text(c["name"]) == self.name)
+            if mine > held[stream]:
+                log.warning("reply reader: %d record(s) on %s were read without a reply; reading them again",
+                            mine - held[stream], stream)
+                return True
+        return False
+
+    async def _deliver(self, entries: list) -> None:
+        done: list[tuple[str, str]] = []
+        for stream, (raw_id, fields) in entries:
+            entry_id = (stream, text(raw_id))
+            if not fields:
+                done.append(entry_id)
+                continue
+            try:
+                record = decode_record(fields)
+            except ValidationError as exc:
+                await self._dead_letter(entry_id, fields, exc.reason)
+                continue
+            if await self._resolve(record, entry_id):
+                done.append(entry_id)
+        await self._ack(done)
+        if done and (self.max_inflight is not None or self.max_staleness is not None):
+            await self._notify_room()
+
+    async def _resolve(self, record: CompletionRecord, entry_id: tuple[str, str] | None = None) -> bool:
+        """Hand ``record`` to its waiter (callback, future); True when its entry can be acked now
+        (False: kept unacked for :meth:`unclaimed`, which acks it when it hands it out)."""
+        waiter = self._waiters.pop(record.request_id, None)
+        if waiter is None:
+            if record.request_id in self._recent:
+                # Already applied here: skipped (ROLL's pop). A record from another entry is kept
+                # for result(fresh=True) (a requeued request's new record may arrive before that
+                # call); the applied entry itself, read again after a lost ack, is not.
+                applied_from = self._recent[record.request_id][0]
+                if entry_id is None or entry_id != applied_from:
+                    self._recent[record.request_id] = (applied_from, record)
+            elif entry_id is not None and self._unclaimed.get(record.request_id, (None,))[0] == entry_id:
+                return False  # the held entry itself, read again (a lost reply): pending until handed out
+            elif record.request_id in self._unclaimed or entry_id is None:
+                pass  # a duplicate of a record not yet handed out, or a notice nobody waits for
+            else:
+                self._unclaimed[record.request_id] = (entry_id, record)
+                self._unclaimed_event.set()
+                return False
+            return True
+        if waiter.callback is not None:
+            try:
+                res = waiter.callback(record)
+                if inspect.isawaitable(res):
+                    await res
+            except Exception:
+                log.exception("callback for request %s raised", record.request_id)
+        if not waiter.future.done():
+            waiter.future.set_result(record)
+        self._remember(record.request_id, entry_id)
+        if record.status is not RecordStatus.FINISHED:
+            self.admitted -= 1  # no sample came of it: give its staleness capacity back
+        return True
+
+    async def _resolve_notice(self, record: CompletionRecord) -> None:
+        """A dead letter says this request's record could not reach its reply stream."""
+        if record.request_id in self._waiters:
+            log.warning("request %s was dead-lettered and its reply stream refused the error record (%s)",
+                        record.request_id, record.meta_info.get("reply_error"))
+            await self._resolve(record)
+            await self._notify_room()
+
+    def _remember(self, request_id: str, entry_id: tuple[str, str] | None) -> None:
+        """Remember applied request_ids (and the entry each came from) for a while, so a duplicate
+        record is skipped, not re-applied."""
+        self._recent[request_id] = (entry_id, None)
+        if len(self._recent) > self.RECENT_LIMIT:
+            self._recent.pop(next(iter(self._recent)))
+
+    async def _ack(self, entries: list[tuple[str, str]]) -> None:
+        """Ack and delete (stream, entry id) pairs: one transaction per reply stream."""
+        if entries and self._before_ack is not None:
+            try:
+                self._before_ack()
+            except Exception as exc:
+                raise BeforeAckError(f"before_ack raised {exc!r}: {len(entries)} reply entries left unacked") from exc
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(stream, PRODUCER_GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                await pipe.execute()
+
+    async def _dead_letter(self, entry: tuple[str, str], fields: dict, reason: str) -> None:
+        stream, entry_id = entry
+        part = self.parts[self.reply_streams.index(stream)]
+        letter = DeadLetter(stream=stream, entry_id=entry_id, reason=reason, source="producer",
+                            fields=fields, delete_entry=True)
+        outcome = await self.scripts.dead_letter(dead_key=part.dead, group=PRODUCER_GROUP, consumer=self.name,
+                                                 letter=letter)
+        if outcome.refused is not None:
+            log.error("undecodable record %s on %s: the dead stream refused its letter (%s); it stays pending "
+                      "here and is tried again", entry_id, stream, outcome.refused)
+        else:
+            log.warning("undecodable record %s on %s dead-lettered: %s", entry_id, stream, reason)
+
+    async def _refresh_ttl(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expire > min(60.0, self.settings.reply_ttl_s / 4):
+            self._last_expire = now
+            for stream in self.reply_streams:
+                await self.redis.expire(stream, self.settings.reply_ttl_s)
