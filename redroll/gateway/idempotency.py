@@ -1,0 +1,139 @@
+"""Idempotent calls: the same ``Idempotency-Key``, on any replica, gets the same completion and
+generates nothing twice, for the window (``--idempotency-window``).
+
+A keyed call's requests are named from the key (``i-<hash>-<i>``) and reply to a stream of their
+own, ``{ns}:reply:i-<hash>``, created (empty) with the call and expiring a window later. That stream
+is where the records stay: every replica can read it, so a retry attaches to a call that is still
+running on a replica that died, or reads the records of one that finished.
+
+The submit is one optimistic transaction (``WATCH`` the reply stream, read it, ``MULTI``, submit
+what has no record yet, ``EXEC``): a record that lands meanwhile aborts it, and the call reads again.
+Each request's submit token is made from its request_id, so a request still queued or running is
+not queued twice: the submit script answers it was taken already. Together: a request runs once
+per window, whichever replica the retries reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+import redis
+from redis.asyncio import Redis
+
+from redroll.producer.request import request_stream
+from redroll.shared.codec import ValidationError, decode_record, encode_request
+from redroll.shared.keys import Keys
+from redroll.shared.refusals import StreamRefusedError
+from redroll.shared.scripts import DuplicateRequestError, Scripts
+from redroll.shared.settings import Settings
+from redroll.shared.streams import text
+from redroll.shared.types import CompletionRecord, GenerationRequest
+
+from .protocol import GatewayError
+
+GROUP = "gateway"
+"""The group created with each keyed call's reply stream (``MKSTREAM``: it makes the empty stream
+that the window's expiry is set on; nobody reads through it)."""
+
+
+def call_name(idempotency_key: str, scope: str) -> str:
+    """The call's name from its key, scoped by who sent it (one API key's calls never meet another's)."""
+    digest = hashlib.sha256(f"{scope}\0{idempotency_key}".encode()).hexdigest()[:40]
+    return f"i-{digest}"
+
+
+def fingerprint(raw_body: bytes) -> str:
+    """What tells a retry (the same body) from a new call reusing a key."""
+    return hashlib.sha256(raw_body).hexdigest()[:16]
+
+
+class KeyedCalls:
+    """Submit and await keyed calls on ``redis_client`` (the gateway's producer's connection)."""
+
+    def __init__(self, settings: Settings, redis_client: Redis, window_s: int):
+        self.settings = settings
+        self.redis = redis_client
+        self.scripts = Scripts(redis_client)
+        self.window_s = window_s
+
+    def reply_stream(self, requests: list[GenerationRequest], name: str) -> str:
+        return self.settings.keys_for(requests[0]).reply(name)
+
+    async def run(self, requests: list[GenerationRequest], name: str, timeout: float) -> list[CompletionRecord]:
+        """Each request's record, in order: read from the call's reply stream, or awaited there
+        after submitting what was not submitted yet."""
+        stream = self.reply_stream(requests, name)
+        part = self.settings.keys_for(requests[0])
+        for req in requests:
+            req.reply_to = stream
+        datas = {req.request_id: encode_request(req, self.settings.limits)["data"] for req in requests}
+        found, last_id = await self._submit_missing(stream, part, requests, datas)
+        wanted = {req.request_id for req in requests}
+        deadline = time.monotonic() + timeout
+        while not wanted <= found.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GatewayError(504, f"no record within {timeout:.0f} s; the call goes on: retry with the same "
+                                        "Idempotency-Key to get its completion", kind="timeout", code="timeout")
+            reply = await self.redis.xread({stream: last_id}, block=max(1, int(min(left, 5.0) * 1000)))
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id = text(entry_id)
+                    _take(found, fields)
+        return [found[req.request_id] for req in requests]
+
+    async def _submit_missing(self, stream: str, part: Keys, requests: list[GenerationRequest],
+                              datas: dict[str, bytes]) -> tuple[dict[str, CompletionRecord], str]:
+        while True:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(stream)
+                    entries = await pipe.xrange(stream)
+                    found: dict[str, CompletionRecord] = {}
+                    for _, fields in entries:
+                        _take(found, fields)
+                    last_id = text(entries[-1][0]) if entries else "0-0"
+                    todo = [req for req in requests if req.request_id not in found]
+                    pipe.multi()
+                    pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
+                    pipe.expire(stream, self.window_s)
+                    by_stream: dict[str, list[GenerationRequest]] = {}
+                    for req in todo:
+                        by_stream.setdefault(request_stream(part, req), []).append(req)
+                    for requests_key, reqs in by_stream.items():
+                        self.scripts.submit_many_in(pipe, requests_key=requests_key, rid_ttl_s=self.settings.rid_ttl_s,
+                                                    checked=False, items=[
+                            (part.rid(req.request_id), f"gw:{req.request_id}", req.request_id, stream,
+                             datas[req.request_id], req.lane_key if part.lanes else req.affinity_key)
+                            for req in reqs])
+                    replies = await pipe.execute(raise_on_error=False)
+                except redis.WatchError:
+                    continue  # (a record landed: read again)
+            if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies[2:]):
+                await self.scripts.load_all()
+                continue
+            for reply in replies[2:]:
+                if isinstance(reply, Exception):
+                    raise reply
+            for req, reply in zip([r for reqs in by_stream.values() for r in reqs],
+                                  [item for rs in replies[2:] for item in rs]):
+                try:
+                    Scripts.submit_outcome(req.request_id, reply)
+                except StreamRefusedError as exc:
+                    raise GatewayError(503, f"Redis refused the request: {exc}", kind="server_error",
+                                       code="unavailable", headers={"Retry-After": "1"}) from None
+                except DuplicateRequestError:
+                    raise GatewayError(409, f"request {req.request_id!r} is held by a submit that is not this "
+                                            "gateway's", code="conflict") from None
+            return found, last_id
+
+
+def _take(found: dict[str, CompletionRecord], fields: Any) -> None:
+    try:
+        rec = decode_record(fields)
+    except ValidationError:
+        return  # (not a record of this call: nothing else writes here)
+    found.setdefault(rec.request_id, rec)
