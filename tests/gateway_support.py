@@ -24,10 +24,18 @@ class CountingEngine(SyntheticEngine):
         self.started: collections.Counter[str] = collections.Counter()
         self.affinity: dict[str, str | None] = {}
 
-    async def generate(self, request, handle):
+    def _count(self, request) -> None:
         self.started[request.request_id] += 1
         self.affinity[request.request_id] = request.affinity_key
+
+    async def generate(self, request, handle):
+        if not self.instant:  # (an instant engine's generate calls generate_now, which counts)
+            self._count(request)
         return await super().generate(request, handle)
+
+    def generate_now(self, request):
+        self._count(request)
+        return super().generate_now(request)
 
 
 def free_port() -> int:
