@@ -1,6 +1,6 @@
 """The gateway's cost: its added latency over the Python API, and its throughput.
 
-    python -m benchmarks.gateway [--calls 300] [--throughput-calls 2000] [--concurrency 64] [--runs 3]
+    python -m benchmarks.gateway [--calls 300] [--throughput-calls 2000] [--concurrency 16] [--runs 3]
 
 On one private redis-server: one synthetic worker process (instant engine: no token time, so
 what is measured is the queue and the gateway), one ``redroll serve`` process. Each run measures
@@ -64,7 +64,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
                                "--max-inflight", "256"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     serve = subprocess.Popen([sys.executable, "-m", "redroll.cli", "serve", "--port", str(port), "--max-backlog",
-                              "100000"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              "100000"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.environ.get("GATEWAY_BENCH_LOG", os.devnull), "ab"))
     base = f"http://127.0.0.1:{port}"
     body = {"model": "redroll", "prompt": "bench", "max_tokens": 16}
     try:
@@ -133,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--throughput-calls", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
     print(json.dumps(asyncio.run(main_async(parser.parse_args())), indent=2))
 

@@ -13,6 +13,10 @@ log = logging.getLogger("redroll.gateway")
 
 LOCALHOST = "127.0.0.1"
 
+KEEP_ALIVE_S = 75
+"""Idle keep-alive connections are closed after this: longer than load balancers' idle timeouts
+(60 s by default on most), so a balancer never reuses a connection the gateway is closing."""
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve OpenAI's completions and chat API over the pipeline (a producer)")
@@ -59,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
     config = GatewayConfig(model_name=args.model_name, api_keys=keys, max_backlog=args.max_backlog,
                            idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout)
     uvicorn.run(build_app(settings, config), host=host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import msgspec
 import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -137,7 +138,7 @@ class Gateway:
         if keyed_name is not None:
             assert self.keyed is not None
             return await self.keyed.run(requests, keyed_name, timeout)
-        futures = await self.producer.submit_many(requests)
+        futures = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
         try:
             return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         except asyncio.TimeoutError:
@@ -176,8 +177,15 @@ class Gateway:
         return response
 
 
+class FastJSON(JSONResponse):
+    """JSON encoded with msgspec (several times json.dumps's speed on long token lists)."""
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
 def _error(exc: GatewayError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return FastJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
@@ -188,7 +196,7 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
         async def handle(request: Request) -> Response:
             started = time.perf_counter()
             try:
-                response: Response = JSONResponse(await gateway.call(request, kind))
+                response: Response = FastJSON(await gateway.call(request, kind))
             except GatewayError as exc:
                 response = _error(exc)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
