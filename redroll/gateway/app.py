@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -49,7 +49,6 @@ class GatewayConfig:
     idempotency_window_s: int = 86_400
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Metrics:

@@ -15,7 +15,6 @@ per window, whichever replica the retries reach.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from typing import Any
@@ -97,6 +96,9 @@ class KeyedCalls:
                         _take(found, fields)
                     last_id = text(entries[-1][0]) if entries else "0-0"
                     todo = [req for req in requests if req.request_id not in found]
+                    if not todo:  # (every record is here: nothing to submit, the window is not extended)
+                        await pipe.reset()
+                        return found, last_id
                     pipe.multi()
                     pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
                     pipe.expire(stream, self.window_s)
