@@ -245,6 +245,24 @@ async def test_error_shapes(settings, tmp_path, gateway_log):
 
 
 @needs_curl
+async def test_429_when_the_pipeline_backlog_is_over_the_bound(settings, r, gateway_log):
+    """--max-queued: the pipeline's queued requests (any producer's) over the bound refuse new calls."""
+    from redroll.producer.client import make_request, send
+
+    gateway = Served(settings, "--max-queued", "2", log=gateway_log)
+    try:
+        assert curl(f"{gateway.v1}/models")[0] == 200
+        await send(settings, r, [make_request(prompt="queued", sampling_params={"max_new_tokens": 2})
+                                 for _ in range(2)])
+        await wait_until(lambda: curl(f"{gateway.url}/health")[1].get("queued") == 2, timeout=30)
+        status, body, head = curl(f"{gateway.v1}/completions", "-H", "Content-Type: application/json", "-d",
+                                  json.dumps({"prompt": "x"}))
+        assert status == 429 and body["error"]["code"] == "queue_full" and "retry-after: 1" in head.lower()
+    finally:
+        gateway.stop()
+
+
+@needs_curl
 async def test_503_while_redis_is_unreachable(tmp_path, gateway_log):
     server = start_test_server()
     settings = Settings(redis_url=server.url, namespace="gw503")

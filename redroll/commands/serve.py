@@ -30,6 +30,9 @@ def add_parser(sub: Any) -> None:
                    help="a file of bearer keys, one a line ('#' comments); without it the gateway is open")
     p.add_argument("--max-backlog", type=positive_int, default=1024,
                    help="calls this gateway may have waiting for records; more get 429 with Retry-After")
+    p.add_argument("--max-queued", type=positive_int, default=None,
+                   help="requests the whole pipeline may have queued or in flight (sampled every second); "
+                        "more: new calls get 429 with Retry-After (default: no bound)")
     p.add_argument("--idempotency-window", type=positive_int, default=86_400,
                    help="seconds a call made with an Idempotency-Key keeps its completion for retries")
     p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if not keys and host not in (LOCALHOST, "localhost", "::1"):
         log.warning("serving on %s with no --api-key-file: anyone who reaches it may generate", host)
     config = GatewayConfig(model_name=args.model_name, api_keys=keys, max_backlog=args.max_backlog,
+                           max_queued=args.max_queued,
                            idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout)
     uvicorn.run(build_app(settings, config), host=host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)

@@ -46,6 +46,9 @@ class GatewayConfig:
     """Bearer keys; empty: the gateway is open (and binds to localhost unless told otherwise)."""
     max_backlog: int = 1024
     """Calls this gateway may have waiting for records; over it, 429 with ``Retry-After``."""
+    max_queued: int | None = None
+    """Requests the pipeline may have queued or in flight (all request streams, sampled with the
+    health ping); over it, 429 with ``Retry-After``. None: no bound."""
     idempotency_window_s: int = 86_400
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
@@ -65,6 +68,8 @@ class Metrics:
         self.waiting = Gauge("redroll_gateway_waiting_calls", "calls waiting for their records", registry=self.registry)
         self.redis_up = Gauge("redroll_gateway_redis_up", "1 while Redis answers the health ping",
                               registry=self.registry)
+        self.queued = Gauge("redroll_gateway_pipeline_queued", "the pipeline's queued and in-flight requests "
+                            "(with --max-queued)", registry=self.registry)
         self.tokens = Counter("redroll_gateway_completion_tokens", "tokens returned", registry=self.registry)
 
 
@@ -79,6 +84,8 @@ class Gateway:
         self.keyed: KeyedCalls | None = None
         self.redis_ok = False
         self.waiting = 0
+        self.queued = 0
+        """The pipeline's queued and in-flight requests at the last health ping."""
         self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -97,7 +104,7 @@ class Gateway:
     async def _watch_health(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.producer.redis.ping(), self.config.health_interval_s * 2)
+                await asyncio.wait_for(self._ping(), self.config.health_interval_s * 2)
                 ok = True
             except (redis.RedisError, OSError, asyncio.TimeoutError):
                 ok = False
@@ -106,6 +113,19 @@ class Gateway:
             self.redis_ok = ok
             self.metrics.redis_up.set(int(ok))
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def _ping(self) -> None:
+        """PING, and with ``max_queued`` the length of every request stream (processed entries are
+        deleted, so a stream's length is what is queued or in flight on it)."""
+        if self.config.max_queued is None:
+            await self.producer.redis.ping()
+            return
+        async with self.producer.redis.pipeline(transaction=False) as pipe:
+            for part in self.settings.partition_keys:
+                for stream in part.request_streams:
+                    pipe.xlen(stream)
+            self.queued = sum(await pipe.execute())
+        self.metrics.queued.set(self.queued)
 
     # ------------------------------------------------------------------ calls
 
@@ -130,6 +150,10 @@ class Gateway:
             raise GatewayError(429, f"this gateway has {self.waiting} calls waiting (the bound is "
                                     f"{self.config.max_backlog}); retry later", kind="rate_limit_error",
                                code="backlog_full", headers={"Retry-After": "1"})
+        if self.config.max_queued is not None and self.queued >= self.config.max_queued:
+            raise GatewayError(429, f"the pipeline has {self.queued} requests queued or in flight (the bound is "
+                                    f"{self.config.max_queued}); retry later", kind="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
 
     async def records(self, requests: list[GenerationRequest], keyed_name: str | None) -> list[CompletionRecord]:
         """The records of a call's requests, in order (a streaming stage yields chunks here instead)."""
@@ -221,7 +245,7 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
     async def health(request: Request) -> Response:
         if not gateway.redis_ok:
             return JSONResponse({"status": "redis unreachable"}, status_code=503)
-        return JSONResponse({"status": "ok", "waiting": gateway.waiting})
+        return JSONResponse({"status": "ok", "waiting": gateway.waiting, "queued": gateway.queued})
 
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

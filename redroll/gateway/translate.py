@@ -89,7 +89,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
             encode_request(req, settings.limits)
             requests.append(req)
     except ValidationError as exc:
-        param = FIELD_NAMES.get(exc.field, exc.field.split("[")[0])
+        param = FIELD_NAMES.get(exc.field, exc.field)
         if param == "max_tokens" and isinstance(body, ChatBody) and body.max_completion_tokens is not None:
             param = "max_completion_tokens"
         raise GatewayError(400, f"invalid {param}: {exc.rule}", param=param, code="invalid_value") from None
