@@ -23,7 +23,7 @@ def append_jsonl(record: CompletionRecord) -> None:
         "request_id": record.request_id, "status": record.status.value, "worker": record.worker,
         "output_token_ids": record.output_token_ids, "finish_reasons": record.finish_reasons,
         "output_logprobs": record.output_logprobs, "meta_info": record.meta_info, "error": record.error,
-        "group_id": record.group_id,
+        "group_id": record.group_id, "output_text": record.output_text,
     }, default=str)
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")

@@ -159,3 +159,78 @@ async def test_a_tokenizer_without_a_chat_template_refuses_chats_naming_messages
         # its text prompts still get their text
         out = await byte_engine.generate(make_request(prompt="hi", sampling_params=greedy(5)), "p")
         assert out.samples[0].text == byte_engine.tokenizer.decode(out.samples[0].token_ids)
+
+
+# ---------------------------------------------------------------- SGLang (the stand-in: contract only)
+
+
+class _ChatStandInTokenizer:
+    """The stand-in's byte tokenizer with a chat template, rendered as ``<role>content`` lines."""
+
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply_chat_template(self, messages, *, tools=None, add_generation_prompt=False, tokenize=False):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return self.inner.encode(text) if tokenize else text
+
+
+def letters(prompt_ids, position, seed, vocab):
+    """The stand-in's token at ``position``: the byte ``a`` + position (its ids are bytes + 3)."""
+    return ord("a") + 3 + position
+
+
+async def sglang_engine(**kwargs: Any) -> Any:
+    from redroll.engine_worker.engines.sglang_engine import SGLangEngine
+    from tests import sglang_standin as sgl
+
+    engine = SGLangEngine("/models/tiny", engine_factory=sgl.Engine.with_options(token_fn=letters), **kwargs)
+    await engine.start()
+    return engine
+
+
+async def test_sglang_gets_a_chat_as_rendered_ids_and_gives_its_text():
+    engine = await sglang_engine()
+    try:
+        engine.tokenizer = _ChatStandInTokenizer(engine.tokenizer)
+        chat = make_request(messages=CHAT, sampling_params={"max_new_tokens": 12, "n": 2})
+        engine.validate(chat)
+        out = await engine.generate(chat, "h-chat")
+        calls = engine.engine.calls[-2:]
+        expected = engine.tokenizer.apply_chat_template(chat_messages_of(CHAT), add_generation_prompt=True,
+                                                        tokenize=True)
+        assert all(c["input_ids"] == expected and c["prompt"] is None for c in calls)
+        for sample in out.samples:
+            assert sample.text == engine.tokenizer.decode(sample.token_ids) == "abcdefghijkl"
+        # a stop string: the text ends before it, the ids run to the token that completed it
+        stopped = await engine.generate(make_request(messages=CHAT, sampling_params={
+            "max_new_tokens": 12, "stop": ["ef"]}), "h-stop")
+        sample = stopped.samples[0]
+        assert sample.finish_reason == "stop"
+        assert engine.tokenizer.decode(sample.token_ids) == "abcdef" and sample.text == "abcd"
+        # token-id requests carry no text unless asked
+        assert (await engine.generate(make_request(input_ids=[5, 6]), "h-ids")).samples[0].text is None
+    finally:
+        await engine.close()
+
+
+def chat_messages_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(m) for m in messages]
+
+
+async def test_sglang_without_a_tokenizer_refuses_chats_and_text_naming_the_field():
+    engine = await sglang_engine(skip_tokenizer_init=True)
+    try:
+        for request, field in ((make_request(messages=CHAT), "messages"),
+                               (make_request(input_ids=[5], return_text=True), "return_text")):
+            with pytest.raises(ValidationError) as ei:
+                engine.validate(request)
+            assert ei.value.field == field and "\n" not in str(ei.value)
+        engine.validate(make_request(input_ids=[5]))
+    finally:
+        await engine.close()

@@ -6,6 +6,7 @@ a newer worker, which runs it."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from redroll.producer.client import Producer
 from redroll.shared.codec import Limits
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
+from redroll.submit import submit_file
 from tests.conftest import running, wait_until
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a queue of requests"}]
@@ -103,3 +105,16 @@ async def test_a_schema_one_worker_hands_a_chat_back_and_a_newer_worker_runs_it(
             rec = await asyncio.wait_for(chat, 30)
     assert rec.status is RecordStatus.FINISHED and rec.v == 2
     assert rec.output_text == [SyntheticWords().decode(rec.output_token_ids[0])]
+
+
+async def test_redroll_submit_runs_chat_lines_and_writes_their_text(settings, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"request_id": "q1", "messages": CHAT, "sampling_params": {"max_new_tokens": 5}}) + "\n"
+                   + json.dumps({"request_id": "q2", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5}})
+                   + "\n")
+    worker = Worker(settings, SyntheticEngine(vocab_size=1000), max_inflight=8, block_ms=200)
+    async with running(worker):
+        assert await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60) == 0
+    records = {rec["request_id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert records["q1"]["output_text"] == [SyntheticWords().decode(records["q1"]["output_token_ids"][0])]
+    assert records["q1"]["v"] == 2 and records["q2"]["output_text"] is None

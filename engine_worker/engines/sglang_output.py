@@ -15,6 +15,7 @@ from redroll.errors import RedrollError
 from redroll.shared.types import GenerationRequest
 
 from .base import EngineInfo, EngineOutput, SampleOutput
+from .text import trim_stop
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
@@ -115,8 +116,11 @@ class SGLangOutput:
         if request.return_logprob and request.logprob_start_len is not None:
             # from logprob_start_len on; the first prompt token has no logprob (None)
             input_logprobs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
-        # SGLang's text (tokenizer_manager.py): stop strings trimmed unless no_stop_trim, as .text cuts it
+        # SGLang's text; its detokenizer cuts a matched stop string unless no_stop_trim
+        # (detokenizer_manager.py trim_matched_stop), as trim_stop does: the same cut either way
         text = out.get("text") if request.wants_text and isinstance(out.get("text"), str) else None
+        if text is not None:
+            text = trim_stop(text, request.sampling_params, reason)
         return _Sample(
             output=SampleOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                                 weight_versions=_token_versions(meta.get("weight_versions"), len(token_ids), rid),

@@ -68,13 +68,19 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+def trim_stop(text: str, params: SamplingParams, finish_reason: str | None) -> str:
+    """``text`` cut before the stop string that ended its sample, unless ``no_stop_trim`` (a text
+    already cut holds no stop string: cutting again changes nothing)."""
+    if finish_reason == "stop" and params.stop and not params.no_stop_trim:
+        text, _ = cut_at_stop(text, params.stop)
+    return text
+
+
 def sample_text(tokenizer: Any, token_ids: Sequence[int], params: SamplingParams, finish_reason: str | None) -> str:
     """One sample's text: its ids decoded (``skip_special_tokens`` as the request says), cut before
     the stop string that ended it unless ``no_stop_trim``."""
     text = tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens)
-    if finish_reason == "stop" and params.stop and not params.no_stop_trim:
-        text, _ = cut_at_stop(text, params.stop)
-    return text
+    return trim_stop(text, params, finish_reason)
 
 
 def add_text(output: EngineOutput, request: GenerationRequest, tokenizer: Any) -> EngineOutput:
@@ -87,4 +93,4 @@ def add_text(output: EngineOutput, request: GenerationRequest, tokenizer: Any) -
     return output
 
 
-__all__ = ["add_text", "chat_messages", "cut_at_stop", "has_chat_template", "render_chat", "sample_text"]
+__all__ = ["add_text", "chat_messages", "cut_at_stop", "has_chat_template", "render_chat", "sample_text", "trim_stop"]
