@@ -43,14 +43,27 @@ def gateway_log(tmp_path: Path) -> Path:
     return tmp_path / "serve.log"
 
 
-async def test_completions_and_chat_through_the_sdk(settings, gateway_log):
+@pytest.fixture
+async def sdk():
+    """``sdk(gateway)``: an async openai client of that gateway (no SDK retries: the tests retry)."""
+    made = []
+
+    def client(gateway: Served) -> "openai.AsyncOpenAI":
+        made.append(openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0))
+        return made[-1]
+    yield client
+    for c in made:
+        await c.close()
+
+
+async def test_completions_and_chat_through_the_sdk(settings, gateway_log, sdk):
     """n = 4 samples with logprobs and token ids, a token-id prompt, a list of prompts, stop strings,
     usage and the weight version: with the async client and the sync one."""
     engine = CountingEngine()
     gateway = Served(settings, log=gateway_log)
     try:
         async with running(Worker(settings, engine, max_inflight=16, block_ms=200)):
-            client = openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+            client = sdk(gateway)
             models = await client.models.list()
             assert [m.id for m in models.data] == ["redroll"]
             four = await client.completions.create(model="redroll", prompt="the queue", max_tokens=6, n=4, logprobs=0,
@@ -98,15 +111,15 @@ async def test_completions_and_chat_through_the_sdk(settings, gateway_log):
         gateway.stop()
 
 
-async def test_an_idempotent_retry_generates_nothing_twice(settings, gateway_log):
+async def test_an_idempotent_retry_generates_nothing_twice(settings, gateway_log, sdk):
     """The same Idempotency-Key, on two replicas, while running and after: one generation, one
     response; the key reused for another body is refused."""
     engine = CountingEngine(token_ms=20)
     one, two = Served(settings, log=gateway_log), Served(settings, log=gateway_log)
     try:
         async with running(Worker(settings, engine, max_inflight=16, block_ms=200)):
-            a = openai.AsyncOpenAI(base_url=one.v1, api_key="unused", max_retries=0)
-            b = openai.AsyncOpenAI(base_url=two.v1, api_key="unused", max_retries=0)
+            a = sdk(one)
+            b = sdk(two)
             key = {"Idempotency-Key": "order-66"}
             # concurrently on both replicas (the second attaches to the first's running request)
             first, second = await asyncio.gather(
@@ -129,7 +142,7 @@ async def test_an_idempotent_retry_generates_nothing_twice(settings, gateway_log
 
 
 @pytest.mark.slow
-async def test_a_gateway_killed_mid_call_loses_nothing(settings, gateway_log):
+async def test_a_gateway_killed_mid_call_loses_nothing(settings, gateway_log, sdk):
     """Must-show 3: a gateway SIGKILLed with calls in flight; the clients retry with the same
     Idempotency-Key on another gateway process and get their completions, each generated once."""
     engine = CountingEngine(token_ms=50)
@@ -137,8 +150,8 @@ async def test_a_gateway_killed_mid_call_loses_nothing(settings, gateway_log):
     calls = 8
     try:
         async with running(Worker(settings, engine, max_inflight=16, block_ms=200)):
-            a = openai.AsyncOpenAI(base_url=doomed.v1, api_key="unused", max_retries=0)
-            b = openai.AsyncOpenAI(base_url=other.v1, api_key="unused", max_retries=0)
+            a = sdk(doomed)
+            b = sdk(other)
 
             async def call(client, i: int):
                 return await client.chat.completions.create(
@@ -162,7 +175,7 @@ async def test_a_gateway_killed_mid_call_loses_nothing(settings, gateway_log):
         other.stop()
 
 
-async def test_session_turns_land_on_one_worker(redis_server, namespace, gateway_log):
+async def test_session_turns_land_on_one_worker(redis_server, namespace, gateway_log, sdk):
     """With affinity lanes on, the turns of one session (X-Session-Id, or the user field) carry one
     affinity key and run on one worker."""
     settings = Settings(redis_url=redis_server.url, namespace=namespace, affinity_lanes=4, claim_idle_ms=1500,
@@ -174,7 +187,7 @@ async def test_session_turns_land_on_one_worker(redis_server, namespace, gateway
         async with running(*workers):
             await wait_until(lambda: all(w.lanes is not None and len(w.lanes.owned) == 2 for w in workers), 20)
             await asyncio.sleep(0.3)  # (blocking reads issued before the last ownership change have returned)
-            client = openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+            client = sdk(gateway)
             for session in ("alice", "bob", "carol"):
                 messages = [{"role": "user", "content": "hello"}]
                 for turn in range(4):
@@ -288,7 +301,7 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"), seed=0, chat_template=TINY_CHAT_TEMPLATE)
 
 
-async def test_a_transformers_worker_behind_the_gateway(settings, chat_checkpoint, gateway_log):
+async def test_a_transformers_worker_behind_the_gateway(settings, chat_checkpoint, gateway_log, sdk):
     """A real model path: chat rendered with the tiny checkpoint's template; text equals the ids decoded."""
     from transformers import AutoTokenizer
 
@@ -298,7 +311,7 @@ async def test_a_transformers_worker_behind_the_gateway(settings, chat_checkpoin
     gateway = Served(settings, log=gateway_log)
     try:
         async with running(Worker(settings, TransformersEngine(str(chat_checkpoint)), max_inflight=4, block_ms=200)):
-            client = openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+            client = sdk(gateway)
             chat = await client.chat.completions.create(
                 model="redroll", messages=CHAT, max_tokens=8, temperature=0.0, logprobs=True,
                 extra_body={"return_token_ids": True, "ignore_eos": True}, timeout=120)
