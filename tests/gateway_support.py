@@ -47,7 +47,8 @@ def free_port() -> int:
 class Served:
     """One ``redroll serve`` process on a free port of localhost."""
 
-    def __init__(self, settings: Settings, *flags: str, log: Path | None = None):
+    def __init__(self, settings: Settings, *flags: str, log: Path | None = None, healthy: bool = True):
+        """Started, and (``healthy``) answering 200 on /health; else only answering at all."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen = spawn(settings, "serve", "--port", str(self.port), *flags, log=log)
@@ -57,7 +58,7 @@ class Served:
                 raise RuntimeError(f"redroll serve exited with {self.proc.returncode}"
                                    + (f": {log.read_text()[-2000:]}" if log else ""))
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == (200 if healthy else 503):
                     return
             except httpx.HTTPError:
                 pass

@@ -277,17 +277,33 @@ async def test_429_when_the_pipeline_backlog_is_over_the_bound(settings, r, gate
 
 @needs_curl
 async def test_503_while_redis_is_unreachable(tmp_path, gateway_log):
+    """A gateway whose Redis goes away answers 503 with Retry-After (and /health says so); one
+    started while Redis is down answers 503 too, and serves once Redis is back."""
     server = start_test_server()
     settings = Settings(redis_url=server.url, namespace="gw503")
     gateway = Served(settings, log=gateway_log)
+    late = None
     try:
         server.stop()
         await wait_until(lambda: curl(f"{gateway.url}/health")[0] == 503, timeout=30)
         status, body, head = curl(f"{gateway.v1}/completions", "-H", "Content-Type: application/json", "-d",
                                   json.dumps({"prompt": "x"}))
         assert status == 503 and body["error"]["code"] == "unavailable" and "retry-after" in head.lower()
+        late = Served(settings, log=gateway_log, healthy=False)
+        status, body, _ = curl(f"{late.v1}/chat/completions", "-H", "Content-Type: application/json", "-d",
+                               json.dumps({"messages": CHAT}))
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        again = start_test_server(port=server.port)
+        try:
+            await wait_until(lambda: curl(f"{late.url}/health")[0] == 200, timeout=30)
+            await wait_until(lambda: curl(f"{gateway.url}/health")[0] == 200, timeout=30)
+        finally:
+            again.stop()
+            shutil.rmtree(again.directory, ignore_errors=True)
     finally:
         gateway.stop()
+        if late is not None:
+            late.stop()
         shutil.rmtree(server.directory, ignore_errors=True)
 
 

@@ -26,7 +26,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from redroll.errors import ConnectionUnavailableError
 from redroll.producer.client import Producer
+from redroll.shared.connection import connect
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 
@@ -35,6 +37,9 @@ from .protocol import ChatBody, CompletionBody, GatewayError, decode_body, refus
 from .translate import build_requests, chat_response, completion_response, prompt_token_ids
 
 log = logging.getLogger("redroll.gateway")
+
+UNREACHABLE = (ConnectionUnavailableError, redis.ConnectionError, redis.TimeoutError, OSError)
+"""What a Redis that cannot be reached raises."""
 
 
 @dataclass
@@ -89,17 +94,43 @@ class Gateway:
         self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.producer.start()
-        self.keyed = KeyedCalls(self.settings, self.producer.redis, self.config.idempotency_window_s)
+        """Start the producer, then watch Redis's health. While Redis is unreachable the producer
+        is started again every ``health_interval_s`` and calls get 503; any other error (a bad
+        setting, lanes that disagree) ends the start."""
+        try:
+            await self.producer.start()
+        except UNREACHABLE as exc:
+            log.warning("%s: calls get 503 until Redis answers", exc)
+            self._health = asyncio.create_task(self._start_then_watch(), name="gateway-health")
+            return
+        self._started()
+        self._health = asyncio.create_task(self._watch_health(), name="gateway-health")
+
+    def _started(self) -> None:
+        wait_client = connect(self.settings, max_connections=self.config.max_backlog + 1)
+        self.keyed = KeyedCalls(self.settings, self.producer.redis, wait_client, self.config.idempotency_window_s)
         self.redis_ok = True
         self.metrics.redis_up.set(1)
-        self._health = asyncio.create_task(self._watch_health(), name="gateway-health")
 
     async def close(self) -> None:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
         await self.producer.close()
+        if self.keyed is not None:
+            await self.keyed.wait_client.aclose()
+
+    async def _start_then_watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.producer.start()
+                break
+            except UNREACHABLE:
+                continue
+        log.warning("Redis is reachable: serving")
+        self._started()
+        await self._watch_health()
 
     async def _watch_health(self) -> None:
         while True:

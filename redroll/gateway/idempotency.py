@@ -50,11 +50,15 @@ def fingerprint(raw_body: bytes) -> str:
 
 
 class KeyedCalls:
-    """Submit and await keyed calls on ``redis_client`` (the gateway's producer's connection)."""
+    """Submit keyed calls on ``redis_client`` (the gateway's producer's connection) and await their
+    records on ``wait_client``: a client of its own, since each waiting call blocks one of its
+    connections in ``XREAD`` (size its pool to the calls that may wait: ``--max-backlog``), and
+    the producer's pool must stay free for submits and its reply reader."""
 
-    def __init__(self, settings: Settings, redis_client: Redis, window_s: int):
+    def __init__(self, settings: Settings, redis_client: Redis, wait_client: Redis, window_s: int):
         self.settings = settings
         self.redis = redis_client
+        self.wait_client = wait_client
         self.scripts = Scripts(redis_client)
         self.window_s = window_s
 
@@ -77,7 +81,7 @@ class KeyedCalls:
             if left <= 0:
                 raise GatewayError(504, f"no record within {timeout:.0f} s; the call goes on: retry with the same "
                                         "Idempotency-Key to get its completion", kind="timeout", code="timeout")
-            reply = await self.redis.xread({stream: last_id}, block=max(1, int(min(left, 5.0) * 1000)))
+            reply = await self.wait_client.xread({stream: last_id}, block=max(1, int(min(left, 5.0) * 1000)))
             for _, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id = text(entry_id)
