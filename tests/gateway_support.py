@@ -47,11 +47,13 @@ def free_port() -> int:
 class Served:
     """One ``redroll serve`` process on a free port of localhost."""
 
-    def __init__(self, settings: Settings, *flags: str, log: Path | None = None, healthy: bool = True):
+    def __init__(self, settings: Settings, *flags: str, log: Path | None = None, healthy: bool = True,
+                 **env: str):
         """Started, and (``healthy``) answering 200 on /health; else only answering at all."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen = spawn(settings, "serve", "--port", str(self.port), *flags, log=log)
+        self.proc: subprocess.Popen = spawn(settings, "serve", "--port", str(self.port), *flags, log=log,
+                                             **env)
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:

@@ -275,6 +275,49 @@ async def test_429_when_the_pipeline_backlog_is_over_the_bound(settings, r, gate
         gateway.stop()
 
 
+async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
+    """redroll serve as the ``gateway`` ACL role (a worker as ``worker``): plain and keyed calls,
+    --max-queued's backlog reads, and not one denial in ACL LOG."""
+    import uuid
+
+    import redis
+
+    from redroll.shared.acl import setuser_args
+
+    server = start_test_server()
+    ns = "gwacl" + uuid.uuid4().hex[:6]
+    try:
+        admin = redis.Redis(port=server.port)
+        version = admin.info("server")["redis_version"]
+        users = {}
+        for role in ("gateway", "worker"):
+            password = uuid.uuid4().hex
+            admin.execute_command("ACL", "SETUSER", *setuser_args(f"{role}-{ns}", password, role, ns,
+                                                                  server_version=version))
+            users[role] = Settings(redis_url=server.url, namespace=ns, redis_username=f"{role}-{ns}",
+                                   redis_password=password)
+        gateway = Served(users["gateway"], "--max-queued", "100", log=gateway_log,
+                         REDROLL_REDIS_USERNAME=f"gateway-{ns}", REDROLL_REDIS_PASSWORD=users["gateway"].redis_password)
+        try:
+            async with running(Worker(users["worker"], CountingEngine(), max_inflight=8, block_ms=200)):
+                client = sdk(gateway)
+                plain = await client.completions.create(model="redroll", prompt="x", max_tokens=3)
+                keyed = await client.chat.completions.create(model="redroll", messages=CHAT, max_tokens=3,
+                                                             extra_headers={"Idempotency-Key": "acl-1"})
+                again = await client.chat.completions.create(model="redroll", messages=CHAT, max_tokens=3,
+                                                             extra_headers={"Idempotency-Key": "acl-1"})
+                assert plain.usage.completion_tokens == 3 and keyed.model_dump() == again.model_dump()
+                await asyncio.sleep(1.5)  # (a health ping that reads the backlog)
+        finally:
+            gateway.stop()
+        denials = [e for e in admin.acl_log(count=1000) if ns in str(e.get("username"))]
+        assert denials == []
+        admin.close()
+    finally:
+        server.stop()
+        shutil.rmtree(server.directory, ignore_errors=True)
+
+
 @needs_curl
 async def test_503_while_redis_is_unreachable(tmp_path, gateway_log):
     """A gateway whose Redis goes away answers 503 with Retry-After (and /health says so); one
