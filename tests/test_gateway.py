@@ -128,9 +128,10 @@ async def test_an_idempotent_retry_generates_nothing_twice(settings, gateway_log
             later = await b.completions.create(model="redroll", prompt="once", max_tokens=10, n=4, extra_headers=key)
             assert first.model_dump() == second.model_dump() == later.model_dump()
             assert sum(engine.started.values()) == 1
-            with pytest.raises(openai.UnprocessableEntityError) as refused:
-                await a.completions.create(model="redroll", prompt="another", max_tokens=10, extra_headers=key)
-            assert refused.value.body["param"] == "Idempotency-Key"
+            for other in ("another", ["once", "and more prompts"]):
+                with pytest.raises(openai.UnprocessableEntityError) as refused:
+                    await a.completions.create(model="redroll", prompt=other, max_tokens=10, extra_headers=key)
+                assert refused.value.body["param"] == "Idempotency-Key"
             assert sum(engine.started.values()) == 1  # (the reused key ran nothing)
             # without a key, each call is its own
             await a.completions.create(model="redroll", prompt="once", max_tokens=10)

@@ -186,12 +186,13 @@ class Gateway:
                                     f"{self.config.max_queued}); retry later", kind="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"})
 
-    async def records(self, requests: list[GenerationRequest], keyed_name: str | None) -> list[CompletionRecord]:
+    async def records(self, requests: list[GenerationRequest], keyed_name: str | None,
+                      body_fingerprint: str) -> list[CompletionRecord]:
         """The records of a call's requests, in order (a streaming stage yields chunks here instead)."""
         timeout = self.config.request_timeout_s
         if keyed_name is not None:
             assert self.keyed is not None
-            return await self.keyed.run(requests, keyed_name, timeout)
+            return await self.keyed.run(requests, keyed_name, timeout, body_fingerprint)
         futures = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
         try:
             return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
@@ -217,13 +218,10 @@ class Gateway:
         self.waiting += 1
         self.metrics.waiting.set(self.waiting)
         try:
-            records = await self.records(requests, keyed_name)
+            records = await self.records(requests, keyed_name, fp)
         finally:
             self.waiting -= 1
             self.metrics.waiting.set(self.waiting)
-        if key and any((rec.meta_info.get("gateway") or {}).get("fp") != fp for rec in records):
-            raise GatewayError(422, "this Idempotency-Key was used for a different body within the window",
-                               param="Idempotency-Key", code="idempotency_key_reused")
         prompts = prompt_token_ids(body)
         build = chat_response if kind is ChatBody else completion_response
         response = build(call_id, self.config.model_name, records, prompts)

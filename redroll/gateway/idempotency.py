@@ -2,8 +2,8 @@
 generates nothing twice, for the window (``--idempotency-window``).
 
 A keyed call's requests are named from the key (``i-<hash>-<i>``) and reply to a stream of their
-own, ``{ns}:reply:i-<hash>``, created (empty) with the call and expiring a window later. That stream
-is where the records stay: every replica can read it, so a retry attaches to a call that is still
+own, ``{ns}:reply:i-<hash>``, created with the call (its first entry, ``fp``, fingerprints the body
+that made it) and expiring a window later. That stream is where the records stay: every replica can read it, so a retry attaches to a call that is still
 running on a replica that died, or reads the records of one that finished.
 
 The submit is one optimistic transaction (``WATCH`` the reply stream, read it, ``MULTI``, submit
@@ -33,10 +33,6 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 
 from .protocol import GatewayError
 
-GROUP = "gateway"
-"""The group created with each keyed call's reply stream (``MKSTREAM``: it makes the empty stream
-that the window's expiry is set on; nobody reads through it)."""
-
 
 def call_name(idempotency_key: str, scope: str) -> str:
     """The call's name from its key, scoped by who sent it (one API key's calls never meet another's)."""
@@ -65,15 +61,17 @@ class KeyedCalls:
     def reply_stream(self, requests: list[GenerationRequest], name: str) -> str:
         return self.settings.keys_for(requests[0]).reply(name)
 
-    async def run(self, requests: list[GenerationRequest], name: str, timeout: float) -> list[CompletionRecord]:
+    async def run(self, requests: list[GenerationRequest], name: str, timeout: float,
+                  body_fingerprint: str) -> list[CompletionRecord]:
         """Each request's record, in order: read from the call's reply stream, or awaited there
-        after submitting what was not submitted yet."""
+        after submitting what was not submitted yet. A call whose stream says another body made it
+        is refused (422) before anything is submitted."""
         stream = self.reply_stream(requests, name)
         part = self.settings.keys_for(requests[0])
         for req in requests:
             req.reply_to = stream
         datas = {req.request_id: encode_request(req, self.settings.limits)["data"] for req in requests}
-        found, last_id = await self._submit_missing(stream, part, requests, datas)
+        found, last_id = await self._submit_missing(stream, part, requests, datas, body_fingerprint)
         wanted = {req.request_id for req in requests}
         deadline = time.monotonic() + timeout
         while not wanted <= found.keys():
@@ -89,7 +87,7 @@ class KeyedCalls:
         return [found[req.request_id] for req in requests]
 
     async def _submit_missing(self, stream: str, part: Keys, requests: list[GenerationRequest],
-                              datas: dict[str, bytes]) -> tuple[dict[str, CompletionRecord], str]:
+                              datas: dict[str, bytes], body_fingerprint: str) -> tuple[dict[str, CompletionRecord], str]:
         while True:
             async with self.redis.pipeline(transaction=True) as pipe:
                 try:
@@ -98,14 +96,21 @@ class KeyedCalls:
                     found: dict[str, CompletionRecord] = {}
                     for _, fields in entries:
                         _take(found, fields)
+                    made_by = next((text(f[b"fp"]) for _, f in entries if b"fp" in f), None)
+                    if made_by is not None and made_by != body_fingerprint:
+                        await pipe.reset()
+                        raise GatewayError(422, "this Idempotency-Key was used for a different body within the window",
+                                           param="Idempotency-Key", code="idempotency_key_reused")
                     last_id = text(entries[-1][0]) if entries else "0-0"
                     todo = [req for req in requests if req.request_id not in found]
                     if not todo:  # (every record is here: nothing to submit, the window is not extended)
                         await pipe.reset()
                         return found, last_id
                     pipe.multi()
-                    pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
+                    if made_by is None:  # (the call's first entry: which body made it; XADD creates the stream)
+                        pipe.xadd(stream, {"fp": body_fingerprint})
                     pipe.expire(stream, self.window_s)
+                    head = 2 if made_by is None else 1
                     by_stream: dict[str, list[GenerationRequest]] = {}
                     for req in todo:
                         by_stream.setdefault(request_stream(part, req), []).append(req)
@@ -118,14 +123,14 @@ class KeyedCalls:
                     replies = await pipe.execute(raise_on_error=False)
                 except redis.WatchError:
                     continue  # (a record landed: read again)
-            if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies[2:]):
+            if any(isinstance(r, redis.exceptions.NoScriptError) for r in replies[head:]):
                 await self.scripts.load_all()
                 continue
-            for reply in replies[2:]:
+            for reply in replies[head:]:
                 if isinstance(reply, Exception):
                     raise reply
             for req, reply in zip([r for reqs in by_stream.values() for r in reqs],
-                                  [item for rs in replies[2:] for item in rs]):
+                                  [item for rs in replies[head:] for item in rs]):
                 try:
                     Scripts.submit_outcome(req.request_id, reply)
                 except StreamRefusedError as exc:
