@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .keys import Keys
 
-ROLES = ("producer", "worker", "consumer", "operator")
+ROLES = ("producer", "worker", "consumer", "operator", "gateway")
 
 READ, WRITE, READ_WRITE = "%R~", "%W~", "~"
 
@@ -112,6 +112,13 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     wr = lambda *ks: tuple(WRITE + k for k in ks)  # noqa: E731
     scripts = ("fcall",)
 
+    if role == "gateway":  # (redroll serve: a producer of every reply stream, plus what keyed calls need)
+        root, *rest = role_grants("producer", keys, server_version=server_version, partitions=partitions)
+        return [Grant((*root.commands, "unwatch"), root.keys, root.why + "; UNWATCH (ends a keyed call's WATCH)"),
+                *rest,
+                Grant(("watch", "xread"), rw(replies),
+                      "a keyed call's reply stream: WATCH it around the submit, XREAD its records"),
+                Grant(("xlen",), rd(requests, requests_high, lanes), "--max-queued: the pipeline's backlog")]
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners
