@@ -284,11 +284,13 @@ async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
     import redis
 
     from redroll.shared.acl import setuser_args
+    from redroll.shared.functions import LIBRARY_SOURCE
 
     server = start_test_server()
     ns = "gwacl" + uuid.uuid4().hex[:6]
     try:
         admin = redis.Redis(port=server.port)
+        admin.function_load(LIBRARY_SOURCE, replace=True)  # (the roles may not: an administrator loads it)
         version = admin.info("server")["redis_version"]
         users = {}
         for role in ("gateway", "worker"):
