@@ -29,7 +29,7 @@ import msgspec
 from redroll.shared.types import GenerationRequest, SamplingParams
 
 from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_extras
-from .text import cut_at_stop, sample_text
+from .text import find_stop, sample_text
 
 SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
                    "claim", "batch", "model", "weight", "prompt", "sample", "redis", "done")
@@ -106,7 +106,7 @@ class SyntheticEngine:
                     return ids[: j + 1], lps[: j + 1], "stop"
                 if sp.stop:
                     text += _WORDS.decode([t])
-                    if cut_at_stop(text, sp.stop)[1]:
+                    if find_stop(text, sp.stop) is not None:
                         return ids[: j + 1], lps[: j + 1], "stop"
         return ids, lps, "length"
 
