@@ -36,11 +36,14 @@ SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply
 """What the synthetic engine's token ids read as (``t % 16``, each after a space)."""
 
 
+_SPACED = tuple(" " + word for word in SYNTHETIC_WORDS)
+
+
 class SyntheticWords:
     """The synthetic engine's detokenizer: ``decode([1, 18])`` is ``" queue worker"``."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(" " + SYNTHETIC_WORDS[t % len(SYNTHETIC_WORDS)] for t in ids)
+        return "".join([_SPACED[t & 15] for t in ids])  # (ids are never negative: t & 15 is t % 16)
 
 
 _WORDS = SyntheticWords()
