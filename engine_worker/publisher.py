@@ -18,8 +18,10 @@ from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
+from redroll.shared.durability import Durability
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, raising_first_error, refusal
+from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -59,8 +61,10 @@ class Publisher(Coalescer[list[_Queued]]):
     """Queued items are groups of finishes (one request's, or a whole batch's), each with one future."""
 
     def __init__(self, redis_client: Redis, scripts: Scripts, consumer: str, worker: str, max_batch: int = 256,
-                 max_call_bytes: int = 1 << 20):
+                 max_call_bytes: int = 1 << 20, durability: Durability = Durability()):
         super().__init__(max_batch)
+        self.durability = durability
+        """What a flush waits for after its finishes (replicas: see redroll.shared.durability)."""
         self.redis = redis_client
         self.scripts = scripts
         self.consumer = consumer
@@ -111,6 +115,8 @@ class Publisher(Coalescer[list[_Queued]]):
                     fut.set_exception(exc)
             return
         self.flushes += 1
+        await leave_demoted_primary(self.redis, [x.decode() if isinstance(x, bytes) else x
+                                                 for reply in replies for x in reply if isinstance(x, (bytes, str))])
         for items, reply in zip(calls, replies):
             for item, outcome in zip(items, reply):
                 # (a refusal of this item's reply stream, or 1 published / 2 published by an earlier
@@ -136,8 +142,9 @@ class Publisher(Coalescer[list[_Queued]]):
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
                                                         i.encoded, i.finish.cap, i.finish.partial_key)
                                                        for i in items])
+                self.durability.queue(pipe)
                 try:
-                    return raising_first_error(await pipe.execute(raise_on_error=False))
+                    return raising_first_error(self.durability.checked(await pipe.execute(raise_on_error=False)))
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:
                         raise
