@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import redis
 
+from redroll import cli_sentinel
 from redroll.runtime import run as run_async_main
 from redroll.shared.connection import RedisConfigError, connect, describe_error
 from redroll.shared.lanes import LanesMismatchError
@@ -22,7 +23,8 @@ from redroll.shared.settings import Settings
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (also REDROLL_* environment variables)")
     g.add_argument("--redis-url", default=argparse.SUPPRESS,
-                   help="redis://, rediss:// or unix:// URL (env REDROLL_REDIS_URL)")
+                   help="redis://, rediss://, unix:// or redis+sentinel://host:port,.../master URL "
+                        "(env REDROLL_REDIS_URL)")
     g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
     g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
                    help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
@@ -45,6 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(env REDROLL_TLS_CERT_FILE)")
     g.add_argument("--tls-key-file", default=argparse.SUPPRESS,
                    help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")
+    cli_sentinel.add_arguments(g)
     g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
                    help="log level (env REDROLL_LOG_LEVEL; default info)")
     g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
@@ -359,7 +362,7 @@ def parse_key_values(pairs: Sequence[str], flag: str = "--sglang-arg") -> dict[s
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("redis_url", "namespace", "partitions", "affinity_lanes", "steal_after_ms", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
-            "tls_key_file")
+            "tls_key_file", *cli_sentinel.SETTINGS)
     overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return Settings.from_env(**overrides)

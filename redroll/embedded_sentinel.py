@@ -113,6 +113,7 @@ def start_sentinel_group(replicas: int = 1, sentinels: int = 3, *extra: str, mas
     replicas are in sync and every sentinel knows every replica and the other sentinels."""
     nodes: list[RedisServer] = []
     watchers: list[RedisServer] = []
+    extra = ("--repl-diskless-sync-delay", "0", *extra)  # (a replica syncs at once, not after 5 s)
     group = SentinelGroup(nodes, watchers, master, executable, tuple(extra))
     try:
         nodes.append(start_redis_server(*extra, executable=executable))
