@@ -142,9 +142,8 @@ class Publisher(Coalescer[list[_Queued]]):
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
                                                         i.encoded, i.finish.cap, i.finish.partial_key)
                                                        for i in items])
-                self.durability.queue(pipe)
                 try:
-                    return raising_first_error(self.durability.checked(await pipe.execute(raise_on_error=False)))
+                    return raising_first_error(await self.durability.execute(pipe))
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:
                         raise

@@ -839,9 +839,8 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                 scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
                     (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
                      items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
-            durability.queue(pipe)
             try:
-                replies = raising_first_error(durability.checked(await pipe.execute(raise_on_error=False)))
+                replies = raising_first_error(await durability.execute(pipe))
                 break
             except redis.exceptions.NoScriptError:
                 if attempt == 2:

@@ -4,10 +4,13 @@ benchmarks, trying a failover by hand)."""
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ class SentinelGroup:
     extra: tuple[str, ...] = ()
     killed: list[int] = field(default_factory=list)
     """Ports of data nodes SIGKILLed by :meth:`kill_primary` and not restarted."""
+    proxies: list["DelayProxy"] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -99,6 +103,8 @@ class SentinelGroup:
                 time.sleep(0.05)
 
     def stop(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()
         for server in [*self.sentinels, *self.nodes]:
             server.stop()
         for server in [*self.sentinels, *self.nodes]:
@@ -107,19 +113,32 @@ class SentinelGroup:
 
 def start_sentinel_group(replicas: int = 1, sentinels: int = 3, *extra: str, master: str = "mymaster",
                          down_after_ms: int = 1000, failover_timeout_ms: int = 5000,
-                         executable: str | None = None, timeout: float = 30.0) -> SentinelGroup:
+                         executable: str | None = None, timeout: float = 30.0,
+                         replica_delay_ms: float = 0) -> SentinelGroup:
     """Start a primary, ``replicas`` replicas of it and ``sentinels`` sentinels (quorum: a
     majority) that fail over ``down_after_ms`` after the primary stops answering. Returns once the
-    replicas are in sync and every sentinel knows every replica and the other sentinels."""
+    replicas are in sync and every sentinel knows every replica and the other sentinels.
+
+    ``replica_delay_ms`` > 0: each replica reads the replication stream through a proxy that
+    hands it on that much later (a replica behind its primary, as across zones); what the proxy
+    holds when the primary dies never reaches the replica. (The failover timeout is then at least
+    20 s: a sentinel points a replica whose master is not the primary it knows at the primary
+    directly, bypassing the proxy, once that has lasted the failover timeout.)"""
     nodes: list[RedisServer] = []
     watchers: list[RedisServer] = []
     extra = ("--repl-diskless-sync-delay", "0", *extra)  # (a replica syncs at once, not after 5 s)
     group = SentinelGroup(nodes, watchers, master, executable, tuple(extra))
+    if replica_delay_ms:
+        failover_timeout_ms = max(failover_timeout_ms, 20_000)
     try:
         nodes.append(start_redis_server(*extra, executable=executable))
         primary = nodes[0].port
         for _ in range(replicas):
-            nodes.append(start_redis_server("--replicaof", "127.0.0.1", str(primary), *extra,
+            upstream = primary
+            if replica_delay_ms:
+                group.proxies.append(DelayProxy(primary, replica_delay_ms / 1000))
+                upstream = group.proxies[-1].port
+            nodes.append(start_redis_server("--replicaof", "127.0.0.1", str(upstream), *extra,
                                             executable=executable))
         deadline = time.monotonic() + timeout
         _wait(lambda: all(_link_up(n.port) for n in nodes[1:]), "replication", deadline)
@@ -178,3 +197,69 @@ def _wait(ready, what: str, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"sentinel group: {what} not done in time")
         time.sleep(0.1)
+
+
+class DelayProxy:
+    """A TCP proxy on a loopback port to ``upstream``: what upstream sends reaches the client
+    ``delay_s`` later, what the client sends goes at once. When upstream closes, the client's
+    connection closes at once too, and what was still held is dropped."""
+
+    def __init__(self, upstream: int, delay_s: float):
+        self.upstream, self.delay_s = upstream, delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                continue
+            held: queue.Queue = queue.Queue()
+            threading.Thread(target=self._read_upstream, args=(server, client, held), daemon=True).start()
+            threading.Thread(target=self._hand_on, args=(client, held), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _read_upstream(self, server: socket.socket, client: socket.socket, held: queue.Queue) -> None:
+        try:
+            while data := server.recv(65536):
+                held.put((time.monotonic() + self.delay_s, data))
+        except OSError:
+            pass
+        held.put(None)
+        _shut(client)  # (upstream gone: what is held never arrives)
+        _shut(server)
+
+    @staticmethod
+    def _hand_on(client: socket.socket, held: queue.Queue) -> None:
+        while (item := held.get()) is not None:
+            due, data = item
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                client.sendall(data)
+            except OSError:
+                return
+
+    @staticmethod
+    def _pump(client: socket.socket, server: socket.socket) -> None:
+        try:
+            while data := client.recv(65536):
+                server.sendall(data)
+        except OSError:
+            pass
+        _shut(server)
+
+    def close(self) -> None:
+        self._closed = True
+        _shut(self._listener)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

@@ -15,6 +15,8 @@ error                          also a                          raised when
 ``NewerSchemaError``           ``ValidationError``             an entry was written for a newer schema
 ``DuplicateRequestError``      ``RuntimeError``                a request_id is already queued or done
 ``StreamRefusedError``         ``redis.ResponseError``         Redis refused a write to a stream
+``ReplicasBehindError``        ``redis.ConnectionError``       fewer replicas than ``wait_replicas`` confirmed
+                                                               a write in time (it is sent again)
 ``LanesMismatchError``         ``RuntimeError``                a process's affinity lanes differ from the
                                                                pipeline's
 ``BeforeAckError``             ``RuntimeError``                a record was lost before the producer acked
@@ -54,6 +56,7 @@ _DEFINED_IN = {
     "NewerSchemaError": "redroll.shared.codec",
     "DuplicateRequestError": "redroll.shared.scripts",
     "StreamRefusedError": "redroll.shared.refusals",
+    "ReplicasBehindError": "redroll.shared.durability",
     "LanesMismatchError": "redroll.shared.lanes",
     "BeforeAckError": "redroll.producer.client",
     "WeightSyncError": "redroll.producer.weight_sync",

@@ -25,12 +25,17 @@ import redis
 
 from redroll.errors import RedrollError
 
+from .sentinel import leave_demoted_primary
 from .settings import Settings
 
 
 class ReplicasBehindError(RedrollError, redis.ConnectionError):
     """Fewer replicas than ``wait_replicas`` acknowledged a write within ``wait_timeout_ms``: it
     may not survive a failover, so it is not reported done (its caller sends it again)."""
+
+
+class _DemotedPrimary(redis.ConnectionError):
+    """The wait reached a replica: the connection is to a primary that was demoted."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,19 @@ class Durability:
         """Add the wait to ``pipe`` after the write(s) queued in it (nothing when off)."""
         if self.waits:
             pipe.execute_command(*self.command())
+
+    async def execute(self, pipe: Any) -> list:
+        """Send ``pipe`` (its writes queued, not yet the wait) with the wait last, as
+        ``pipe.execute(raise_on_error=False)``; returns the writes' replies (see :meth:`checked`).
+        A connection that turns out to reach a replica (a demoted primary) is dropped, with the
+        rest of a Sentinel client's pool, so that the retry looks the primary up again."""
+        self.queue(pipe)
+        replies = await pipe.execute(raise_on_error=False)
+        try:
+            return self.checked(replies)
+        except _DemotedPrimary as exc:
+            await leave_demoted_primary(pipe, [str(exc.__cause__)])
+            raise
 
     def checked(self, replies: list) -> list:
         """``replies`` of a pipeline given :meth:`queue` (executed with ``raise_on_error=False``),
@@ -98,10 +116,9 @@ class Durability:
             pipe.execute_command("MULTI")
             fill(pipe)
             pipe.execute_command("EXEC")
-            self.queue(pipe)
-            replies = await pipe.execute(raise_on_error=False)
-        done = replies[-2]
-        for reply in replies[:-2]:  # (a command refused while queued: Redis then aborts the EXEC)
+            replies = await self.execute(pipe)
+        done = replies[-1]
+        for reply in replies[:-1]:  # (a command refused while queued: Redis then aborts the EXEC)
             if isinstance(reply, Exception):
                 raise reply
         if isinstance(done, Exception):
@@ -109,7 +126,6 @@ class Durability:
         for reply in done:
             if isinstance(reply, Exception):
                 raise reply
-        self.checked([done, replies[-1]])
         return done
 
     def _refused(self, error: Exception) -> Exception:
@@ -121,7 +137,9 @@ class Durability:
                 f"wait_aof (REDROLL_WAIT_AOF) needs WAITAOF on a primary with appendonly yes "
                 f"(Redis 7.2+ or Valkey 8): the server answered {message!r}")
         if "replica" in message.lower():  # "WAIT cannot be used with replica instances": a demoted primary
-            return redis.ConnectionError(f"the primary was demoted to a replica ({message}); reconnecting")
+            demoted = _DemotedPrimary(f"the primary was demoted to a replica ({message}); reconnecting")
+            demoted.__cause__ = error
+            return demoted
         return error
 
     async def check_server(self, client: Any) -> None:

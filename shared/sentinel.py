@@ -171,10 +171,11 @@ def connect_sentinel_sync(settings: Settings, data_kwargs: dict[str, Any], retry
 
 
 async def leave_demoted_primary(client: Any, refusals: list[str]) -> None:
-    """After a script's per-item refusal READONLY (a script answers it as a value, not an error
-    reply, so redis-py does not see it): a Sentinel client drops its connections, and the next
-    ones ask the sentinels for the primary again. (The write is retried by its caller.)"""
+    """After a refusal that says the server is a replica (a script's per-item READONLY, which a
+    script answers as a value, not an error reply, so redis-py does not see it; WAIT's "cannot be
+    used with replica instances"): a Sentinel client (or pipeline) drops its pool's connections,
+    and the next ones ask the sentinels for the primary again. (The write is retried by its caller.)"""
     pool = getattr(client, "connection_pool", None)
-    if isinstance(pool, SentinelConnectionPool) and any(r.startswith("READONLY") or ": READONLY" in r
-                                                         for r in refusals):
+    if isinstance(pool, SentinelConnectionPool) and any(
+            r.startswith("READONLY") or ": READONLY" in r or "replica instances" in r for r in refusals):
         await pool.disconnect()

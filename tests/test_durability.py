@@ -116,7 +116,8 @@ async def test_a_submit_no_replica_confirmed_is_not_accepted_and_its_retry_is_re
                                                                                           namespace):
     primary, replica = primary_and_replica
     await _in_sync(replica.port)
-    settings = Settings(redis_url=primary.url, namespace=namespace, wait_replicas=1, wait_timeout_ms=200)
+    # (generous timeouts where the replica is there: a loaded machine may take a while to answer)
+    settings = Settings(redis_url=primary.url, namespace=namespace, wait_replicas=1, wait_timeout_ms=5000)
     r = connect(settings)
     scripts = Scripts(r)
     try:
@@ -128,7 +129,7 @@ async def test_a_submit_no_replica_confirmed_is_not_accepted_and_its_retry_is_re
         await redis.asyncio.Redis(port=replica.port).replicaof("NO", "ONE")
         req2 = make_request(request_id="r2", prompt="p")
         with pytest.raises(ReplicasBehindError, match="0 of 1 replica"):
-            await submit_batch(r, scripts, settings, [(req2, b"payload", "token-2")])
+            await submit_batch(r, scripts, settings.with_(wait_timeout_ms=200), [(req2, b"payload", "token-2")])
         # The replica is back: the same submit sent again (same token) is recognised, not doubled.
         await redis.asyncio.Redis(port=replica.port).replicaof("127.0.0.1", primary.port)
         await _in_sync(replica.port)
@@ -145,7 +146,7 @@ async def test_the_consumer_ack_transaction_waits_and_raises_what_the_multi_refu
     await _in_sync(replica.port)
     r = connect(Settings(redis_url=primary.url))
     try:
-        d = Durability(1, 200)
+        d = Durability(1, 5000)
 
         def fill(pipe):
             pipe.sadd(f"{namespace}:set", "a", "b")
