@@ -51,7 +51,7 @@ class ConnectionUnavailableError(RedrollError, ConnectionError):
 
 
 _DEFINED_IN = {
-    "RedisConfigError": "redroll.shared.connection",
+    "RedisConfigError": "redroll.shared.config_error",
     "ValidationError": "redroll.shared.codec",
     "NewerSchemaError": "redroll.shared.codec",
     "DuplicateRequestError": "redroll.shared.scripts",

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 
-from redroll.errors import ConnectionUnavailableError, RedrollError
+from redroll.errors import ConnectionUnavailableError
 
 try:
     import hiredis
@@ -20,6 +20,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from .config_error import RedisConfigError
 from .durability import Durability
 from .sentinel import (
     SENTINEL_SCHEMES,
@@ -31,10 +32,6 @@ from .sentinel import (
 from .settings import Settings
 
 T = TypeVar("T")
-
-
-class RedisConfigError(RedrollError, RuntimeError):
-    """The Redis settings cannot work (bad URL, unreadable password file, ...)."""
 
 
 def redact(url: str) -> str:

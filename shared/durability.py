@@ -25,6 +25,7 @@ import redis
 
 from redroll.errors import RedrollError
 
+from .config_error import RedisConfigError
 from .sentinel import leave_demoted_primary
 from .settings import Settings
 
@@ -129,8 +130,6 @@ class Durability:
         return done
 
     def _refused(self, error: Exception) -> Exception:
-        from .connection import RedisConfigError
-
         message = str(error)
         if self.aof and ("unknown command" in message.lower() or "appendonly" in message.lower()):
             return RedisConfigError(

@@ -36,6 +36,7 @@ from redis.asyncio.sentinel import (
 )
 from redis.sentinel import Sentinel as SyncSentinel
 
+from .config_error import RedisConfigError
 from .settings import Settings
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -59,8 +60,6 @@ class SentinelAddress:
 def parse_sentinel_url(url: str) -> SentinelAddress:
     """The sentinels, master name, db and TLS of ``url``; a URL that cannot work raises
     :class:`~redroll.errors.RedisConfigError` naming what is wrong."""
-    from .connection import RedisConfigError
-
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in SENTINEL_SCHEMES:
         raise RedisConfigError(f"redis URL {url!r} is not a redis+sentinel:// or rediss+sentinel:// URL")
@@ -87,8 +86,6 @@ def parse_sentinel_url(url: str) -> SentinelAddress:
 
 
 def _host_port(item: str, url: str) -> tuple[str, int]:
-    from .connection import RedisConfigError
-
     if not item:
         raise RedisConfigError(f"redis URL {url!r} names an empty sentinel address")
     if item.startswith("["):  # [ipv6]:port
@@ -116,8 +113,6 @@ def sentinel_connection_kwargs(settings: Settings, address: SentinelAddress, dat
                                ) -> dict[str, Any]:
     """How to talk to the sentinels themselves: their own credentials, the same TLS files and
     socket timeouts as the primary."""
-    from .connection import RedisConfigError
-
     kw: dict[str, Any] = {k: v for k, v in data_kwargs.items() if k.startswith("socket_")}
     kw["decode_responses"] = False
     if settings.sentinel_username:
