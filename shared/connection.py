@@ -17,8 +17,10 @@ try:
 except ImportError:  # redis-py works without it, only slower
     hiredis = None  # type: ignore[assignment]
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
 from .config_error import RedisConfigError
 from .durability import Durability
@@ -27,6 +29,7 @@ from .sentinel import (
     connect_sentinel,
     connect_sentinel_sync,
     is_sentinel_url,
+    parse_sentinel_url,
     redact_sentinel_url,
 )
 from .settings import Settings
@@ -272,6 +275,11 @@ def describe_error(exc: BaseException, settings: Settings) -> str:
     if "CERTIFICATE_REQUIRED" in str(exc):
         return (f"redis at {url} requires a TLS client certificate (set REDROLL_TLS_CERT_FILE and "
                 f"REDROLL_TLS_KEY_FILE): {exc}")
+    if isinstance(exc, (MasterNotFoundError, SyncMasterNotFoundError)):
+        # (redis-py's message spells out every sentinel client; the last part is what failed)
+        return (f"cannot reach redis at {url}: no sentinel names a primary "
+                f"{parse_sentinel_url(settings.redis_url).master!r} (check the sentinels' addresses, the master "
+                f"name and REDROLL_SENTINEL_USERNAME / REDROLL_SENTINEL_PASSWORD): {str(exc).rpartition(' - ')[2]}")
     if isinstance(exc, (redis.ConnectionError, OSError)):
         return f"cannot reach redis at {url}: {exc}"
     if isinstance(exc, RedisConfigError):

@@ -15,6 +15,7 @@ import redis
 
 from redroll.embedded_sentinel import SentinelGroup, start_sentinel_group
 from redroll.producer.client import Producer
+from redroll.shared.connection import connect_sync
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
 
@@ -127,6 +128,11 @@ async def test_a_demoted_primary_is_left_and_the_cli_reads_through_the_sentinels
             await wait_until(lambda: demoted.info("replication")["role"] == "slave", timeout=30)
         second = await p.submit_many([dict(request_id=f"b-{i}", prompt=str(i)) for i in range(50)])
         assert {r.status for r in await asyncio.wait_for(asyncio.gather(*second), 60)} == {RecordStatus.FINISHED}
+    sync = connect_sync(s)  # (the blocking client reads through the sentinels too)
+    try:
+        assert sync.info("replication")["role"] == "master"  # the new primary
+    finally:
+        sync.close()
     status = subprocess.run([sys.executable, "-m", "redroll.cli", "status", "--json"], cwd=ROOT,
                             env=redroll_env(s), capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
@@ -139,4 +145,5 @@ def test_a_sentinel_url_that_reaches_no_sentinel_fails_in_one_line(namespace):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "redis+sentinel://127.0.0.1:1/mymaster" in out.stderr and "Traceback" not in out.stderr
+    assert "no sentinel names a primary 'mymaster'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
