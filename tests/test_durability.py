@@ -163,6 +163,20 @@ async def test_the_consumer_ack_transaction_waits_and_raises_what_the_multi_refu
         await r.aclose()
 
 
+async def test_a_wait_that_reaches_a_replica_is_a_connection_error(primary_and_replica):
+    """A connection left on a demoted primary: the wait (WAIT refuses to run on a replica) raises a
+    connection error, which every write path retries (a Sentinel client's pool is dropped first)."""
+    _primary, replica = primary_and_replica
+    r = connect(Settings(redis_url=replica.url))
+    try:
+        async with r.pipeline(transaction=False) as pipe:
+            pipe.get("anything")
+            with pytest.raises(redis.ConnectionError, match="demoted to a replica"):
+                await Durability(1, 100).execute(pipe)
+    finally:
+        await r.aclose()
+
+
 async def test_wait_aof_is_refused_at_start_where_the_server_cannot_honour_it(redis_server, namespace):
     settings = Settings(redis_url=redis_server.url, namespace=namespace, wait_aof=True)
     r = connect(settings)
