@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
+from redroll.shared.durability import Durability
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
@@ -116,6 +117,7 @@ class ConsumerRunner:
         ``on_applied(records)``: called with the records of each batch once acked, those applied now
         and those the group had applied before (skipped as duplicates)."""
         self.settings = settings
+        self.durability = Durability.of(settings)
         self.keys: Keys = settings.keys
         self.group = group
         parts = settings.partition_keys
@@ -474,12 +476,15 @@ class ConsumerRunner:
         now = time.time()
         bucket_key = part.applied(self.group, int(now // window))
         expire_at = (int(now // window) + 2) * window
-        async with self.redis.pipeline(transaction=True) as pipe:
+
+        def fill(pipe: Any) -> None:
             if applied:
                 pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
-            await pipe.execute()
+
+        # (with wait_replicas, acknowledged once the replicas have it: see redroll.shared.durability)
+        await self.durability.transaction(self.redis, fill)
         self.stats.applied += len(applied)
         for i in applied:
             self._last_errors.pop(f"{stream}/{i.entry_id}", None)

@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from redroll.shared.batcher import CommandBatcher
+from redroll.shared.durability import Durability
 from redroll.shared.keys import Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
@@ -72,7 +73,8 @@ class WorkerContext:
         """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
         self.scripts = Scripts(self.redis)
         self.batcher = CommandBatcher(self.redis)
-        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
+        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name,
+                                   durability=Durability.of(self.settings))
         # Claiming order: every partition's high-priority stream, its lanes, then every normal one.
         self.request_streams = ([k.requests_high for k in self.parts] + [s for k in self.parts for s in k.lane_streams]
                                 + [k.requests for k in self.parts])

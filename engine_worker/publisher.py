@@ -18,8 +18,10 @@ from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
+from redroll.shared.durability import Durability
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
+from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -60,8 +62,10 @@ class Publisher(Coalescer[list[_Queued]]):
     """Queued items are groups of finishes (one request's, or a whole batch's), each with one future."""
 
     def __init__(self, redis_client: Redis, scripts: Scripts, consumer: str, worker: str, max_batch: int = 256,
-                 max_call_bytes: int = 1 << 20):
+                 max_call_bytes: int = 1 << 20, durability: Durability = Durability()):
         super().__init__(max_batch)
+        self.durability = durability
+        """What a flush waits for after its finishes (replicas: see redroll.shared.durability)."""
         self.redis = redis_client
         self.scripts = scripts
         self.consumer = consumer
@@ -112,6 +116,8 @@ class Publisher(Coalescer[list[_Queued]]):
                     fut.set_exception(exc)
             return
         self.flushes += 1
+        await leave_demoted_primary(self.redis, [x.decode() if isinstance(x, bytes) else x
+                                                 for reply in replies for x in reply if isinstance(x, (bytes, str))])
         for items, reply in zip(calls, replies):
             for item, outcome in zip(items, reply):
                 # (a refusal of this item's reply stream, or 1 published / 2 published by an earlier
@@ -139,7 +145,7 @@ class Publisher(Coalescer[list[_Queued]]):
                                                         i.encoded, i.finish.cap, i.finish.partial_key)
                                                        for i in items])
                 try:
-                    return call_replies(await pipe.execute(raise_on_error=False),
+                    return call_replies(await self.durability.execute(pipe),
                                         [finish_refused(len(items)) for items in calls])
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:

@@ -66,14 +66,15 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def connection_commands(server_version: str | None = None) -> tuple[str, ...]:
     """What every redis-py client sends outside its own calls.
 
-    PING: connection health checks. CLIENT SETINFO: redis-py announces its library name and
+    PING: connection health checks. WAIT (WAITAOF from 7.2): ``wait_replicas`` (see
+    redroll.shared.durability). CLIENT SETINFO: redis-py announces its library name and
     version on connect (Redis 7.2+ and Valkey; 7.0 does not know the subcommand and refuses it in
     an ACL rule, so it is left out for ``server_version`` < 7.2; redis-py ignores the refusal).
     AUTH and HELLO need no grant.
     """
-    cmds = ["ping"]
+    cmds = ["ping", "wait"]
     if server_version is None or _version_tuple(server_version) >= (7, 2):
-        cmds.append("client|setinfo")
+        cmds += ["client|setinfo", "waitaof"]
     return tuple(cmds)
 
 
