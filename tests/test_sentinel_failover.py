@@ -16,6 +16,7 @@ import redis
 from redroll.embedded_sentinel import SentinelGroup, start_sentinel_group
 from redroll.producer.client import Producer
 from redroll.shared.connection import connect_sync
+from redroll.shared.functions import LIBRARY
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
 
@@ -74,6 +75,13 @@ async def test_sigkill_of_the_primary_mid_run_with_wait_replicas_loses_nothing_a
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 failover["applied_at_kill"] = len(read_jsonl(applied))
+                # The function library the processes call replicated: the replica that takes over has it.
+                primary = group.primary_port()
+                for node in group.nodes:
+                    if node.port != primary:
+                        with redis.Redis(port=node.port) as replica:
+                            names = [lib[lib.index(b"library_name") + 1] for lib in replica.function_list()]
+                            assert names == [LIBRARY.encode()], names
                 old = await asyncio.to_thread(group.kill_primary)
                 await asyncio.to_thread(group.wait_for_failover, old)
                 failover["seconds"] = loop.time() - started
