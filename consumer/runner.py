@@ -25,10 +25,11 @@ from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
+from redroll.shared.events import EventLog, add_events
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
-from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.scripts import DeadLetter, Scripts, raising_first_error
 from redroll.shared.settings import Settings
 from redroll.shared.streams import (
     READ_BYTES,
@@ -149,7 +150,7 @@ class ConsumerRunner:
     async def run(self) -> None:
         if self._redis is None:
             self._redis = connect(self.settings)
-        self.scripts = Scripts(self.redis)
+        self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
         await reach(self.redis, self.settings)
         await self._ensure_groups()
         await open_connections(self.redis, 4)  # (a blocking read, a batch's markers and acks, reclaim, trim)
@@ -422,12 +423,18 @@ class ConsumerRunner:
         now = time.time()
         bucket_key = part.applied(self.group, int(now // window))
         expire_at = (int(now // window) + 2) * window
+        events = self.scripts.events
         async with self.redis.pipeline(transaction=True) as pipe:
             if applied:
                 pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
-            await pipe.execute()
+            if events is not None:  # (each request's event log: same hash tag; its refusal fails nothing)
+                add_events(pipe, events, [(part.events(i.record.request_id),  # type: ignore[union-attr]
+                                           {"ev": "applied", "group": self.group, "consumer": self.name})
+                                          for i in applied])
+            marked = 3 if applied else 1
+            raising_first_error((await pipe.execute(raise_on_error=False))[:marked])
         self.stats.applied += len(applied)
         for i in applied:
             self._last_errors.pop(f"{stream}/{i.entry_id}", None)

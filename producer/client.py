@@ -32,6 +32,7 @@ from redroll.shared.codec import (
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
+from redroll.shared.events import EventLog
 from redroll.shared.keys import PRODUCER_GROUP, Keys, lane_index
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
@@ -202,7 +203,7 @@ class Producer:
     async def start(self) -> "Producer":
         if self._redis is None:
             self._redis = connect(self.settings)
-        self.scripts = Scripts(self._redis)
+        self.scripts = Scripts(self._redis, EventLog.from_settings(self.settings))
         await reach(self._redis, self.settings)
         await open_connections(self._redis, 4)  # (its reply and dead-letter readers block; submits, acks)
         await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
@@ -766,7 +767,7 @@ async def send_each(
     reply_to: str | None = None,
 ) -> list[str | DuplicateRequestError | StreamRefusedError]:
     """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
-    scripts = Scripts(redis_client)
+    scripts = Scripts(redis_client, EventLog.from_settings(settings))
     prepared = []
     for req in requests:
         part = settings.keys_for(req)

@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
 
+    from redroll import trace_command
+    trace_command.add_parser(sub)
+
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
     p.add_argument("request_ids", nargs="*", help="request ids to abort")
@@ -808,6 +811,11 @@ _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """A Hugging Face Hub repo id, ``ORG/NAME`` (SGLang and vLLM take one for a model directory)."""
 
 
+def _trace_run(args: argparse.Namespace) -> Any:
+    from redroll import trace_command
+    return trace_command.run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from redroll.logs import setup_logging
 
@@ -853,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = {"worker": _run_worker, "consume": _run_consume, "status": _run_status, "exporter": _run_exporter,
                   "abort": _run_abort,
                   "weights": _run_weights, "drain": _run_drain, "repair": _run_repair, "lanes": _run_lanes,
-                  "dead": _run_dead, "gc": _run_gc}
+                  "dead": _run_dead, "gc": _run_gc, "trace": _trace_run}
         return run_async_main(runner[args.command](args))
     except KeyboardInterrupt:
         return 130

@@ -99,6 +99,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     partial = f"{pt}:partial:*"
+    events = f"{pt}:events:*"
     finished = f"{pt}:finished:*"
     replies = f"{pt}:reply:*"
     wsync = f"{t}:wsync:*"
@@ -112,12 +113,13 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, results, dead),
+            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, results, dead, events),
                   "connection upkeep; MULTI/EXEC (acks, abort, weight update); the Lua scripts submit, "
                   "cancel_queued and dead_letter with the keys they are given (checked read+write)"),
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
+            Grant(("xadd", "expire"), wr(events), "the request's event log: its submit (submit_many.lua)"),
             Grant(("get", "set", "mget", "del"), rw(rid),
                   "submit de-duplication keys: set with the XADD, read to find a queued request, "
                   "deleted when a queued request is cancelled"),
@@ -140,7 +142,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "worker":
         return [
             Grant((*conn, "multi", "exec", *scripts, "eval", "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, partial, finished, results, replies, dead),
+                  rw(requests, requests_high, lanes, rid, partial, finished, results, replies, dead, events),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the Lua scripts finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete-consumer-if-empty (EVAL) with their keys; SCAN ... TYPE stream for reply "
@@ -160,6 +162,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
+            Grant(("xadd", "expire", "xrevrange", "xdel"), rw(events),
+                  "requests' event logs: deliveries (pipelined with claims), checkpoints (a save replaces the "
+                  "one just before it: XREVRANGE, XDEL), finishes and dead letters (in their scripts)"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
@@ -177,7 +182,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         source = glob_escape(stream) if stream else results
         applied = f"{pt}:applied:{glob_escape(group)}:*" if group else f"{pt}:applied:*"
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
+            Grant((*conn, "multi", "exec", *scripts), rw(source, dead, events),
                   "connection upkeep; MULTI/EXEC (mark applied + ack); the Lua scripts dead_letter and "
                   "renew with their keys"),
             Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xclaim", "xack", "xinfo|groups",
@@ -186,14 +191,15 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "callback (renew.lua), ack, trim below what every group acked (XINFO GROUPS, XTRIM MINID)"),
             Grant(("xadd",), wr(dead), "dead-letter records that cannot be applied"),
             Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
+            Grant(("xadd", "expire"), wr(events), "requests' event logs: which group applied each record"),
         ]
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")
         return [
             Grant((*conn, "info"), (), "connection upkeep; INFO memory (status reports a Redis out of memory)"),
             Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
-                   "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(*everything),
-                  "read-only: redroll status, dead list, weights show, and the README's redis-cli "
+                   "hgetall", "hget", "hlen", "zcard", "ttl", "type", "exists", "get", "getrange"), rd(*everything),
+                  "read-only: redroll status, dead list, weights show, trace, and the README's redis-cli "
                   "inspection commands; nothing that writes"),
         ]
     raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")

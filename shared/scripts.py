@@ -18,8 +18,10 @@ from redroll.errors import RedrollError
 
 from .codec import encode_record
 from .connection import is_cluster, large_argument
-from .keys import finish_marker_key
+from .events import EventLog, record_summary, script_args
+from .keys import events_key, finish_marker_key
 from .refusals import StreamRefusedError
+from .streams import text
 from .types import CompletionRecord
 
 
@@ -161,8 +163,10 @@ class Scripts:
     """Registered scripts on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
 
-    def __init__(self, redis: Redis):
+    def __init__(self, redis: Redis, events: EventLog | None = None):
         self.redis = redis
+        self.events = events
+        """The per-request event log the scripts append to (None: off; see shared/events.py)."""
         self._dead = redis.register_script(DEAD_LETTER_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._cancel = redis.register_script(CANCEL_QUEUED_LUA)
@@ -205,6 +209,8 @@ class Scripts:
         for rid_key, token, request_id, reply_to, data, *rest in items:
             keys.append(rid_key)
             args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
+        keys += [events_key(requests_key, item[2]) for item in items]
+        args += script_args(self.events)
         return _run(self._submit_many, keys, args, client, checked=checked)
 
     # -- finish
@@ -227,8 +233,9 @@ class Scripts:
                        items: Sequence[tuple[Any, ...]], checked: bool = False) -> Any:
         """Fenced finish of many entries of one stream in one script call.
 
-        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None), the record
-        a :class:`CompletionRecord` or its stream fields from ``encode_record``. Result:
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None[, summary]),
+        the record a :class:`CompletionRecord` or its stream fields from ``encode_record`` (then the
+        event log's summary of it, :func:`~redroll.shared.events.record_summary`, comes along). Result:
         per item 1 (published), 2 (published by an earlier call of this consumer: a retry whose
         first reply was lost; nothing is written again), 0 (fenced) or the error its reply stream
         answered (see :func:`refusal`). A resumable request's checkpoint (when it names this entry)
@@ -237,12 +244,22 @@ class Scripts:
         """
         keys: list[Any] = [requests_key, finish_marker_key(requests_key, consumer)]
         args: list[Any] = [group, consumer, worker, FINISH_MARKER_TTL_MS, FINISH_MARKER_CAP]
+        events: list[Any] = []
+        summaries: list[Any] = []
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
             f = encode_record(record) if isinstance(record, CompletionRecord) else record
             keys += [reply_key, rid_key, partial_key or rid_key]
             args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
-        return _run(self._finish_many, keys, args, client, checked=checked)
+            events.append(events_key(requests_key, text(f["rid"])))
+            if self.events is None:
+                summaries.append("")
+            elif isinstance(record, CompletionRecord):
+                summaries.append(record_summary(record))
+            else:
+                summaries.append(rest[1] if len(rest) > 1 and rest[1] is not None else "")
+        return _run(self._finish_many, keys + events, args + script_args(self.events) + summaries, client,
+                    checked=checked)
 
     async def load_all(self) -> None:
         """Load every script into the server's cache (at start, and after a NOSCRIPT reply).
@@ -293,9 +310,10 @@ class Scripts:
         """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
         consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
         or (2, the error that refused the write: nothing written)."""
-        code, detail = await _run(self._checkpoint, [requests_key, partial_key],
-                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s],
-                                  self.redis)
+        request_id = partial_key.split(":partial:", 1)[-1]
+        code, detail = await _run(self._checkpoint, [requests_key, partial_key, events_key(requests_key, request_id)],
+                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s,
+                                   *script_args(self.events)], self.redis)
         return int(code), (detail if isinstance(detail, int) else _s(detail))
 
     # -- dead letter
@@ -317,9 +335,16 @@ class Scripts:
         pairs: list[Any] = []
         for k, v in letter.fields.items():
             pairs += [k, v]
+        rid = letter.fields.get(b"rid", letter.fields.get("rid"))
+        if rid is not None and self.events is not None:
+            keys.append(events_key(letter.stream, text(rid)))
+            log_args = script_args(self.events)
+        else:
+            keys.append(dead_key)  # (a key of the same slot; a cap of 0 writes nothing there)
+            log_args = script_args(None)
         args = [group, consumer, letter.entry_id, letter.reason, letter.source,
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
-                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs]
+                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs, *log_args]
         return _run(self._dead, keys, args, client)
 
     async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:

@@ -101,6 +101,14 @@ class Settings:
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
     steal_after_ms: int = 1000
     """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
+    event_log: bool = True
+    """Keep a short log of each request's life (``{ns}:events:<request_id>``: submitted,
+    deliveries, checkpoints, the finish, dead letters, consumer groups that applied it) for
+    ``redroll trace``."""
+    event_log_ttl_s: int = 3600
+    """A request's event log expires this long after its last event."""
+    event_log_max_len: int = 64
+    """The most events a request's log keeps (the latest); ``redroll trace`` says how many were trimmed."""
 
     def __post_init__(self) -> None:
         if self.recovery_split not in RECOVERY_SPLITS:
@@ -157,6 +165,7 @@ _LEAST: dict[str, float] = {
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
     "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0,
+    "event_log_ttl_s": 1, "event_log_max_len": 1,
 }
 """The smallest value each numeric setting takes (Redis refuses an expiry of 0 or less, a window
 of 0 divides by zero, ...). ``results_max_len`` has none: 0 or less means no cap."""

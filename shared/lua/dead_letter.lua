@@ -1,12 +1,14 @@
 -- Dead-letter one pending entry, owner-checked, and tell its waiter.
 -- KEYS[1] source stream  KEYS[2] dead stream  KEYS[3..] optional: reply stream, rid key, and after
--- the rid key the request's checkpoint key (deleted when it names this entry)
+-- the rid key the request's checkpoint key (deleted when it names this entry); the last key: the
+-- request's event log ({tag}:events:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] entry id  ARGV[4] reason  ARGV[5] source name
 -- ARGV[6] delete the entry after ack (1/0)   ARGV[7] index of the reply key in KEYS (0 = none)
 -- ARGV[8] index of the rid key in KEYS (0 = none)
 -- ARGV[9..12] error record: rid, status, worker, data (used when a reply key is given)
 -- ARGV[13] delivery count   ARGV[14] why the waiter's reply stream cannot be used ('' = it can)
--- ARGV[15] number of original field pairs, then the pairs
+-- ARGV[15] number of original field pairs, then the pairs, then the event log's cap ('0' = off)
+-- and TTL
 -- Returns {code, message}: {1, ''} dead-lettered (and the error record sent, when asked);
 -- {1, error} dead-lettered, but the reply stream refused the error record: the dead letter then
 -- carries a field reply_error (a waiting producer learns of its request from it);
@@ -66,8 +68,15 @@ end
 if type(held) == 'string' and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
   redis.call('DEL', KEYS[rid_idx])
 end
-if rid_idx > 0 and #KEYS > rid_idx then
+if rid_idx > 0 and #KEYS > rid_idx + 1 then
   local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)
   if type(head) == 'string' and string.match(head, '^(%S+)') == ARGV[3] then redis.call('DEL', KEYS[rid_idx + 1]) end
+end
+local ev_cap = ARGV[16 + 2 * npairs]
+if ev_cap ~= '0' then  -- (after the first writes; through pcall: the log never fails the dead letter)
+  local ev = KEYS[#KEYS]
+  local logged = redis.pcall('XADD', ev, 'MAXLEN', ev_cap, '*', 'ev', 'dead', 'entry', ARGV[3], 'source', ARGV[5],
+                             'reason', ARGV[4], 'deliveries', ARGV[13], 'by', ARGV[2])
+  if type(logged) == 'string' then redis.pcall('EXPIRE', ev, ARGV[17 + 2 * npairs]) end
 end
 return {1, reply_err}

@@ -1,10 +1,12 @@
 -- Fenced finish of many requests of one stream in one call.
 -- KEYS[1] request stream, KEYS[2] this consumer's finish marker ({tag}:finished:<consumer>, a list),
 -- then per item i (1-based): KEYS[3i] reply stream, KEYS[3i+1] rid key,
--- KEYS[3i+2] checkpoint key ({tag}:partial:<rid>)
+-- KEYS[3i+2] checkpoint key ({tag}:partial:<rid>), then per item KEYS[2+3n+i] its event log
+-- ({tag}:events:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker  ARGV[4] marker TTL (ms)  ARGV[5] marker cap
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
--- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
+-- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too);
+-- then the event log's cap ('0' = off) and TTL, and per item the record's summary for the log
 -- Returns one value per item: 1 published, 2 published by an earlier call of this consumer (a
 -- retried finish whose first reply was lost: nothing is written again), 0 fenced (this consumer no
 -- longer owns the entry and did not finish it, or the entry came earlier in this call), or the
@@ -23,7 +25,16 @@
 -- reply was lost tells its own earlier success from a lost lease.
 local out = {}
 local done = {}
-local n = (#KEYS - 2) / 3
+local n = (#KEYS - 2) / 4
+local ev_at = 5 + 6 * n  -- (the event log's arguments follow the items')
+local ev_cap, ev_ttl = ARGV[ev_at + 1], ARGV[ev_at + 2]
+-- One event in item i's log, after the item's writes (or, fenced, instead of any): through pcall,
+-- so the log never changes an item's fate.
+local function log_event(i, ...)
+  if ev_cap == '0' then return end
+  local ev = KEYS[2 + 3 * n + i]
+  if type(redis.pcall('XADD', ev, 'MAXLEN', ev_cap, '*', ...)) == 'string' then redis.pcall('EXPIRE', ev, ev_ttl) end
+end
 local marker = KEYS[2]
 local sname = string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]
 local marked = nil  -- (this consumer's finished entries, read once, when an item is not owned)
@@ -66,7 +77,12 @@ for i = 1, n do
       marked = {}
       for _, e in ipairs(redis.call('LRANGE', marker, 0, -1)) do marked[e] = true end
     end
-    if marked and marked[entry .. ' ' .. sname] then out[i] = 2 else out[i] = 0 end
+    if marked and marked[entry .. ' ' .. sname] then
+      out[i] = 2
+    else
+      out[i] = 0
+      log_event(i, 'ev', 'fenced', 'worker', ARGV[3], 'entry', entry)
+    end
   else
     owned[entry] = nil  -- (an entry listed twice is published once)
     local reply, ridkey, partial = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
@@ -94,6 +110,8 @@ for i = 1, n do
         local head = redis.pcall('GETRANGE', partial, 0, 43)
         if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial) end
       end
+      log_event(i, 'ev', 'finished', 'worker', ARGV[3], 'entry', entry, 'status', ARGV[a + 3], 'reply', reply,
+                'rec', added, 'summary', ARGV[ev_at + 2 + i])
       out[i] = 1
     end
   end

@@ -1,0 +1,36 @@
+"""``redroll trace REQUEST_ID``: the life of one request (redroll/trace.py draws it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from redroll.cli import _common
+
+    p = sub.add_parser("trace", help="the life of one request: submit, deliveries, checkpoints, record, dead "
+                                     "letters, consumer groups (from its event log)")
+    _common(p)
+    p.add_argument("request_id", help="the request's request_id")
+    p.add_argument("--json", action="store_true", help="the timeline as JSON (the dashboard's form)")
+    return p
+
+
+async def run(args: argparse.Namespace) -> int:
+    import msgspec
+    from rich.console import Console
+
+    from redroll.cli import _settings
+    from redroll.shared.connection import connect
+    from redroll.trace import render_timeline, request_timeline
+
+    settings = _settings(args)
+    async with connect(settings) as r:
+        timeline = await request_timeline(r, settings.partition_keys, args.request_id)
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(timeline.to_builtins()).decode() + "\n")
+    else:
+        Console().print(render_timeline(timeline))
+    return 0 if timeline.log_found or timeline.now.queued_entry else 1
