@@ -25,11 +25,11 @@ from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
-from redroll.shared.events import EventLog, add_events
+from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
-from redroll.shared.scripts import DeadLetter, Scripts, raising_first_error
+from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import (
     READ_BYTES,
@@ -42,6 +42,7 @@ from redroll.shared.streams import (
     text,
     unique_consumer_name,
 )
+from redroll.shared.tracing import callback_span, traced, tracer
 from redroll.shared.types import CompletionRecord
 
 from .handlers import Handler, HandlerRegistry
@@ -127,6 +128,7 @@ class ConsumerRunner:
         self.stats = ConsumerStats()
         self.metrics: Any = None
         """A :class:`redroll.shared.metrics.ConsumerMetrics` when metrics are served."""
+        self._tracer: Any = None
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
@@ -151,6 +153,7 @@ class ConsumerRunner:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
+        self._tracer = tracer()
         await reach(self.redis, self.settings)
         await self._ensure_groups()
         await open_connections(self.redis, 4)  # (a blocking read, a batch's markers and acks, reclaim, trim)
@@ -346,8 +349,15 @@ class ConsumerRunner:
         for n, item in enumerate(items):
             fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
             started = time.perf_counter()
+            traced_by = self._tracer if self._tracer is not None and item.record.traceparent else None  # type: ignore[union-attr]
             try:
-                res = fn(item.record)  # type: ignore[misc]
+                if traced_by is not None and inspect.iscoroutinefunction(fn):  # (its span: while it is awaited)
+                    res = traced(traced_by, item.record, self.group, fn(item.record))  # type: ignore[misc]
+                elif traced_by is not None:
+                    with callback_span(traced_by, item.record, self.group):
+                        res = fn(item.record)  # type: ignore[misc]
+                else:
+                    res = fn(item.record)  # type: ignore[misc]
             except (Exception, asyncio.CancelledError) as exc:  # (a sync call is never this task's cancel)
                 results[n] = exc
                 continue
@@ -423,18 +433,12 @@ class ConsumerRunner:
         now = time.time()
         bucket_key = part.applied(self.group, int(now // window))
         expire_at = (int(now // window) + 2) * window
-        events = self.scripts.events
         async with self.redis.pipeline(transaction=True) as pipe:
             if applied:
                 pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
-            if events is not None:  # (each request's event log: same hash tag; its refusal fails nothing)
-                add_events(pipe, events, [(part.events(i.record.request_id),  # type: ignore[union-attr]
-                                           {"ev": "applied", "group": self.group, "consumer": self.name})
-                                          for i in applied])
-            marked = 3 if applied else 1
-            raising_first_error((await pipe.execute(raise_on_error=False))[:marked])
+            await pipe.execute()
         self.stats.applied += len(applied)
         for i in applied:
             self._last_errors.pop(f"{stream}/{i.entry_id}", None)

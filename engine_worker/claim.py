@@ -175,7 +175,6 @@ class Claimer:
                 await self._give_back([(stream, entry_id) for stream, entry_id, _ in claimed])
                 return
             ctx.stats.claimed += len(claimed)
-            ctx.deliveries.note([Delivery(stream, entry_id, fields) for stream, entry_id, fields in claimed])
             high = sum(1 for stream, _, _ in claimed if stream in highs)  # (they come first)
             if not high:
                 flights.release_held()  # (read before these: they go first)
@@ -433,7 +432,7 @@ class Claimer:
             flight.condemned = plan.condemned
             flight.uncounted_runs = plan.group_deaths
             started.append(flight)
-        ctx.deliveries.note([Delivery(p.stream, p.entry_id, fields, n=p.retry, how="reclaimed", previous=p.owner,
+        ctx.deliveries.note([Delivery(p.stream, p.entry_id, fields, n=p.retry, previous=p.owner,
                                       why="its worker died") for p, fields in claimed])
         grouped = [f for f in started if f.condemned is None and (f.suspect_cap or 1) > 1]
         if grouped:
@@ -460,8 +459,7 @@ class Claimer:
                 if not fields or ctx.flight_key(stream, entry_id) in self.flights:
                     continue
                 owner, why = how[entry_id]
-                ctx.deliveries.note([Delivery(stream, entry_id, fields, n=counts[entry_id], how="reclaimed",
-                                              previous=owner, why=why)])
+                ctx.deliveries.note([Delivery(stream, entry_id, fields, n=counts[entry_id], previous=owner, why=why)])
                 ctx.stats.reclaimed += 1
                 started.append(self.flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), counts[entry_id],
                                                 fields))

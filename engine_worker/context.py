@@ -15,6 +15,7 @@ from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
+from redroll.shared.tracing import tracer
 
 from .deliveries import DeliveryLog
 from .engines.base import Engine, EngineCapabilities, capabilities_of
@@ -76,6 +77,8 @@ class WorkerContext:
         self.batcher = CommandBatcher(self.redis)
         self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
         self.deliveries = DeliveryLog(self.redis, self.scripts.events, self.name)
+        self.tracer = tracer()
+        """OpenTelemetry's tracer when a tracer provider is set (shared/tracing.py), else None."""
         """Each delivery (a claim read, a reclaim) noted in its request's event log."""
         # Claiming order: every partition's high-priority stream, its lanes, then every normal one.
         self.request_streams = ([k.requests_high for k in self.parts] + [s for k in self.parts for s in k.lane_streams]

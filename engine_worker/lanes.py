@@ -42,7 +42,6 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-from redroll.shared.events import Delivery
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import stream_backlog
 from redroll.shared.streams import read_group, script_fields, text
@@ -222,7 +221,6 @@ class LaneClaimer:
             for _, _, _, kind in got:
                 kinds[kind] = kinds.get(kind, 0) + 1
             ctx.stats.claimed += len(got)
-            ctx.deliveries.note([Delivery(stream, entry_id, fields, how=kind) for stream, entry_id, fields, kind in got])
             flights.add_claimed([(stream, entry_id, ctx.flight_key(stream, entry_id), fields)
                                  for stream, entry_id, fields, _ in got])
 

@@ -54,7 +54,7 @@ class _Queued:
     encoded: dict
     """The record's stream fields (``encode_record``)."""
     outcome: Outcome = False
-    summary: bytes | None = None
+    summary: str | None = None
     """What the request's event log keeps of the record (None: the log is off)."""
 
 

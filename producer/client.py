@@ -47,6 +47,7 @@ from redroll.shared.streams import (
     text,
     unique_consumer_name,
 )
+from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 from . import dead_notices
@@ -180,6 +181,7 @@ class Producer:
         self.block_ms = block_ms
         self.read_count = read_count
         self._redis = redis_client
+        self._tracer: Any = None
         self._owns_redis = redis_client is None
         self._waiters: dict[str, _Waiter] = {}
         self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
@@ -204,6 +206,7 @@ class Producer:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self._redis, EventLog.from_settings(self.settings))
+        self._tracer = tracer()
         await reach(self._redis, self.settings)
         await open_connections(self._redis, 4)  # (its reply and dead-letter readers block; submits, acks)
         await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
@@ -320,9 +323,12 @@ class Producer:
                             validated: bool = False) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         token_base = f"{self.name}:{secrets.token_hex(8)}"  # (one random part per chunk, then its index)
+        spans = []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
         for i, item in enumerate(requests):
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
+            if self._tracer is not None:
+                spans.append(submit_span(self._tracer, req))
             fields = encode_request(req, self.settings.limits, check=not validated)
             # (neither a name nor a request_id holds whitespace, which ends a token in the rid key)
             token = f"{self.name}:{req.request_id}" if self._tokens_from_ids else f"{token_base}:{i}"
@@ -356,6 +362,8 @@ class Producer:
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the error is raised below
                 failed = failed or exc
+        for span in spans:
+            end_span(span)
         if failed is not None and len(prepared) == 1:
             raise failed
         return futures
@@ -768,6 +776,7 @@ async def send_each(
 ) -> list[str | DuplicateRequestError | StreamRefusedError]:
     """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
     scripts = Scripts(redis_client, EventLog.from_settings(settings))
+    tr, spans = tracer(), []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
     prepared = []
     for req in requests:
         part = settings.keys_for(req)
@@ -776,6 +785,8 @@ async def send_each(
             raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this request's "
                                               f"partition ({part.tag})")
         req.reply_to = target
+        if tr is not None:
+            spans.append(submit_span(tr, req))
         prepared.append((req, encode_request(req, settings.limits)))
     if settings.affinity_lanes:  # a producer with another L would queue on lanes nobody reads
         await agree_on_lanes(redis_client, settings.keys, settings.affinity_lanes)
@@ -789,6 +800,8 @@ async def send_each(
             outcomes.append(Scripts.submit_outcome(req.request_id, reply).entry_id)
         except (DuplicateRequestError, StreamRefusedError) as exc:
             outcomes.append(exc)
+    for span in spans:
+        end_span(span)
     return outcomes
 
 

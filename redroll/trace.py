@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 from redis.asyncio import Redis
 
+from redroll.shared.events import parse_line, parse_summary
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import text
 
@@ -27,17 +28,17 @@ REASON_UNKNOWN = "not in the log"
 
 
 class Event(msgspec.Struct, kw_only=True):
-    """One entry of the event log, as it is."""
+    """One event of the log, as it is."""
 
-    id: str
-    at: float
-    """Unix seconds (from the entry id)."""
+    at: Optional[float]
+    """Unix seconds."""
     kind: str
-    fields: dict[str, str]
+    fields: dict[str, Any]
 
 
 class Submitted(msgspec.Struct, kw_only=True):
     at: float
+    """When the request entry was added (its id's time)."""
     entry: str
     stream: str
     priority: str
@@ -48,13 +49,12 @@ class Submitted(msgspec.Struct, kw_only=True):
 
 
 class DeliveryStep(msgspec.Struct, kw_only=True):
-    at: float
     worker: str
     entry: str
     n: int
     """The entry's delivery count with this delivery."""
-    how: str
-    """``read`` (a claim), ``reclaimed``, or with affinity lanes the kind of claim (own, shared, stolen, …)."""
+    at: Optional[float] = None
+    """When it was delivered: known for reclaims (logged); a first delivery is not logged."""
     previous: Optional[str] = None
     """A reclaimed entry's previous owner."""
     why: Optional[str] = None
@@ -103,10 +103,13 @@ class DeadStep(msgspec.Struct, kw_only=True):
     by: Optional[str] = None
 
 
-class AppliedStep(msgspec.Struct, kw_only=True):
-    at: float
+class GroupStep(msgspec.Struct, kw_only=True):
+    """A consumer group of the stream the record went to, and whether it applied the record."""
+
     group: str
-    consumer: str
+    stream: str
+    applied: Optional[bool]
+    """True: applied; False: not (yet); None: no longer known (its de-duplication window passed)."""
 
 
 class Now(msgspec.Struct, kw_only=True):
@@ -115,7 +118,7 @@ class Now(msgspec.Struct, kw_only=True):
     queued_entry: Optional[str] = None
     """The entry its submit de-duplication key names (queued or in flight; gone once it finished)."""
     owner: Optional[str] = None
-    """The worker that holds that entry now (None: not delivered, or no longer pending)."""
+    """The worker that holds that entry now (None: not delivered yet, or no longer pending)."""
     deliveries: Optional[int] = None
     checkpoint_tokens: Optional[int] = None
     """Tokens in its checkpoint (a resumable request, until its finish deletes it)."""
@@ -127,7 +130,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     log_found: bool
     events_kept: int = 0
     events_trimmed: int = 0
-    """Events the log's cap (``event_log_max_len``) dropped, oldest first; -1: some, how many unknown."""
+    """Events the log's cap (``event_log_max_bytes``) dropped, oldest first."""
     ttl_s: Optional[int] = None
     """Seconds until the log expires."""
     submitted: Optional[Submitted] = None
@@ -135,7 +138,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     checkpoints: list[CheckpointStep] = []
     records: list[RecordStep] = []
     dead_letters: list[DeadStep] = []
-    applied: list[AppliedStep] = []
+    groups: list[GroupStep] = []
     now: Now = msgspec.field(default_factory=Now)
     gaps: list[str] = []
     """What Redis no longer holds (and so the timeline cannot show)."""
@@ -145,16 +148,32 @@ class Timeline(msgspec.Struct, kw_only=True):
         """A JSON-able dict (the dashboard's and ``--json``'s form)."""
         return msgspec.to_builtins(self)
 
+    @property
+    def applied_by(self) -> list[str]:
+        """The consumer groups that applied the record."""
+        return [g.group for g in self.groups if g.applied]
+
 
 def _at(entry_id: str) -> float:
     return int(entry_id.split("-", 1)[0]) / 1000.0
 
 
-def _int(value: Optional[str]) -> Optional[int]:
+def _int(value: Any) -> Optional[int]:
     try:
         return int(value) if value is not None else None
-    except ValueError:
+    except (TypeError, ValueError):
         return None
+
+
+def _float(value: Any) -> Optional[float]:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _s(value: Any) -> str:
+    return text(value) if value is not None else ""
 
 
 async def _pick_partition(r: Redis, parts: Sequence[Keys], request_id: str) -> Keys:
@@ -171,162 +190,197 @@ async def _pick_partition(r: Redis, parts: Sequence[Keys], request_id: str) -> K
     return parts[0]
 
 
-async def request_timeline(r: Redis, keys: Keys | Sequence[Keys], request_id: str) -> Timeline:
+def _decode(line: str) -> Event:
+    at, kind, fields = parse_line(line)
+    return Event(at=at, kind=kind, fields=dict(fields))
+
+
+async def request_timeline(r: Redis, keys: Keys | Sequence[Keys], request_id: str, *,
+                           dedup_window_s: int = 3600) -> Timeline:
     """The life of ``request_id`` as far as Redis still knows it. ``keys``: the pipeline's
-    partitions (``Settings.partition_keys``), or one partition's keys."""
+    partitions (``Settings.partition_keys``), or one partition's keys; ``dedup_window_s``: the
+    consumer groups' (``Settings.dedup_window_s``), to find which of them applied the record."""
     parts = [keys] if isinstance(keys, Keys) else list(keys)
     part = await _pick_partition(r, parts, request_id)
     key = part.events(request_id)
     async with r.pipeline(transaction=False) as pipe:
-        pipe.xrange(key, "-", "+")
+        pipe.get(key)
         pipe.ttl(key)
         pipe.get(part.rid(request_id))
         pipe.getrange(part.partial(request_id), 0, 63)
         raw, ttl, rid_value, partial_head = await pipe.execute(raise_on_error=False)
     if isinstance(raw, Exception):
         raise raw
-    events = [Event(id=text(i), at=_at(text(i)), kind=text(f.get(b"ev", b"?")),
-                    fields={text(k): text(v) for k, v in f.items() if k != b"ev"}) for i, f in raw]
+    log = text(raw) if isinstance(raw, (bytes, str)) else ""
+    events = [_decode(line) for line in log.split("\n") if line]
     t = Timeline(request_id=request_id, events_key=key, log_found=bool(events), events_kept=len(events),
                  ttl_s=ttl if isinstance(ttl, int) and ttl >= 0 else None, events=events)
-    if events:
-        t.events_trimmed = await _trimmed(r, key, events)
-    _fold(t)
+    if events and events[0].kind == "trimmed":
+        t.events_trimmed = _int(events[0].fields.get("n")) or 0
     await _live(r, part, t, rid_value, partial_head)
-    await _records_still_there(r, t)
+    _fold(t)
+    await _after_finish(r, part, t, request_id, dedup_window_s)
     _gaps(t)
     return t
 
 
-async def _trimmed(r: Redis, key: str, events: list[Event]) -> int:
-    """How many events the cap dropped: none when the log begins with the submit; else XINFO
-    STREAM's entries-added less the events kept and the checkpoints merged (Redis 7+, Valkey), at
-    least 1; -1 where the server does not say."""
-    try:
-        info = await r.xinfo_stream(key)
-    except Exception:
-        info = {}
-    if events[0].kind == "submitted":
-        return 0
-    added = info.get("entries-added") if isinstance(info, dict) else None
-    if isinstance(added, int):
-        # (a checkpoint that replaced the one before it deleted that one: not trimmed)
-        merged = sum((_int(e.fields.get("saves")) or 1) - 1 for e in events if e.kind == "checkpoint")
-        return max(1, added - len(events) - merged)
-    return -1
+async def _live(r: Redis, part: Keys, t: Timeline, rid_value: Any, partial_head: Any) -> None:
+    """The entry the rid key names (queued or in flight): where it is queued, by whom, and who holds it."""
+    if isinstance(partial_head, (bytes, str)) and len(partial_head) == 64:
+        t.now.checkpoint_tokens = _int(text(partial_head)[45:63])
+    if not isinstance(rid_value, (bytes, str)) or " " not in text(rid_value):
+        return
+    entry = text(rid_value).split(" ", 1)[1]
+    t.now.queued_entry = entry
+    streams = part.request_streams
+    async with r.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xrange(stream, entry, entry, count=1)
+            pipe.xpending_range(stream, WORKERS_GROUP, min=entry, max=entry, count=1)
+        found = await pipe.execute(raise_on_error=False)
+    for stream, got, pending in zip(streams, found[0::2], found[1::2]):
+        if isinstance(got, list) and got:
+            fields = got[0][1]
+            t.submitted = _submitted(entry, stream.split("}:", 1)[-1], _s(fields.get(b"reply_to")) or None)
+            if isinstance(pending, list) and pending:
+                t.now.owner, t.now.deliveries = text(pending[0]["consumer"]), int(pending[0]["times_delivered"])
+
+
+def _submitted(entry: str, stream: str, reply: Optional[str]) -> Submitted:
+    lane = _int(stream.rsplit(":", 1)[-1]) if ":lane:" in stream else None
+    producer = reply.split(":reply:", 1)[1] if reply and ":reply:" in reply else None
+    return Submitted(at=_at(entry), entry=entry, stream=stream, lane=lane, producer=producer,
+                     priority="high" if stream.endswith(":high") else "normal")
 
 
 def _fold(t: Timeline) -> None:
-    """Events into steps; each delivery ends with what came next for its entry."""
-    open_by_entry: dict[str, DeliveryStep] = {}
+    """Events into steps. Each entry's first delivery is found from what ended it (or who holds it
+    now); each delivery ends with what came next for its entry."""
+    by_entry: dict[str, DeliveryStep] = {}
+    """The latest delivery of each entry."""
+
+    def first_delivery(entry: str, worker: str) -> DeliveryStep:
+        d = by_entry.get(entry)
+        if d is None:
+            d = by_entry[entry] = DeliveryStep(worker=worker, entry=entry, n=1)
+            t.deliveries.append(d)
+        return d
+
+    def end(d: DeliveryStep, reason: str, at: Optional[float]) -> None:
+        if d.ended == REASON_UNKNOWN:
+            d.ended, d.ended_at = reason, at
+
+    request_entries = set()
     for e in t.events:
         f = e.fields
-        if e.kind == "submitted":
-            stream = f.get("stream", "")
-            lane = _int(stream.rsplit(":", 1)[-1]) if ":lane:" in stream else None
-            reply = f.get("reply") or ""
-            producer = reply.split(":reply:", 1)[1] if ":reply:" in reply else None
-            t.submitted = Submitted(at=e.at, entry=f.get("entry", ""), stream=stream, lane=lane, producer=producer,
-                                    priority="high" if stream.endswith(":high") else "normal")
-        elif e.kind == "delivered":
-            entry = f.get("entry", "")
-            d = DeliveryStep(at=e.at, worker=f.get("worker", "?"), entry=entry, n=_int(f.get("n")) or 1,
-                             how=f.get("how", "read"), previous=f.get("from"), why=f.get("why"))
-            before = open_by_entry.get(entry)
-            if before is not None and before.ended == REASON_UNKNOWN:
-                why = d.why or ""
-                before.ended = (REASON_WORKER_DIED if "died" in why else REASON_HANDED_BACK
-                                if why.startswith("handed back") else why or REASON_LEASE_LOST)
-                before.ended_at = e.at
+        entry = _s(f.get("entry"))
+        if e.kind in ("delivered", "checkpoint", "finished", "fenced"):
+            request_entries.add(entry)
+            if t.submitted is None or (t.submitted.entry != entry and _at(entry) < t.submitted.at):
+                t.submitted = _submitted(entry, _s(f.get("stream")), None)
+        if e.kind == "delivered":
+            before = first_delivery(entry, _s(f.get("from")) or "?")
+            why = _s(f.get("why"))
+            end(before, REASON_WORKER_DIED if "died" in why else REASON_HANDED_BACK if why.startswith("handed back")
+                else why or REASON_LEASE_LOST, e.at)
+            d = DeliveryStep(at=e.at, worker=_s(f.get("worker")), entry=entry, n=_int(f.get("n")) or before.n + 1,
+                             previous=_s(f.get("from")) or None, why=why or None)
             t.deliveries.append(d)
-            open_by_entry[entry] = d
+            by_entry[entry] = d
         elif e.kind == "checkpoint":
-            t.checkpoints.append(CheckpointStep(at=e.at, worker=f.get("worker", "?"), entry=f.get("entry", ""),
+            first_delivery(entry, _s(f.get("worker")))
+            t.checkpoints.append(CheckpointStep(at=e.at or 0.0, worker=_s(f.get("worker")), entry=entry,
                                                 tokens=_int(f.get("tokens")) or 0, saves=_int(f.get("saves")) or 1))
-        elif e.kind in ("finished", "fenced", "dead"):
-            entry = f.get("entry", "")
-            d = open_by_entry.get(entry)
-            if e.kind == "finished":
-                try:
-                    summary = msgspec.json.decode(f.get("summary") or "{}")
-                except msgspec.DecodeError:
-                    summary = {}
-                summary = summary if isinstance(summary, dict) else {}
-                wv = summary.get("weight_version")
-                t.records.append(RecordStep(
-                    at=e.at, worker=f.get("worker", "?"), entry=entry, status=f.get("status", "?"),
-                    reply=f.get("reply", ""), result_entry=f.get("rec", ""), tokens=summary.get("tokens"),
-                    engine_ms=summary.get("engine_ms"), queue_ms=summary.get("queue_ms"),
-                    weight_version=None if wv is None else str(wv), attempt=summary.get("attempt"),
-                    error=summary.get("error")))
-                reason = REASON_FINISHED
-            elif e.kind == "fenced":
-                reason = REASON_LEASE_LOST
-            else:
-                t.dead_letters.append(DeadStep(at=e.at, entry=entry, source=f.get("source", ""),
-                                               reason=f.get("reason", ""), deliveries=_int(f.get("deliveries")),
-                                               by=f.get("by")))
-                reason = REASON_DEAD
-            if d is not None and d.ended == REASON_UNKNOWN and (e.kind != "fenced" or d.worker == f.get("worker")):
-                d.ended, d.ended_at = reason, e.at
-        elif e.kind == "applied":
-            t.applied.append(AppliedStep(at=e.at, group=f.get("group", "?"), consumer=f.get("consumer", "?")))
-
-
-async def _live(r: Redis, part: Keys, t: Timeline, rid_value: Any, partial_head: Any) -> None:
-    if isinstance(rid_value, (bytes, str)):
-        token_entry = text(rid_value).split(" ", 1)
-        if len(token_entry) == 2:
-            t.now.queued_entry = token_entry[1]
-    if isinstance(partial_head, (bytes, str)) and len(partial_head) == 64:
-        t.now.checkpoint_tokens = _int(text(partial_head)[45:63])
-    entry = t.now.queued_entry
-    if entry is None:
-        return
-    streams = [t.submitted.stream] if t.submitted else []
-    streams = [f"{part.tag}:{s}" for s in streams] or part.request_streams
-
-    async with r.pipeline(transaction=False) as pipe:
-        for stream in streams:
-            pipe.xpending_range(stream, WORKERS_GROUP, min=entry, max=entry, count=1)
-        pending = await pipe.execute(raise_on_error=False)
-    for p in pending:
-        if isinstance(p, list) and p:
-            t.now.owner, t.now.deliveries = text(p[0]["consumer"]), int(p[0]["times_delivered"])
-    for d in t.deliveries:
-        if d.ended == REASON_UNKNOWN and d.entry == entry and d.worker == t.now.owner and d is t.deliveries[-1]:
+        elif e.kind == "finished":
+            d = first_delivery(entry, _s(f.get("worker")))
+            summary = parse_summary(_s(f.get("summary")))
+            rec = RecordStep(at=e.at or 0.0, worker=_s(f.get("worker")), entry=entry, status=_s(f.get("status")),
+                             reply=_s(f.get("reply")), result_entry=_s(f.get("rec")), tokens=_int(summary.get("tokens")),
+                             engine_ms=_float(summary.get("engine_ms")), queue_ms=_float(summary.get("queue_ms")),
+                             weight_version=summary.get("weight_version"), attempt=_int(summary.get("attempt")),
+                             error=summary.get("error"))
+            t.records.append(rec)
+            if t.submitted is not None and t.submitted.entry == entry:
+                t.submitted.producer = t.submitted.producer or _submitted(entry, "", rec.reply).producer
+            end(d, REASON_FINISHED, e.at)
+        elif e.kind == "fenced":
+            d = first_delivery(entry, _s(f.get("worker")))
+            if d.worker == _s(f.get("worker")):
+                end(d, REASON_LEASE_LOST, e.at)
+        elif e.kind == "dead":
+            t.dead_letters.append(DeadStep(at=e.at or 0.0, entry=entry, source=_s(f.get("source")),
+                                           reason=_s(f.get("reason")), deliveries=_int(f.get("deliveries")),
+                                           by=_s(f.get("by")) or None))
+            if entry in by_entry:
+                end(by_entry[entry], REASON_DEAD, e.at)
+            elif t.submitted is not None and entry == t.submitted.entry:
+                end(first_delivery(entry, _s(f.get("by"))), REASON_DEAD, e.at)
+    # What runs now: the entry the rid key names, held by a worker.
+    entry, owner = t.now.queued_entry, t.now.owner
+    if entry is not None and owner is not None:
+        d = by_entry.get(entry) or first_delivery(entry, owner)
+        if d.worker == owner and d.ended == REASON_UNKNOWN:
             d.ended = REASON_RUNNING
 
 
-async def _records_still_there(r: Redis, t: Timeline) -> None:
+async def _after_finish(r: Redis, part: Keys, t: Timeline, request_id: str, dedup_window_s: int) -> None:
+    """Whether each record is still in its stream, and which consumer groups of that stream applied it."""
     if not t.records:
         return
+    streams = sorted({rec.reply for rec in t.records if rec.reply and not rec.reply.startswith(part.reply_prefix)})
     async with r.pipeline(transaction=False) as pipe:
         for rec in t.records:
             pipe.xrange(rec.reply, rec.result_entry, rec.result_entry, count=1)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
         found = await pipe.execute(raise_on_error=False)
     for rec, got in zip(t.records, found):
         rec.in_redis = bool(got) if isinstance(got, list) else None
+    groups = []
+    for stream, info in zip(streams, found[len(t.records):]):
+        if isinstance(info, list):
+            groups += [(stream, text(g["name"])) for g in info]
+    if not groups:
+        return
+    buckets = [part.applied_buckets(group, dedup_window_s) for _, group in groups]
+    async with r.pipeline(transaction=False) as pipe:
+        for keys_ in buckets:
+            for k in keys_:
+                pipe.exists(k)
+                pipe.sismember(k, request_id)
+        found = await pipe.execute(raise_on_error=False)
+    i = 0
+    for (stream, group), keys_ in zip(groups, buckets):
+        exists = member = False
+        for _ in keys_:
+            exists = exists or bool(found[i])
+            member = member or bool(found[i + 1])
+            i += 2
+        t.groups.append(GroupStep(group=group, stream=stream, applied=True if member else False if exists else None))
 
 
 def _gaps(t: Timeline) -> None:
     gaps: list[str] = []
-    if not t.log_found:
-        gaps.append(f"no event log for {t.request_id!r} ({t.events_key}): it expired (event_log_ttl_s after its "
-                    "last event), the request was never submitted to this pipeline, or the event log is off "
-                    "(event_log)")
-    elif t.events_trimmed:
-        n = "some" if t.events_trimmed < 0 else str(t.events_trimmed)
-        gaps.append(f"the oldest {n} event(s) were trimmed (the log keeps the last event_log_max_len)")
-    elif t.submitted is None:
-        gaps.append("no submit in the log (submitted while the event log was off)")
+    if not t.log_found and t.now.queued_entry is None:
+        gaps.append(f"no event log for {t.request_id!r} ({t.events_key}) and no queued entry: it ran without an "
+                    "incident (with event_log=incidents only a reclaim, a checkpoint, a lost lease or a dead "
+                    "letter begins a log), the log expired (event_log_ttl_s after its last event), the event "
+                    "log is off, or the request was never submitted to this pipeline")
+    if t.events_trimmed:
+        gaps.append(f"the oldest {t.events_trimmed} event(s) were trimmed (the log keeps the last event_log_max_bytes)")
+    if t.submitted is None and (t.log_found or t.now.queued_entry):
+        gaps.append("the submit: neither its entry nor an event naming it is left")
     for rec in t.records:
         if rec.in_redis is False:
             gaps.append(f"the record {rec.result_entry} is no longer in {rec.reply} (read and deleted, or "
                         "trimmed): what it said is the log's summary")
+    for g in t.groups:
+        if g.applied is None:
+            gaps.append(f"whether consumer group {g.group} applied it: its de-duplication sets of that time "
+                        "expired (dedup_window_s)")
     for d in t.deliveries:
-        if d.ended == REASON_UNKNOWN and t.log_found:
-            gaps.append(f"how delivery {d.n} of {d.entry} to {d.worker} ended is not in the log")
+        if d.ended == REASON_UNKNOWN:
+            gaps.append(f"how delivery {d.n} of {d.entry} to {d.worker} ended")
     t.gaps = gaps
 
 
@@ -337,18 +391,18 @@ def _clock(at: float) -> str:
     return datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def timeline_rows(t: Timeline) -> list[tuple[float, str, str]]:
-    """(when, step, what) in time order: the table ``redroll trace`` prints."""
-    rows: list[tuple[float, str, str]] = []
+def timeline_rows(t: Timeline) -> list[tuple[Optional[float], str, str]]:
+    """(when, step, what) in time order (a step whose time is not known goes right after the one
+    before it): the table ``redroll trace`` prints."""
+    rows: list[tuple[Optional[float], str, str]] = []
     if t.submitted is not None:
         s = t.submitted
-        who = f"by producer {s.producer}" if s.producer else "fire-and-forget (records to the results stream)"
+        who = f"by producer {s.producer}" if s.producer else "records to the results stream"
         lane = f", lane {s.lane}" if s.lane is not None else ""
         rows.append((s.at, "submitted", f"entry {s.entry} on {s.stream}, {s.priority} priority{lane}, {who}"))
     for d in t.deliveries:
-        took = f" from {d.previous}" if d.previous else ""
-        why = f" ({d.why})" if d.why else ""
-        rows.append((d.at, f"delivery {d.n}", f"{d.worker} ({d.how}{took}){why} -> {d.ended}"))
+        took = f" (taken back from {d.previous}: {d.why})" if d.previous else ""
+        rows.append((d.at, f"delivery {d.n}", f"{d.worker}{took} -> {d.ended}"))
     for c in t.checkpoints:
         saves = f" ({c.saves} saves)" if c.saves > 1 else ""
         rows.append((c.at, "checkpoint", f"{c.worker} saved {c.tokens} tokens{saves}"))
@@ -363,10 +417,17 @@ def timeline_rows(t: Timeline) -> list[tuple[float, str, str]]:
                      + f"; {rec.result_entry} on {rec.reply}{where}"))
     for dl in t.dead_letters:
         rows.append((dl.at, "dead letter", f"from {dl.source} by {dl.by}: {dl.reason}"))
-    for a in t.applied:
-        rows.append((a.at, "applied", f"consumer group {a.group} ({a.consumer})"))
-    rows.sort(key=lambda row: row[0])
-    return rows
+    for g in t.groups:
+        state = "applied" if g.applied else "not applied (yet)" if g.applied is False else "not known"
+        rows.append((None, "consumer group", f"{g.group} on {g.stream}: {state}"))
+    # Stable order by time; an unknown time keeps its place after the step before it.
+    # (to the millisecond, as the log keeps time: steps in one millisecond keep their order)
+    keyed, last = [], 0
+    for i, row in enumerate(rows):
+        last = int(row[0] * 1000) if row[0] is not None else last
+        keyed.append((last, i, row))
+    keyed.sort(key=lambda k: k[:2])
+    return [row for _, _, row in keyed]
 
 
 def render_timeline(t: Timeline) -> Any:
@@ -381,9 +442,9 @@ def render_timeline(t: Timeline) -> Any:
     table.add_column("step")
     table.add_column("what")
     rows = timeline_rows(t)
-    start = rows[0][0] if rows else 0.0
+    start = next((at for at, _, _ in rows if at is not None), 0.0)
     for at, step, what in rows:
-        table.add_row(_clock(at), f"{at - start:.3f}", step, what)
+        table.add_row(_clock(at) if at is not None else "", f"{at - start:.3f}" if at is not None else "", step, what)
     now = t.now
     state = []
     if now.queued_entry:

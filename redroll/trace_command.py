@@ -28,7 +28,8 @@ async def run(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     async with connect(settings) as r:
-        timeline = await request_timeline(r, settings.partition_keys, args.request_id)
+        timeline = await request_timeline(r, settings.partition_keys, args.request_id,
+                                          dedup_window_s=settings.dedup_window_s)
     if args.json:
         sys.stdout.write(msgspec.json.encode(timeline.to_builtins()).decode() + "\n")
     else:

@@ -119,7 +119,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
-            Grant(("xadd", "expire"), wr(events), "the request's event log: its submit (submit_many.lua)"),
+            Grant(("set", "append", "get", "expire"), rw(events),
+                  "requests' event logs: a dead letter of an undecodable record (dead_letter.lua)"),
             Grant(("get", "set", "mget", "del"), rw(rid),
                   "submit de-duplication keys: set with the XADD, read to find a queued request, "
                   "deleted when a queued request is cancelled"),
@@ -162,9 +163,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
-            Grant(("xadd", "expire", "xrevrange", "xdel"), rw(events),
-                  "requests' event logs: deliveries (pipelined with claims), checkpoints (a save replaces the "
-                  "one just before it: XREVRANGE, XDEL), finishes and dead letters (in their scripts)"),
+            Grant(("set", "append", "get", "expire"), rw(events),
+                  "requests' event logs: what a worker takes back (pipelined with the reclaim); checkpoints, "
+                  "finishes and dead letters (in their scripts; past its cap a log is rewritten: GET, SET)"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
@@ -191,7 +192,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "callback (renew.lua), ack, trim below what every group acked (XINFO GROUPS, XTRIM MINID)"),
             Grant(("xadd",), wr(dead), "dead-letter records that cannot be applied"),
             Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
-            Grant(("xadd", "expire"), wr(events), "requests' event logs: which group applied each record"),
+            Grant(("set", "append", "get", "expire"), rw(events),
+                  "requests' event logs: a dead letter of a record that cannot be applied (dead_letter.lua)"),
         ]
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")

@@ -18,7 +18,7 @@ from redroll.errors import RedrollError
 
 from .codec import encode_record
 from .connection import is_cluster, large_argument
-from .events import EventLog, record_summary, script_args
+from .events import EventLog, finish_args, record_summary, script_args
 from .keys import events_key, finish_marker_key
 from .refusals import StreamRefusedError
 from .streams import text
@@ -209,8 +209,6 @@ class Scripts:
         for rid_key, token, request_id, reply_to, data, *rest in items:
             keys.append(rid_key)
             args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
-        keys += [events_key(requests_key, item[2]) for item in items]
-        args += script_args(self.events)
         return _run(self._submit_many, keys, args, client, checked=checked)
 
     # -- finish
@@ -258,7 +256,7 @@ class Scripts:
                 summaries.append(record_summary(record))
             else:
                 summaries.append(rest[1] if len(rest) > 1 and rest[1] is not None else "")
-        return _run(self._finish_many, keys + events, args + script_args(self.events) + summaries, client,
+        return _run(self._finish_many, keys + events, args + finish_args(self.events) + summaries, client,
                     checked=checked)
 
     async def load_all(self) -> None:

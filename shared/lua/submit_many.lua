@@ -1,8 +1,7 @@
 -- De-duplicated submit of many requests to one stream in one call, atomically with each XADD.
--- KEYS[1] request stream, then KEYS[1 + i] the rid key of item i, then KEYS[1 + n + i] the event
--- log of item i ({tag}:events:<request_id>)
+-- KEYS[1] request stream, then KEYS[1 + i] the rid key of item i
 -- ARGV[1] rid key TTL in seconds, then per item 5 values: token, request_id, reply_to ('' = none),
--- affinity key ('' = none: the plain field ak), data; then the event log's cap ('0' = off) and TTL
+-- affinity key ('' = none: the plain field ak), data
 -- Returns per item {code, value}: {1, entry_id} added, {2, entry_id} a retry of this token (it was
 -- added before), {0, holder_token} refused (another submit holds the request_id), {3, error} the
 -- request stream or the rid key refused it (out of memory, a read-only replica, a key of another
@@ -12,10 +11,7 @@
 local out = {}
 local ttl = ARGV[1]
 local stream = KEYS[1]
-local n = (#KEYS - 1) / 2
-local ev_cap, ev_ttl = ARGV[#ARGV - 1], ARGV[#ARGV]
-local sname = string.match(stream, '^{[^}]*}:(.*)$') or stream
-for i = 1, n do
+for i = 1, #KEYS - 1 do
   local a = 1 + (i - 1) * 5
   local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local ridkey = KEYS[1 + i]
@@ -56,14 +52,6 @@ for i = 1, n do
       out[i] = {3, stream .. ': ' .. id.err}
     else
       redis.call('SET', ridkey, token .. ' ' .. id, 'EX', ttl)
-      -- The event log (after the item's first write, which Redis then never refuses for memory;
-      -- through pcall: a key of another type there costs the log its event, never the submit).
-      if ev_cap ~= '0' then
-        local ev = KEYS[1 + n + i]
-        local logged = redis.pcall('XADD', ev, 'MAXLEN', ev_cap, '*', 'ev', 'submitted', 'entry', id,
-                                   'stream', sname, 'reply', reply)
-        if type(logged) == 'string' then redis.pcall('EXPIRE', ev, ev_ttl) end
-      end
       out[i] = {1, id}
     end
   end
