@@ -119,8 +119,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
-            Grant(("set", "append", "get", "expire"), rw(events),
-                  "requests' event logs: a dead letter of an undecodable record (dead_letter.lua)"),
+            Grant(("set", "append", "get", "expire", "time"), rw(events),
+                  "requests' event logs: a dead letter of an undecodable record (dead_letter.lua; TIME: the "
+                  "event's time)"),
             Grant(("get", "set", "mget", "del"), rw(rid),
                   "submit de-duplication keys: set with the XADD, read to find a queued request, "
                   "deleted when a queued request is cancelled"),
@@ -163,9 +164,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
-            Grant(("set", "append", "get", "expire"), rw(events),
+            Grant(("set", "append", "get", "exists", "expire"), rw(events),
                   "requests' event logs: what a worker takes back (pipelined with the reclaim); checkpoints, "
-                  "finishes and dead letters (in their scripts; past its cap a log is rewritten: GET, SET)"),
+                  "finishes (EXISTS: with event_log=incidents, only a log an incident began) and dead letters "
+                  "(in their scripts; past its cap a log is rewritten: GET, SET)"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
@@ -192,15 +194,17 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "callback (renew.lua), ack, trim below what every group acked (XINFO GROUPS, XTRIM MINID)"),
             Grant(("xadd",), wr(dead), "dead-letter records that cannot be applied"),
             Grant(("smismember", "sadd", "expireat"), rw(applied), "callback de-duplication markers"),
-            Grant(("set", "append", "get", "expire"), rw(events),
-                  "requests' event logs: a dead letter of a record that cannot be applied (dead_letter.lua)"),
+            Grant(("set", "append", "get", "expire", "time"), rw(events),
+                  "requests' event logs: a dead letter of a record that cannot be applied (dead_letter.lua; "
+                  "TIME: the event's time)"),
         ]
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")
         return [
             Grant((*conn, "info"), (), "connection upkeep; INFO memory (status reports a Redis out of memory)"),
             Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
-                   "hgetall", "hget", "hlen", "zcard", "ttl", "type", "exists", "get", "getrange"), rd(*everything),
+                   "hgetall", "hget", "hlen", "zcard", "ttl", "type", "exists", "get", "getrange", "sismember"),
+                  rd(*everything),
                   "read-only: redroll status, dead list, weights show, trace, and the README's redis-cli "
                   "inspection commands; nothing that writes"),
         ]

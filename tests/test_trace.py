@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -17,6 +18,8 @@ from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
+from redroll.shared.acl import setuser_args
+from redroll.shared.connection import connect
 from redroll.shared.events import EventLog
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts
@@ -60,6 +63,21 @@ async def test_a_finished_request_shows_its_submit_delivery_record_and_the_group
     assert 0 < t.ttl_s <= settings.event_log_ttl_s
     assert [step for _, step, _ in timeline_rows(t)] == ["submitted", "delivery 1", "record", "consumer group"]
     assert json.loads(json.dumps(t.to_builtins()))["request_id"] == "fire-1"
+
+    # The read-only operator ACL user may trace (and reads the same).
+    password = uuid.uuid4().hex
+    version = (await r.info("server"))["redis_version"]
+    await r.execute_command("ACL", "SETUSER", *setuser_args(f"op-{settings.namespace}", password, "operator",
+                                                            settings.namespace, server_version=version))
+    try:
+        op = connect(settings.with_(redis_username=f"op-{settings.namespace}", redis_password=password))
+        try:
+            seen = await request_timeline(op, settings.partition_keys, "fire-1")
+        finally:
+            await op.aclose()
+    finally:
+        await r.execute_command("ACL", "DELUSER", f"op-{settings.namespace}")
+    assert seen.to_builtins() == {**t.to_builtins(), "ttl_s": seen.ttl_s}
 
 
 async def test_a_queued_request_is_traced_from_its_entry(settings, r):
