@@ -274,7 +274,8 @@ def _fold(t: Timeline) -> None:
     for e in t.events:
         f = e.fields
         entry = _s(f.get("entry"))
-        if e.kind in ("delivered", "checkpoint", "finished", "fenced"):
+        from_worker = e.kind == "dead" and _s(f.get("source")) == "worker"  # (else a record's dead letter)
+        if e.kind in ("delivered", "checkpoint", "finished", "fenced") or from_worker:
             request_entries.add(entry)
             if t.submitted is None or (t.submitted.entry != entry and _at(entry) < t.submitted.at):
                 t.submitted = _submitted(entry, _s(f.get("stream")), None)
@@ -311,10 +312,8 @@ def _fold(t: Timeline) -> None:
             t.dead_letters.append(DeadStep(at=e.at or 0.0, entry=entry, source=_s(f.get("source")),
                                            reason=_s(f.get("reason")), deliveries=_int(f.get("deliveries")),
                                            by=_s(f.get("by")) or None))
-            if entry in by_entry:
-                end(by_entry[entry], REASON_DEAD, e.at)
-            elif t.submitted is not None and entry == t.submitted.entry:
-                end(first_delivery(entry, _s(f.get("by"))), REASON_DEAD, e.at)
+            if from_worker:
+                end(by_entry.get(entry) or first_delivery(entry, _s(f.get("by"))), REASON_DEAD, e.at)
     # What runs now: the entry the rid key names, held by a worker.
     entry, owner = t.now.queued_entry, t.now.owner
     if entry is not None and owner is not None:

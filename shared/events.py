@@ -17,7 +17,8 @@ finish (measured: benchmarks/event_log.py).
 ``finished``   worker, entry, stream, status, reply (where the record went), rec (its entry id
                there), summary (tokens,engine_ms,queue_ms,weight_version,attempt,requeued,error)
 ``fenced``     worker, entry, stream: its finish found the entry no longer this worker's (lease lost)
-``dead``       entry, source, deliveries, by (the consumer that wrote the dead letter), reason
+``dead``       entry, stream, source (worker: a request entry; consumer:<group>, producer: a record's),
+               deliveries, by (the consumer that wrote the dead letter), reason
 ``trimmed``    n: how many of the oldest events gave way to the cap (always first, time 0)
 """
 

@@ -22,7 +22,7 @@ from redroll.shared.acl import setuser_args
 from redroll.shared.connection import connect
 from redroll.shared.events import EventLog
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import Scripts
+from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
 from redroll.trace import render_timeline, request_timeline, timeline_rows
@@ -202,3 +202,21 @@ def test_the_event_log_mode_is_checked():
     with pytest.raises(ValueError, match="event_log"):
         Settings(event_log="some")
     assert Settings.from_env({"REDROLL_EVENT_LOG": "all"}).event_log == "all"
+
+
+async def test_a_dead_letter_ends_the_delivery_and_is_shown(settings, r):
+    keys = settings.keys
+    scripts = Scripts(r, EventLog())
+    await ensure_group(r, keys.requests, WORKERS_GROUP)
+    entry = (await r.xadd(keys.requests, {"rid": "dead-1", "data": b"x"})).decode()
+    await r.xreadgroup(WORKERS_GROUP, "w1", {keys.requests: ">"})
+    letter = DeadLetter(stream=keys.requests, entry_id=entry, reason="engine error:\tboom", source="worker",
+                        fields={b"rid": b"dead-1", b"data": b"x"}, deliveries=3)
+    assert (await scripts.dead_letter(dead_key=keys.dead, group=WORKERS_GROUP, consumer="w1", letter=letter)).done
+    t = await request_timeline(r, keys, "dead-1")
+    (d,) = t.deliveries
+    assert (d.worker, d.ended) == ("w1", "dead-lettered")
+    (dl,) = t.dead_letters
+    assert (dl.entry, dl.source, dl.by, dl.deliveries, dl.reason) == (entry, "worker", "w1", 3, "engine error: boom")
+    assert t.submitted is not None and t.submitted.entry == entry  # (from the event that names the entry)
+    assert any("dead letter" == step for _, step, _ in timeline_rows(t))

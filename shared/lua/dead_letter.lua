@@ -105,7 +105,8 @@ if ev_cap > 0 then
     return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
   end
   log_event(KEYS[#KEYS], ev_cap, ARGV[17 + 2 * npairs],
-            now_ms() .. '\tdead\tentry=' .. ARGV[3] .. '\tsource=' .. ARGV[5] .. '\tdeliveries=' .. ARGV[13] ..
+            now_ms() .. '\tdead\tentry=' .. ARGV[3] .. '\tstream=' .. (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) ..
+            '\tsource=' .. ARGV[5] .. '\tdeliveries=' .. ARGV[13] ..
             '\tby=' .. ARGV[2] .. '\treason=' .. string.gsub(ARGV[4], '[\t\n]', ' '))
 end
 return {1, reply_err}
