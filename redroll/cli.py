@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     from redroll import trace_command
-    trace_command.add_parser(sub)
+    trace_command.add_parser(sub, _common)
 
     p = sub.add_parser("abort", help="abort requests by request_id or group_id")
     _common(p)
@@ -813,7 +813,7 @@ _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def _trace_run(args: argparse.Namespace) -> Any:
     from redroll import trace_command
-    return trace_command.run(args)
+    return trace_command.run(args, _settings(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from redroll.cli import _common
-
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """The ``trace`` subcommand; ``common`` adds the connection flags every command shares."""
     p = sub.add_parser("trace", help="the life of one request: submit, deliveries, checkpoints, record, dead "
-                                     "letters, consumer groups (from its event log)")
-    _common(p)
+                                     "letters, consumer groups (from its event log and what Redis holds)")
+    common(p)
     p.add_argument("request_id", help="the request's request_id")
     p.add_argument("--json", action="store_true", help="the timeline as JSON (the dashboard's form)")
     return p
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, settings: Any) -> int:
+    """Print the timeline; exit status 1 when Redis holds nothing of the request."""
     import msgspec
     from rich.console import Console
 
-    from redroll.cli import _settings
     from redroll.shared.connection import connect
     from redroll.trace import render_timeline, request_timeline
 
-    settings = _settings(args)
     async with connect(settings) as r:
         timeline = await request_timeline(r, settings.partition_keys, args.request_id,
                                           dedup_window_s=settings.dedup_window_s)
