@@ -89,6 +89,8 @@ class RecordStep(msgspec.Struct, kw_only=True):
     queue_ms: Optional[float] = None
     weight_version: Optional[str] = None
     attempt: Optional[int] = None
+    requeued: int = 0
+    """How often ``redroll dead requeue`` had given it another attempt."""
     error: Optional[str] = None
     in_redis: Optional[bool] = None
     """Whether the record itself is still in ``reply`` (consumers delete or trim what they read)."""
@@ -299,7 +301,7 @@ def _fold(t: Timeline) -> None:
                              reply=_s(f.get("reply")), result_entry=_s(f.get("rec")), tokens=_int(summary.get("tokens")),
                              engine_ms=_float(summary.get("engine_ms")), queue_ms=_float(summary.get("queue_ms")),
                              weight_version=summary.get("weight_version"), attempt=_int(summary.get("attempt")),
-                             error=summary.get("error"))
+                             requeued=_int(summary.get("requeued")) or 0, error=summary.get("error"))
             t.records.append(rec)
             if t.submitted is not None and t.submitted.entry == entry:
                 t.submitted.producer = t.submitted.producer or _submitted(entry, "", rec.reply).producer
@@ -342,11 +344,13 @@ async def _after_finish(r: Redis, part: Keys, t: Timeline, request_id: str, dedu
     if not groups:
         return
     buckets = [part.applied_buckets(group, dedup_window_s) for _, group in groups]
+    last = t.records[-1]  # (what consumer groups de-duplicate on: CompletionRecord.dedup_id)
+    dedup_id = request_id if not last.requeued else f"{request_id}#requeue{last.requeued}"
     async with r.pipeline(transaction=False) as pipe:
         for keys_ in buckets:
             for k in keys_:
                 pipe.exists(k)
-                pipe.sismember(k, request_id)
+                pipe.sismember(k, dedup_id)
         found = await pipe.execute(raise_on_error=False)
     i = 0
     for (stream, group), keys_ in zip(groups, buckets):
