@@ -365,6 +365,13 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
         assert any("WRONGTYPE" in a for a in alerts)
         await wait_until(lambda: [a for kind, a in driver.execute_script(PAGE_FIGURES)["alerts"] if kind == "alert"]
                          == alerts, timeout=30, interval=0.2)
+        # A request looked up by its id: the steps redroll trace prints (queued-0 waits in its entry).
+        queued_entry = (await r.get(keys.rid("queued-0"))).decode().split()[-1]
+        driver.find_element(By.ID, "lookup-id").send_keys("queued-0")
+        driver.find_element(By.CSS_SELECTOR, "#lookup button").click()
+        await wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, "#timeline tbody tr"), timeout=30)
+        cells = [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#timeline tbody td")]
+        assert cells[1] == "submitted" and queued_entry in cells[2] and cells[0].count(":") == 2
         screenshot = tmp_path / "dashboard.png"
         driver.set_window_size(1400, driver.execute_script("return document.documentElement.scrollHeight") + 40)
         driver.save_screenshot(str(screenshot))
