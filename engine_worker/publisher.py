@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
 from redroll.shared.durability import Durability
+from redroll.shared.events import record_summary
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
 from redroll.shared.sentinel import leave_demoted_primary
@@ -56,6 +57,8 @@ class _Queued:
     encoded: dict
     """The record's stream fields (``encode_record``)."""
     outcome: Outcome = False
+    summary: str | None = None
+    """What the request's event log keeps of the record (None: the log is off)."""
 
 
 class Publisher(Coalescer[list[_Queued]]):
@@ -89,7 +92,9 @@ class Publisher(Coalescer[list[_Queued]]):
     def finish_many(self, finishes: list[Finish]) -> asyncio.Future:
         """Many finishes (a claimed batch's records), queued at once behind one future: it gets one
         :data:`Outcome` each, or what the round trip raised (a lost connection: none is settled)."""
-        return self._enqueue([_Queued(f, encode_record(f.record)) for f in finishes])
+        logged = self.scripts.events is not None
+        return self._enqueue([_Queued(f, encode_record(f.record), summary=record_summary(f.record) if logged else None)
+                              for f in finishes])
 
     def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:
         """``items`` as script calls: one request stream each, at most ``max_call_items`` and
@@ -142,7 +147,7 @@ class Publisher(Coalescer[list[_Queued]]):
                     self.scripts.finish_many_in(pipe, requests_key=items[0].finish.stream, group=WORKERS_GROUP,
                                                 consumer=self.consumer, worker=self.worker,
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
-                                                        i.encoded, i.finish.cap, i.finish.partial_key)
+                                                        i.encoded, i.finish.cap, i.finish.partial_key, i.summary)
                                                        for i in items])
                 try:
                     return call_replies(await self.durability.execute(pipe),

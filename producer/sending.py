@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.durability import Durability
+from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
@@ -20,6 +21,7 @@ from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies,
 from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
+from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import GenerationRequest
 
 from .request import request_stream
@@ -53,7 +55,8 @@ async def send_each(
     reply_to: str | None = None,
 ) -> list[str | DuplicateRequestError | StreamRefusedError]:
     """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
-    scripts = Scripts(redis_client)
+    scripts = Scripts(redis_client, EventLog.from_settings(settings))
+    tr, spans = tracer(), []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
     prepared = []
     for req in requests:
         part = settings.keys_for(req)
@@ -62,6 +65,8 @@ async def send_each(
             raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this request's "
                                               f"partition ({part.tag})")
         req.reply_to = target
+        if tr is not None:
+            spans.append(submit_span(tr, req))
         prepared.append((req, encode_request(req, settings.limits)))
     if settings.affinity_lanes:  # a producer with another L would queue on lanes nobody reads
         await agree_on_lanes(redis_client, settings.keys, settings.affinity_lanes)
@@ -75,6 +80,8 @@ async def send_each(
             outcomes.append(Scripts.submit_outcome(req.request_id, reply).entry_id)
         except (DuplicateRequestError, StreamRefusedError) as exc:
             outcomes.append(exc)
+    for span in spans:
+        end_span(span)
     return outcomes
 
 

@@ -23,6 +23,7 @@ from redroll.commands import (
     operations,
     serve,
     submit,
+    trace,
     weights,
     worker,
 )
@@ -35,7 +36,8 @@ from redroll.shared.settings import Settings
 
 __all__ = ["COMMAND_GROUPS", "ENGINES", "build_parser", "main"]
 
-COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, operations, functions, bench)
+COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, trace, operations, functions,
+                  bench)
 """The modules that add the commands (each has ``add_parser(sub)``), in the order the help lists them."""
 
 

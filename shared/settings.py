@@ -14,6 +14,8 @@ from .types import GenerationRequest
 ENV_PREFIX = "REDROLL_"
 RECOVERY_SPLITS = ("halving", "alone")
 """The values of ``Settings.recovery_split``."""
+EVENT_LOG_MODES = ("off", "incidents", "all")
+"""The values of ``Settings.event_log``."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,17 @@ class Settings:
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
     steal_after_ms: int = 1000
     """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
+    event_log: str = "incidents"
+    """The per-request event log ``redroll trace`` reads (``{ns}:events:<request_id>``):
+    ``"incidents"`` (default): requests that had one (an entry taken back from a dead or draining
+    worker, a checkpoint, a lost lease, a dead letter) keep a log, their finish included; ``"all"``:
+    every request's finish is logged too (one more key per request: see docs/operations.md for its
+    cost); ``"off"``."""
+    event_log_ttl_s: int = 3600
+    """A request's event log expires this long after its last event."""
+    event_log_max_bytes: int = 4096
+    """The most a request's log holds (about 20 events; the oldest give way, and ``redroll trace``
+    says how many did)."""
 
     def __post_init__(self) -> None:
         if self.recovery_split not in RECOVERY_SPLITS:
@@ -124,6 +137,9 @@ class Settings:
         if (self.wait_replicas or self.wait_aof) and self.redis_cluster:
             raise ValueError(f"wait_replicas / wait_aof ({ENV_PREFIX}WAIT_REPLICAS, {ENV_PREFIX}WAIT_AOF) "
                              "work on one primary (with Sentinel or not), not with redis_cluster")
+        if self.event_log not in EVENT_LOG_MODES:
+            raise ValueError(f"event_log ({ENV_PREFIX}EVENT_LOG) must be one of {', '.join(EVENT_LOG_MODES)}, "
+                             f"got {self.event_log!r}")
         for name, least in _LEAST.items():
             value = getattr(self, name)
             if not value >= least:  # (NaN too)
@@ -175,7 +191,7 @@ _LEAST: dict[str, float] = {
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
     "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0, "wait_replicas": 0,
-    "wait_timeout_ms": 1,
+    "wait_timeout_ms": 1, "event_log_ttl_s": 1, "event_log_max_bytes": 256,
 }
 """The smallest value each numeric setting takes (Redis refuses an expiry of 0 or less, a window
 of 0 divides by zero, ...). ``results_max_len`` has none: 0 or less means no cap."""
