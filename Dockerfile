@@ -17,7 +17,8 @@ ARG VLLM_BASE_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
 FROM ${VLLM_BASE_IMAGE} AS vllm
 ARG VLLM_VERSION
 WORKDIR /opt/redroll
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md MANIFEST.in ./
+COPY scripts/build_backend.py ./scripts/
 COPY shared ./shared
 COPY producer ./producer
 COPY engine_worker ./engine_worker
@@ -35,7 +36,8 @@ CMD ["redroll", "--help"]
 FROM ${BASE_IMAGE} AS sglang
 ARG SGLANG_VERSION
 WORKDIR /opt/redroll
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md MANIFEST.in ./
+COPY scripts/build_backend.py ./scripts/
 COPY shared ./shared
 COPY producer ./producer
 COPY engine_worker ./engine_worker

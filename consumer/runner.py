@@ -26,6 +26,8 @@ from redis.asyncio import Redis
 from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
+from redroll.shared.durability import Durability
+from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
 from redroll.shared.retention import trim_acked
@@ -42,6 +44,7 @@ from redroll.shared.streams import (
     text,
     unique_consumer_name,
 )
+from redroll.shared.tracing import callback_span, traced, tracer
 from redroll.shared.types import CompletionRecord
 
 from .handlers import Handler, HandlerRegistry
@@ -116,6 +119,7 @@ class ConsumerRunner:
         ``on_applied(records)``: called with the records of each batch once acked, those applied now
         and those the group had applied before (skipped as duplicates)."""
         self.settings = settings
+        self.durability = Durability.of(settings)
         self.keys: Keys = settings.keys
         self.group = group
         parts = settings.partition_keys
@@ -137,6 +141,7 @@ class ConsumerRunner:
         self.stats = ConsumerStats()
         self.metrics: Any = None
         """A :class:`redroll.shared.metrics.ConsumerMetrics` when metrics are served."""
+        self._tracer: Any = None
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
@@ -163,7 +168,8 @@ class ConsumerRunner:
     async def run(self) -> None:
         if self._redis is None:
             self._redis = connect(self.settings)
-        self.scripts = Scripts(self.redis)
+        self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
+        self._tracer = tracer()
         await reach(self.redis, self.settings)
         await self._ensure_groups()
         await open_connections(self.redis, 4)  # (a blocking read, a batch's markers and acks, reclaim, trim)
@@ -397,8 +403,15 @@ class ConsumerRunner:
         for n, item in enumerate(items):
             fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
             started = time.perf_counter()
+            traced_by = self._tracer if self._tracer is not None and item.record.traceparent else None  # type: ignore[union-attr]
             try:
-                res = fn(item.record)  # type: ignore[misc]
+                if traced_by is not None and inspect.iscoroutinefunction(fn):  # (its span: while it is awaited)
+                    res = traced(traced_by, item.record, self.group, fn(item.record))  # type: ignore[misc]
+                elif traced_by is not None:
+                    with callback_span(traced_by, item.record, self.group):
+                        res = fn(item.record)  # type: ignore[misc]
+                else:
+                    res = fn(item.record)  # type: ignore[misc]
             except (Exception, asyncio.CancelledError) as exc:  # (a sync call is never this task's cancel)
                 results[n] = exc
                 continue
@@ -474,12 +487,15 @@ class ConsumerRunner:
         now = time.time()
         bucket_key = part.applied(self.group, int(now // window))
         expire_at = (int(now // window) + 2) * window
-        async with self.redis.pipeline(transaction=True) as pipe:
+
+        def fill(pipe: Any) -> None:
             if applied:
                 pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
-            await pipe.execute()
+
+        # (with wait_replicas, acknowledged once the replicas have it: see redroll.shared.durability)
+        await self.durability.transaction(self.redis, fill)
         self.stats.applied += len(applied)
         for i in applied:
             self._last_errors.pop(f"{stream}/{i.entry_id}", None)

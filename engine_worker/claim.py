@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import redis
 
+from redroll.shared.events import Delivery
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import read_group, script_fields, text
 
@@ -65,6 +66,8 @@ class _Plan:
     condemned: str | None = None
     group_deaths: int = 0
     """Deaths it witnessed in a group (not in its delivery count)."""
+    owner: str | None = None
+    """The consumer that died holding it."""
 
 
 def _positive_int(value: Any) -> int | None:
@@ -238,7 +241,7 @@ class Claimer:
     async def _reclaim_once(self) -> bool:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
         ctx, flights = self.ctx, self.flights
-        bulk: list[tuple[str, str, int]] = []
+        bulk: list[tuple[str, str, int, str, str]] = []
         suspects: list[tuple[str, str, int, str]] = []
         """(stream, entry id, times delivered so far, the consumer that died holding it)"""
         if flights.holds:
@@ -278,7 +281,11 @@ class Claimer:
                 # a group; the death notes decide, below.)
                 if note is not None or never_ran or (deliveries > ctx.settings.max_deliveries and not halving):
                     if len(bulk) < flights.free_to_claim:
-                        bulk.append((stream, entry_id, deliveries))
+                        why = ("its claim reply was lost" if never_ran and note is None
+                               else "delivered too often" if note is None
+                               else text(note).split(" (", 1)[0] if text(note).startswith("handed back")
+                               else "after an error: " + text(note)[:120])
+                        bulk.append((stream, entry_id, deliveries, text(p["consumer"]), why))
                 else:
                     suspects.append((stream, entry_id, deliveries - 1, text(p["consumer"])))
         if bulk:
@@ -294,8 +301,8 @@ class Claimer:
         await flights.wait_idle()
         if ctx.stopping.is_set():
             return False
-        stream, entry_id, times, _ = random.choice(suspects[:8])
-        for flight in await self._claim_and_start([(stream, entry_id, times + 1)]):
+        stream, entry_id, times, owner = random.choice(suspects[:8])
+        for flight in await self._claim_and_start([(stream, entry_id, times + 1, owner, "its worker died")]):
             flight.reclaimed = True
             await self._run_alone(flight)
         return True
@@ -345,7 +352,7 @@ class Claimer:
                 counted[field] = f"{deaths} {deaths_alone} {cap} {int(was_alone)} {owner}"
             assert cap is not None
             retry = times + 1 if was_alone else times
-            plan = _Plan(stream, entry_id, retry, cap, group_deaths=deaths - deaths_alone)
+            plan = _Plan(stream, entry_id, retry, cap, group_deaths=deaths - deaths_alone, owner=owner)
             if was_alone and (deaths >= max_deliveries or retry > max_deliveries):
                 plan.condemned = (f"its worker died while it ran alone: {deaths} worker deaths witnessed "
                                   f"({deaths_alone} alone), delivered {retry} times (max_deliveries={max_deliveries})")
@@ -425,17 +432,21 @@ class Claimer:
             flight.condemned = plan.condemned
             flight.uncounted_runs = plan.group_deaths
             started.append(flight)
+        ctx.deliveries.note([Delivery(p.stream, p.entry_id, fields, n=p.retry, previous=p.owner,
+                                      why="its worker died") for p, fields in claimed])
         grouped = [f for f in started if f.condemned is None and (f.suspect_cap or 1) > 1]
         if grouped:
             log.warning("took back %d entr%s (each was in flight on a worker that died), in groups of at most %d",
                         len(grouped), "y" if len(grouped) == 1 else "ies", min(f.suspect_cap or 1 for f in grouped))
         return started
 
-    async def _claim_and_start(self, chosen: list[tuple[str, str, int]]) -> list[InFlight]:
+    async def _claim_and_start(self, chosen: list[tuple[str, str, int, str, str]]) -> list[InFlight]:
+        """XCLAIM and start (stream, entry id, delivery count, previous owner, why it is taken back)."""
         ctx = self.ctx
         started = []
         for stream in ctx.request_streams:
-            counts = {entry_id: n for s, entry_id, n in chosen if s == stream}
+            counts = {entry_id: n for s, entry_id, n, _, _ in chosen if s == stream}
+            how = {entry_id: (owner, why) for s, entry_id, _, owner, why in chosen if s == stream}
             if not counts:
                 continue
             claimed = await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
@@ -447,6 +458,8 @@ class Claimer:
                 entry_id = text(raw_id)
                 if not fields or ctx.flight_key(stream, entry_id) in self.flights:
                     continue
+                owner, why = how[entry_id]
+                ctx.deliveries.note([Delivery(stream, entry_id, fields, n=counts[entry_id], previous=owner, why=why)])
                 ctx.stats.reclaimed += 1
                 started.append(self.flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), counts[entry_id],
                                                 fields))

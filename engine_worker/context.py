@@ -11,10 +11,14 @@ from typing import Any
 from redis.asyncio import Redis
 
 from redroll.shared.batcher import CommandBatcher
+from redroll.shared.durability import Durability
+from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
+from redroll.shared.tracing import tracer
 
+from .deliveries import DeliveryLog
 from .engines.base import Engine, EngineCapabilities, capabilities_of
 from .publisher import Publisher
 
@@ -70,9 +74,14 @@ class WorkerContext:
         asks this, never the engine's methods."""
         self.keys: Keys = self.settings.keys
         """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
-        self.scripts = Scripts(self.redis)
+        self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
         self.batcher = CommandBatcher(self.redis)
-        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name)
+        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name,
+                                   durability=Durability.of(self.settings))
+        self.deliveries = DeliveryLog(self.redis, self.scripts.events, self.name)
+        """Each delivery (a claim read, a reclaim) noted in its request's event log."""
+        self.tracer = tracer()
+        """OpenTelemetry's tracer when a tracer provider is set (shared/tracing.py), else None."""
         # Claiming order: every partition's high-priority stream, its lanes, then every normal one.
         self.request_streams = ([k.requests_high for k in self.parts] + [s for k in self.parts for s in k.lane_streams]
                                 + [k.requests for k in self.parts])
@@ -97,3 +106,4 @@ class WorkerContext:
     async def close(self) -> None:
         await self.batcher.close()
         await self.publisher.close()
+        await self.deliveries.close()

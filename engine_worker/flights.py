@@ -58,6 +58,8 @@ class InFlight:
     that advanced here)."""
     condemned: str | None = None
     """Why it is dead-lettered without running (it killed the worker that ran it alone)."""
+    span: Any = None
+    """OpenTelemetry: the publish span of its record, ended once the finish settled."""
     uncounted_runs: int = 0
     """Runs its delivery count leaves out: the deaths it witnessed in a group ("halving" keeps the
     count there, so that innocent neighbours of a poison request are not dead-lettered with it)."""

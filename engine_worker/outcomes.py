@@ -26,6 +26,7 @@ from redroll.shared.keys import WORKERS_GROUP, owner_key_for
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused, dead_letter_refused
 from redroll.shared.streams import text
+from redroll.shared.tracing import end_span
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from .context import WorkerContext
@@ -114,6 +115,9 @@ class Outcomes:
                        published: bool) -> None:
         ctx = self.ctx
         stats = ctx.stats
+        if flight.span is not None:
+            end_span(flight.span, published=published)
+            flight.span = None
         if published:
             stats.published += 1
             stats.by_status[record.status.value] = stats.by_status.get(record.status.value, 0) + 1

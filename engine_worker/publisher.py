@@ -18,8 +18,11 @@ from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
+from redroll.shared.durability import Durability
+from redroll.shared.events import record_summary
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
+from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -54,14 +57,18 @@ class _Queued:
     encoded: dict
     """The record's stream fields (``encode_record``)."""
     outcome: Outcome = False
+    summary: str | None = None
+    """What the request's event log keeps of the record (None: the log is off)."""
 
 
 class Publisher(Coalescer[list[_Queued]]):
     """Queued items are groups of finishes (one request's, or a whole batch's), each with one future."""
 
     def __init__(self, redis_client: Redis, scripts: Scripts, consumer: str, worker: str, max_batch: int = 256,
-                 max_call_bytes: int = 1 << 20):
+                 max_call_bytes: int = 1 << 20, durability: Durability = Durability()):
         super().__init__(max_batch)
+        self.durability = durability
+        """What a flush waits for after its finishes (replicas: see redroll.shared.durability)."""
         self.redis = redis_client
         self.scripts = scripts
         self.consumer = consumer
@@ -85,7 +92,9 @@ class Publisher(Coalescer[list[_Queued]]):
     def finish_many(self, finishes: list[Finish]) -> asyncio.Future:
         """Many finishes (a claimed batch's records), queued at once behind one future: it gets one
         :data:`Outcome` each, or what the round trip raised (a lost connection: none is settled)."""
-        return self._enqueue([_Queued(f, encode_record(f.record)) for f in finishes])
+        logged = self.scripts.events is not None
+        return self._enqueue([_Queued(f, encode_record(f.record), summary=record_summary(f.record) if logged else None)
+                              for f in finishes])
 
     def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:
         """``items`` as script calls: one request stream each, at most ``max_call_items`` and
@@ -112,6 +121,8 @@ class Publisher(Coalescer[list[_Queued]]):
                     fut.set_exception(exc)
             return
         self.flushes += 1
+        await leave_demoted_primary(self.redis, [x.decode() if isinstance(x, bytes) else x
+                                                 for reply in replies for x in reply if isinstance(x, (bytes, str))])
         for items, reply in zip(calls, replies):
             for item, outcome in zip(items, reply):
                 # (a refusal of this item's reply stream, or 1 published / 2 published by an earlier
@@ -136,10 +147,10 @@ class Publisher(Coalescer[list[_Queued]]):
                     self.scripts.finish_many_in(pipe, requests_key=items[0].finish.stream, group=WORKERS_GROUP,
                                                 consumer=self.consumer, worker=self.worker,
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
-                                                        i.encoded, i.finish.cap, i.finish.partial_key)
+                                                        i.encoded, i.finish.cap, i.finish.partial_key, i.summary)
                                                        for i in items])
                 try:
-                    return call_replies(await pipe.execute(raise_on_error=False),
+                    return call_replies(await self.durability.execute(pipe),
                                         [finish_refused(len(items)) for items in calls])
                 except redis.exceptions.NoScriptError:
                     if attempt == 2:

@@ -9,6 +9,7 @@ from typing import Awaitable
 
 from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
 from redroll.shared.keys import Keys
+from redroll.shared.tracing import worker_spans
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from .checkpoints import Checkpoint, Checkpoints, Saver, is_checkpointed, resume_request, stitch_resumed
@@ -221,6 +222,9 @@ class RequestRunner:
         self.flights.release_slot(flight)
         if flight.handed_back:
             # drained: the entry goes back to the fleet; a resumable one keeps what was made
+            if ctx.tracer is not None:
+                worker_spans(ctx.tracer, request, None, worker=ctx.name, entry_id=flight.entry_id,
+                             deliveries=flight.deliveries, claimed_at=flight.claimed_at, engine_ms=engine_ms)
             if saver is not None and output.samples:
                 await saver.flush(output.samples[0])
             return
@@ -236,6 +240,9 @@ class RequestRunner:
         status = (flight.stop_status or RecordStatus.ABORTED) if output.aborted else RecordStatus.FINISHED
         record = build_record(request, output, status=status, worker=ctx.name, info=ctx.engine.info,
                               attempt=flight.attempt, queue_ms=queue_ms, engine_ms=engine_ms)
+        if ctx.tracer is not None:
+            flight.span = worker_spans(ctx.tracer, request, record, worker=ctx.name, entry_id=flight.entry_id,
+                                       deliveries=flight.deliveries, claimed_at=flight.claimed_at, engine_ms=engine_ms)
         if status is not RecordStatus.FINISHED:
             record.meta_info["abort_reason"] = flight.stop_reason or "engine"
         ctx.stats.tokens += record.meta_info.get("completion_tokens", 0)

@@ -22,12 +22,14 @@ from redroll.shared.codec import check_request_id, encode_request
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.control import abort_requests
 from redroll.shared.control import update_weights as _update_weights
+from redroll.shared.events import EventLog
 from redroll.shared.keys import PRODUCER_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, unique_consumer_name
+from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 from . import dead_notices
@@ -137,6 +139,7 @@ class Producer(ReplyReader):
         self.block_ms = block_ms
         self.read_count = read_count
         self._redis = redis_client
+        self._tracer: Any = None
         self._owns_redis = redis_client is None
         self._waiters: dict[str, _Waiter] = {}
         self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
@@ -160,7 +163,8 @@ class Producer(ReplyReader):
     async def start(self) -> "Producer":
         if self._redis is None:
             self._redis = connect(self.settings)
-        self.scripts = Scripts(self._redis)
+        self.scripts = Scripts(self._redis, EventLog.from_settings(self.settings))
+        self._tracer = tracer()
         await reach(self._redis, self.settings)
         await open_connections(self._redis, 4)  # (its reply and dead-letter readers block; submits, acks)
         await agree_on_lanes(self._redis, self.settings.keys, self.settings.affinity_lanes)
@@ -277,9 +281,12 @@ class Producer(ReplyReader):
                             validated: bool = False) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         token_base = f"{self.name}:{secrets.token_hex(8)}"  # (one random part per chunk, then its index)
+        spans = []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
         for i, item in enumerate(requests):
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
+            if self._tracer is not None:
+                spans.append(submit_span(self._tracer, req))
             fields = encode_request(req, self.settings.limits, check=not validated)
             # (neither a name nor a request_id holds whitespace, which ends a token in the rid key)
             token = f"{self.name}:{req.request_id}" if self._tokens_from_ids else f"{token_base}:{i}"
@@ -313,6 +320,8 @@ class Producer(ReplyReader):
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the error is raised below
                 failed = failed or exc
+        for span in spans:
+            end_span(span)
         if failed is not None and len(prepared) == 1:
             raise failed
         return futures

@@ -12,12 +12,16 @@ import redis
 from redis.asyncio import Redis
 
 from redroll.shared.codec import ValidationError, encode_request
+from redroll.shared.durability import Durability
+from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused
+from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
+from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import GenerationRequest
 
 from .request import request_stream
@@ -51,7 +55,8 @@ async def send_each(
     reply_to: str | None = None,
 ) -> list[str | DuplicateRequestError | StreamRefusedError]:
     """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
-    scripts = Scripts(redis_client)
+    scripts = Scripts(redis_client, EventLog.from_settings(settings))
+    tr, spans = tracer(), []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
     prepared = []
     for req in requests:
         part = settings.keys_for(req)
@@ -60,6 +65,8 @@ async def send_each(
             raise ValidationError("reply_to", f"{target!r} is not a result or reply stream of this request's "
                                               f"partition ({part.tag})")
         req.reply_to = target
+        if tr is not None:
+            spans.append(submit_span(tr, req))
         prepared.append((req, encode_request(req, settings.limits)))
     if settings.affinity_lanes:  # a producer with another L would queue on lanes nobody reads
         await agree_on_lanes(redis_client, settings.keys, settings.affinity_lanes)
@@ -73,6 +80,8 @@ async def send_each(
             outcomes.append(Scripts.submit_outcome(req.request_id, reply).entry_id)
         except (DuplicateRequestError, StreamRefusedError) as exc:
             outcomes.append(exc)
+    for span in spans:
+        end_span(span)
     return outcomes
 
 
@@ -107,13 +116,15 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                        items: list[tuple[GenerationRequest, bytes, str]]) -> list:
     """Submit (request, data, token) items with ``submit_many`` calls (one per request stream, in
     each request's partition) in one round trip; returns one [code, value] reply per item, in order
-    (see :meth:`Scripts.submit_outcome`)."""
+    (see :meth:`Scripts.submit_outcome`). With ``settings.wait_replicas`` the round trip ends with
+    the replicas' acknowledgement (see :mod:`redroll.shared.durability`)."""
     groups: dict[tuple[str, Keys], list[int]] = {}
     for i, (req, _, _) in enumerate(items):
         part = settings.keys_for(req)
         groups.setdefault((request_stream(part, req), part), []).append(i)
     calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
              for j in range(0, len(idx), SUBMIT_CHUNK)]
+    durability = Durability.of(settings)
     for attempt in (1, 2):
         async with r.pipeline(transaction=False) as pipe:
             for stream, part, idx in calls:
@@ -121,7 +132,7 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                     (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
                      items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
             try:
-                replies = call_replies(await pipe.execute(raise_on_error=False),
+                replies = call_replies(await durability.execute(pipe),
                                        [submit_refused(stream, len(idx)) for stream, _, idx in calls])
                 break
             except redis.exceptions.NoScriptError:
@@ -132,4 +143,5 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
     for (_, _, idx), reply in zip(calls, replies):
         for i, rep in zip(idx, reply):
             out[i] = rep
+    await leave_demoted_primary(r, [text(rep[1]) for rep in out if int(rep[0]) == 3])
     return out

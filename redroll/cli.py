@@ -13,7 +13,20 @@ from typing import Sequence
 
 import redis
 
-from redroll.commands import bench, consume, dashboard, dead, demo, functions, operations, submit, weights, worker
+from redroll.commands import (
+    bench,
+    consume,
+    dashboard,
+    dead,
+    demo,
+    functions,
+    operations,
+    serve,
+    submit,
+    trace,
+    weights,
+    worker,
+)
 from redroll.commands.options import HelpFormatter, every_parser
 from redroll.commands.worker import ENGINES
 from redroll.runtime import run as run_async_main
@@ -23,7 +36,8 @@ from redroll.shared.settings import Settings
 
 __all__ = ["COMMAND_GROUPS", "ENGINES", "build_parser", "main"]
 
-COMMAND_GROUPS = (demo, worker, consume, submit, dashboard, weights, dead, operations, functions, bench)
+COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, trace, operations, functions,
+                  bench)
 """The modules that add the commands (each has ``add_parser(sub)``), in the order the help lists them."""
 
 

@@ -13,7 +13,8 @@ Routes:
     GET  /api/status           the status document (``redroll status --json``)
     GET  /api/weights          the desired weights (``{ns}:weights``; ``null`` until one is set)
     GET  /api/dead             dead letters, oldest first (``redroll dead list --json``'s entries)
-    GET  /api/request/{id}     one request's timeline, from :mod:`redroll.trace` (501 without it)
+    GET  /api/request/{id}     one request's timeline (``redroll trace --json``'s document, and its
+                               ``steps`` in time order), from :mod:`redroll.trace`
     POST /api/dead/requeue     ``{"ids": [...]}``: re-validate and requeue (administrator, token)
     POST /api/dead/purge       ``{"ids": [...]}``: delete (administrator, token)
     GET  /metrics              the pipeline exporter's figures (:mod:`redroll.exporter`; needs
@@ -166,21 +167,22 @@ def create_app(r: Redis, settings: Settings, *, actions: Actions | None = None, 
 
 
 async def _timeline(r: Redis, settings: Settings, request_id: str) -> Any:
-    """One request's timeline from :mod:`redroll.trace` (imported here, on first use: it is optional)."""
+    """One request's timeline (:func:`redroll.trace.request_timeline`, what ``redroll trace
+    --json`` prints) with its steps in time order (``steps``: the rows ``redroll trace`` draws),
+    which the page shows. Imported on first use, so the page serves without it."""
     from starlette.responses import JSONResponse
 
     try:
         trace = importlib.import_module("redroll.trace")
     except ImportError:
         return _error(501, "request lookup needs redroll.trace (redroll trace REQUEST_ID), which this install lacks")
-    lookup = getattr(trace, "trace_request", None)
-    if lookup is None:
-        return _error(501, "redroll.trace has no trace_request(redis, settings, request_id): request lookup "
-                           "is not wired to it")
-    timeline = await lookup(r, settings, request_id)
-    if hasattr(timeline, "to_json"):
-        timeline = timeline.to_json()
-    return JSONResponse(msgspec.to_builtins(timeline))
+    if not request_id.strip():
+        return _error(400, "request_id: name a request")
+    timeline = await trace.request_timeline(r, settings.partition_keys, request_id,
+                                            dedup_window_s=settings.dedup_window_s)
+    body = timeline.to_builtins()
+    body["steps"] = [{"at": at, "step": step, "what": what} for at, step, what in trace.timeline_rows(timeline)]
+    return JSONResponse(body)
 
 
 def is_loopback(host: str) -> bool:

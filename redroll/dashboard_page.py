@@ -257,15 +257,16 @@ async function lookup(event) {
   const response = await fetch("/api/request/" + encodeURIComponent(id), {cache: "no-store"});
   const body = await response.json();
   if (!response.ok) { box.replaceChildren(el("p", {class: "stale"}, body.error)); return; }
-  const events = Array.isArray(body) ? body : (Array.isArray(body.events) ? body.events : null);
-  if (events && events.length && typeof events[0] === "object") {
-    const cols = [...new Set(events.flatMap((e) => Object.keys(e)))];
-    box.replaceChildren(el("table", {}, el("thead", {}, el("tr", {}, ...cols.map((c) => el("th", {}, c)))),
-      el("tbody", {}, ...events.map((e) => el("tr", {}, ...cols.map((c) =>
-        el("td", {}, typeof e[c] === "object" ? JSON.stringify(e[c]) : e[c])))))));
+  const steps = Array.isArray(body.steps) ? body.steps : null;
+  if (steps && steps.length) {
+    const when = (at) => at == null ? "" : new Date(at * 1000).toISOString().slice(11, 23);
+    box.replaceChildren(el("table", {}, el("thead", {}, el("tr", {}, ...["time (UTC)", "step", "what"].map((c) =>
+      el("th", {}, c)))), el("tbody", {}, ...steps.map((s) =>
+        el("tr", {}, el("td", {}, when(s.at)), el("td", {}, s.step), el("td", {}, s.what))))));
   } else {
-    box.replaceChildren(el("pre", {}, JSON.stringify(body, null, 2)));
+    box.replaceChildren(el("p", {}, "no step of " + id + " is known"));
   }
+  for (const gap of body.gaps || []) box.append(el("p", {class: "stale"}, "not in Redis: " + gap));
 }
 
 $("namespace").textContent = CONFIG.namespace;

@@ -51,13 +51,17 @@ def _decode(engine: Any, ids: list[int]) -> str:
 
 async def run_demo(settings: Settings, *, prompts: int = 4, engine_name: str | None = None,
                    max_new_tokens: int = 24, timeout: float = 300.0) -> int:
-    engine_name = engine_name or ("transformers" if _has_torch() else "synthetic")
+    has_torch = _has_torch()
+    engine_name = engine_name or ("transformers" if has_torch else "synthetic")
     if engine_name == "transformers":
         engine = create_engine("transformers", model_path="tiny-random")
         note = "transformers engine, tiny random model (byte tokenizer; the text is noise by design)"
     else:
         engine = create_engine("synthetic", token_ms=2.0, vocab_size=256)
-        note = "synthetic engine (install redroll[cpu] for the tiny transformers model)"
+        # Suggest the install only where it is missing, not to one who asked for synthetic.
+        note = "synthetic engine (token ids without a model; the text is their numbers)"
+        if not has_torch:
+            note += "; install redroll[cpu] for the tiny transformers model"
     print(f"engine: {note}")
     worker = Worker(settings, engine, max_inflight=8)
     chosen = (DEMO_PROMPTS * (prompts // len(DEMO_PROMPTS) + 1))[:prompts]

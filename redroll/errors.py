@@ -21,6 +21,8 @@ error                          also a                          raised when
                                                                (reloaded by callers that may load it)
 ``FunctionsNotLoadedError``    ``redis.NoPermissionError``     the library is missing and this user may
                                                                not load it (``redroll functions load``)
+``ReplicasBehindError``        ``redis.ConnectionError``       fewer replicas than ``wait_replicas`` confirmed
+                                                               a write in time (it is sent again)
 ``LanesMismatchError``         ``RuntimeError``                a process's affinity lanes differ from the
                                                                pipeline's
 ``BeforeAckError``             ``RuntimeError``                a record was lost before the producer acked
@@ -56,7 +58,7 @@ class ConnectionUnavailableError(RedrollError, ConnectionError):
 
 
 _DEFINED_IN = {
-    "RedisConfigError": "redroll.shared.connection",
+    "RedisConfigError": "redroll.shared.config_error",
     "ValidationError": "redroll.shared.codec",
     "NewerSchemaError": "redroll.shared.codec",
     "DuplicateRequestError": "redroll.shared.scripts",
@@ -64,6 +66,7 @@ _DEFINED_IN = {
     "FunctionsMissingError": "redroll.shared.functions",
     "FunctionsNotLoadedError": "redroll.shared.functions",
     "StreamRefusedError": "redroll.shared.refusals",
+    "ReplicasBehindError": "redroll.shared.durability",
     "LanesMismatchError": "redroll.shared.lanes",
     "BeforeAckError": "redroll.producer.replies",
     "WeightSyncError": "redroll.producer.weight_sync",

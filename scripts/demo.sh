@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The README's first command: install redroll (with CPU torch) and run `redroll demo` on the
-# embedded default. Works on a stock Debian/Ubuntu Python (externally managed: it uses .venv),
-# inside a virtualenv, and with any other python3. Arguments go to `redroll demo`.
+# The README's first command: install redroll (with CPU torch) into the checkout's .venv (made
+# when missing, from any python3: see .ci/python-env) and run `redroll demo` on the embedded
+# default. Arguments go to `redroll demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .ci/python-env

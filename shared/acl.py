@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .keys import Keys
 
-ROLES = ("producer", "worker", "consumer", "operator")
+ROLES = ("producer", "worker", "consumer", "operator", "gateway")
 
 READ, WRITE, READ_WRITE = "%R~", "%W~", "~"
 
@@ -67,14 +67,15 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def connection_commands(server_version: str | None = None) -> tuple[str, ...]:
     """What every redis-py client sends outside its own calls.
 
-    PING: connection health checks. CLIENT SETINFO: redis-py announces its library name and
+    PING: connection health checks. WAIT (WAITAOF from 7.2): ``wait_replicas`` (see
+    redroll.shared.durability). CLIENT SETINFO: redis-py announces its library name and
     version on connect (Redis 7.2+ and Valkey; 7.0 does not know the subcommand and refuses it in
     an ACL rule, so it is left out for ``server_version`` < 7.2; redis-py ignores the refusal).
     AUTH and HELLO need no grant.
     """
-    cmds = ["ping"]
+    cmds = ["ping", "wait"]
     if server_version is None or _version_tuple(server_version) >= (7, 2):
-        cmds.append("client|setinfo")
+        cmds += ["client|setinfo", "waitaof"]
     return tuple(cmds)
 
 
@@ -102,6 +103,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     partial = f"{pt}:partial:*"
+    events = f"{pt}:events:*"
     finished = f"{pt}:finished:*"
     replies = f"{pt}:reply:*"
     owners = f"{pt}:own:*"
@@ -113,16 +115,27 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     wr = lambda *ks: tuple(WRITE + k for k in ks)  # noqa: E731
     scripts = ("fcall",)
 
+    if role == "gateway":  # (redroll serve: a producer of every reply stream, plus what keyed calls need)
+        root, *rest = role_grants("producer", keys, server_version=server_version, partitions=partitions)
+        return [Grant((*root.commands, "unwatch"), root.keys, root.why + "; UNWATCH (ends a keyed call's WATCH)"),
+                *rest,
+                Grant(("watch", "xread"), rw(replies),
+                      "a keyed call's reply stream: WATCH it around the submit, XREAD its records"),
+                Grant(("xlen",), rd(requests, requests_high, lanes), "--max-queued: the pipeline's backlog")]
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(requests, requests_high, lanes, rid, own, owner, dead),
+            Grant((*conn, "multi", "exec", *scripts),
+                  rw(requests, requests_high, lanes, rid, own, owner, dead, events),
                   "connection upkeep; MULTI/EXEC (acks, abort, weight update); the functions submit_many, "
                   "cancel_queued and dead_letter with the keys they are given (FCALL: checked read+write)"),
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
                   "XINFO GROUPS, XDEL in cancel_queued.lua)"),
+            Grant(("set", "append", "get", "expire", "time"), rw(events),
+                  "requests' event logs: a dead letter of an undecodable record (dead_letter.lua; TIME: the "
+                  "event's time)"),
             Grant(("get", "setnx", "mget"), rw(rid),
                   "submit de-duplication keys: created with the XADD (SETNX, no expiry: nothing that could "
                   "overwrite, expire or delete another producer's), read to find a queued request"),
@@ -149,7 +162,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "worker":
         return [
             Grant((*conn, "multi", "exec", *scripts, "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead),
+                  rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete_consumer_if_empty and release_rids with their keys (FCALL); SCAN ... TYPE for reply "
@@ -173,6 +186,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
+            Grant(("set", "append", "get", "exists", "expire"), rw(events),
+                  "requests' event logs: what a worker takes back (pipelined with the reclaim); checkpoints, "
+                  "finishes (EXISTS: with event_log=incidents, only a log an incident began) and dead letters "
+                  "(in their functions; past its cap a log is rewritten: GET, SET)"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
@@ -190,7 +207,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         source = glob_escape(stream) if stream else results
         applied = f"{pt}:applied:{glob_escape(group)}:*" if group else f"{pt}:applied:*"
         return [
-            Grant((*conn, "multi", "exec", *scripts), rw(source, dead),
+            Grant((*conn, "multi", "exec", *scripts), rw(source, dead, events),
                   "connection upkeep; MULTI/EXEC (mark applied + ack); the functions dead_letter and "
                   "renew with their keys (FCALL)"),
             Grant(("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xclaim", "xack", "xinfo|groups",
@@ -202,14 +219,18 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xlen",), rd(requests, requests_high, lanes),
                   "burst mode: is any request still queued or claimed, a record still to come? (the "
                   "request streams' lengths, nothing of the requests)"),
+            Grant(("set", "append", "get", "expire", "time"), rw(events),
+                  "requests' event logs: a dead letter of a record that cannot be applied (dead_letter.lua; "
+                  "TIME: the event's time)"),
         ]
     if role == "operator":
         everything = (f"{t}:*",) if partitions == 1 else (f"{t}:*", f"{pt}:*")
         return [
             Grant((*conn, "info"), (), "connection upkeep; INFO memory (status reports a Redis out of memory)"),
             Grant(("xlen", "xrange", "xrevrange", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xpending",
-                   "hgetall", "hget", "hlen", "zcard", "ttl", "type"), rd(*everything),
-                  "read-only: redroll status, dead list, weights show, and the README's redis-cli "
+                   "hgetall", "hget", "hlen", "zcard", "ttl", "type", "exists", "get", "getrange", "sismember"),
+                  rd(*everything),
+                  "read-only: redroll status, dead list, weights show, trace, and the README's redis-cli "
                   "inspection commands; nothing that writes"),
         ]
     raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")

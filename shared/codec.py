@@ -3,9 +3,11 @@ against the Structs of :mod:`.types`; this module adds what a static schema cann
 
 * the stream-field envelope (plain ``rid``, ``reply_to``, ``status``, ``worker`` beside ``data``);
 * limits that come from settings (payload bytes, ``max_new_tokens``, ``n``, input length, the size
-  of ``meta_info``) and cross-field rules (exactly one of ``input_ids`` / ``prompt``,
+  of ``meta_info``) and cross-field rules (exactly one of ``input_ids`` / ``prompt`` / ``messages``,
   ``min_new_tokens`` ≤ ``max_new_tokens``, one finish reason and one logprob list per sample);
-* the newer-``v`` hand-back, and nil standing for a default (a producer may send ``null`` for an
+* the schema version: the lowest one that carries a request's fields, stamped when it is encoded
+  and required when it is decoded, and the newer-``v`` hand-back (``Limits.schema_version``,
+  the newest a reader knows); nil standing for a default (a producer may send ``null`` for an
   optional key);
 * recovering ``request_id``, ``reply_to`` and ``callback`` from an invalid entry, so that its
   waiter can be told.

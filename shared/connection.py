@@ -10,27 +10,37 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio
 
-from redroll.errors import ConnectionUnavailableError, RedrollError
+from redroll.errors import ConnectionUnavailableError
 
 try:
     import hiredis
 except ImportError:  # redis-py works without it, only slower
     hiredis = None  # type: ignore[assignment]
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
+from .config_error import RedisConfigError
+from .durability import Durability
+from .sentinel import (
+    SENTINEL_SCHEMES,
+    connect_sentinel,
+    connect_sentinel_sync,
+    is_sentinel_url,
+    parse_sentinel_url,
+    redact_sentinel_url,
+)
 from .settings import Settings
 
 T = TypeVar("T")
 
 
-class RedisConfigError(RedrollError, RuntimeError):
-    """The Redis settings cannot work (bad URL, unreadable password file, ...)."""
-
-
 def redact(url: str) -> str:
     """The URL with any password replaced by ``***`` (for logs and errors)."""
+    if is_sentinel_url(url):
+        return redact_sentinel_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -41,9 +51,10 @@ def redact(url: str) -> str:
 
 def connection_kwargs(settings: Settings) -> dict[str, Any]:
     url = settings.redis_url
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        raise RedisConfigError(f"redis URL {redact(url)!r} must start with redis://, rediss:// or unix://")
+    scheme = url.partition("://")[0]
+    if scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES):
+        raise RedisConfigError(f"redis URL {redact(url)!r} must start with redis://, rediss://, unix:// or "
+                               "redis+sentinel:// (rediss+sentinel://)")
     # A read that hears nothing for socket_timeout raises (and is retried) instead of hanging on a
     # half-dead connection; it is well above the longest blocking read (1 s).
     kw: dict[str, Any] = {"decode_responses": False, "health_check_interval": 30, "socket_timeout": 30,
@@ -58,7 +69,7 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
             raise RedisConfigError(f"cannot read redis password file {settings.redis_password_file}: {exc}") from None
     if password:
         kw["password"] = password
-    if scheme == "rediss":
+    if scheme in ("rediss", "rediss+sentinel"):
         if settings.tls_ca_file:
             kw["ssl_ca_certs"] = settings.tls_ca_file
         if settings.tls_cert_file:
@@ -178,6 +189,7 @@ async def reach(client: Any, settings: Settings) -> None:
     naming the URL (:func:`describe_error`), the client's error chained."""
     try:
         await client.ping()
+        await Durability.of(settings).check_server(client)
     except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.RedisClusterException, OSError) as exc:
         raise ConnectionUnavailableError(describe_error(exc, settings)) from exc
 
@@ -192,6 +204,8 @@ def connect(settings: Settings, max_connections: int = 64) -> redis.asyncio.Redi
         return connect_cluster(settings)  # type: ignore[return-value]
     kw = connection_kwargs(settings)
     retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    if is_sentinel_url(settings.redis_url):
+        return connect_sentinel(settings, kw, retry, max_connections, _with_hiredis_packing)
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=20, retry=retry, **kw)
     pool.connection_class = _with_hiredis_packing(pool.connection_class)
@@ -208,6 +222,9 @@ def connect_cluster(settings: Settings) -> redis.asyncio.RedisCluster:
     script and MULTI of redroll stays inside one hash tag, hence one slot.
     """
     kw = connection_kwargs(settings)
+    if is_sentinel_url(settings.redis_url):
+        raise RedisConfigError("Redis Sentinel serves one primary, not a cluster: drop redis_cluster "
+                               "(REDROLL_REDIS_CLUSTER) or use a redis:// URL of a cluster node")
     if urlsplit(settings.redis_url).scheme == "unix":
         raise RedisConfigError("a Redis Cluster is reached over TCP: use a redis:// or rediss:// URL")
     retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
@@ -233,6 +250,8 @@ def read_groups(client: Any, items: list[T]) -> list[list[T]]:
 def connect_sync(settings: Settings) -> redis.Redis:
     kw = connection_kwargs(settings)
     retry = _SyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries=5)
+    if is_sentinel_url(settings.redis_url) and not settings.redis_cluster:
+        return connect_sentinel_sync(settings, kw, retry)
     client_class = redis.RedisCluster if settings.redis_cluster else redis.Redis
     return client_class.from_url(settings.redis_url, retry=retry, **kw)  # type: ignore[return-value]
 
@@ -256,6 +275,11 @@ def describe_error(exc: BaseException, settings: Settings) -> str:
     if "CERTIFICATE_REQUIRED" in str(exc):
         return (f"redis at {url} requires a TLS client certificate (set REDROLL_TLS_CERT_FILE and "
                 f"REDROLL_TLS_KEY_FILE): {exc}")
+    if isinstance(exc, (MasterNotFoundError, SyncMasterNotFoundError)):
+        # (redis-py's message spells out every sentinel client; the last part is what failed)
+        return (f"cannot reach redis at {url}: no sentinel names a primary "
+                f"{parse_sentinel_url(settings.redis_url).master!r} (check the sentinels' addresses, the master "
+                f"name and REDROLL_SENTINEL_USERNAME / REDROLL_SENTINEL_PASSWORD): {str(exc).rpartition(' - ')[2]}")
     if isinstance(exc, (redis.ConnectionError, OSError)):
         return f"cannot reach redis at {url}: {exc}"
     if isinstance(exc, RedisConfigError):

@@ -54,10 +54,18 @@ def lane_index(affinity_key: str, lanes: int) -> int:
     return int.from_bytes(digest, "big") % lanes
 
 
+def _tag_of(key: str) -> str:
+    return key[: key.index("}") + 1] if key.startswith("{") and "}" in key else key
+
+
 def finish_marker_key(stream: str, consumer: str) -> str:
     """``Keys.finished(consumer)`` of the partition whose request stream is ``stream`` (its hash tag)."""
-    tag = stream[: stream.index("}") + 1] if stream.startswith("{") and "}" in stream else stream
-    return f"{tag}:finished:{consumer}"
+    return f"{_tag_of(stream)}:finished:{consumer}"
+
+
+def events_key(stream: str, request_id: str) -> str:
+    """``Keys.events(request_id)`` of the partition that ``stream`` (any key of it) belongs to."""
+    return f"{_tag_of(stream)}:events:{request_id}"
 
 
 def owner_key_for(reply_key: str) -> str | None:
@@ -180,6 +188,11 @@ class Keys:
     def partial(self, request_id: str) -> str:
         """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""
         return f"{self.tag}:partial:{request_id}"
+
+    def events(self, request_id: str) -> str:
+        """Stream: the event log of one request (submitted, deliveries, checkpoints, the finish, dead
+        letters, consumer groups that applied it), capped and expiring (see redroll/trace.py)."""
+        return f"{self.tag}:events:{request_id}"
 
     def applied(self, group: str, bucket: int) -> str:
         return f"{self.tag}:applied:{group}:{bucket}"

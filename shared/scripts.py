@@ -20,6 +20,7 @@ from redroll.errors import RedrollError
 
 from .codec import encode_record
 from .connection import large_argument
+from .events import EventLog, finish_args, record_summary, script_args
 from .functions import (
     FunctionsMissingError,
     ensure_library,
@@ -28,8 +29,9 @@ from .functions import (
     load_library,
     whole_call_refusal,
 )
-from .keys import finish_marker_key, owner_key_for
+from .keys import events_key, finish_marker_key, owner_key_for
 from .refusals import StreamRefusedError
+from .streams import text
 from .types import CompletionRecord
 
 FINISH_MARKER_TTL_MS = 300_000
@@ -233,8 +235,10 @@ class Scripts:
     """The library's functions, called on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
 
-    def __init__(self, redis: Redis):
+    def __init__(self, redis: Redis, events: EventLog | None = None):
         self.redis = redis
+        self.events = events
+        """The per-request event log the functions append to (None: off; see shared/events.py)."""
 
     # -- submit
     @staticmethod
@@ -292,8 +296,9 @@ class Scripts:
                        items: Sequence[tuple[Any, ...]]) -> Any:
         """Fenced finish of many entries of one stream in one script call.
 
-        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None), the record
-        a :class:`CompletionRecord` or its stream fields from ``encode_record``. Result:
+        ``items``: (entry_id, reply_key, rid_key, record, reply_cap, checkpoint_key or None[, summary]),
+        the record a :class:`CompletionRecord` or its stream fields from ``encode_record`` (then the
+        event log's summary of it, :func:`~redroll.shared.events.record_summary`, comes along). Result:
         per item 1 (published), 2 (published by an earlier call of this consumer: a retry whose
         first reply was lost; nothing is written again), 0 (fenced), 3 or 4 (an ownership check
         refused it: see :data:`OWNERSHIP_CHECKS`) or the error its reply stream answered (see
@@ -303,12 +308,22 @@ class Scripts:
         """
         keys: list[Any] = [requests_key, finish_marker_key(requests_key, consumer)]
         args: list[Any] = [group, consumer, worker, FINISH_MARKER_TTL_MS, FINISH_MARKER_CAP]
+        events: list[Any] = []
+        summaries: list[Any] = []
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
             f = encode_record(record) if isinstance(record, CompletionRecord) else record
             keys += [reply_key, rid_key, partial_key or rid_key, owner_key_for(reply_key) or rid_key]
             args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
-        return _run("finish_many", keys, args, client, finish_refused(len(items)))
+            events.append(events_key(requests_key, text(f["rid"])))
+            if self.events is None:
+                summaries.append("")
+            elif isinstance(record, CompletionRecord):
+                summaries.append(record_summary(record))
+            else:
+                summaries.append(rest[1] if len(rest) > 1 and rest[1] is not None else "")
+        return _run("finish_many", keys + events, args + finish_args(self.events) + summaries, client,
+                    finish_refused(len(items)))
 
     async def load_all(self) -> None:
         """Make sure the server has the function library (at start, and after a call found it
@@ -350,9 +365,10 @@ class Scripts:
         """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
         consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
         or (2, the error that refused the write: nothing written)."""
-        code, detail = await _run("checkpoint", [requests_key, partial_key],
-                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s],
-                                  self.redis, lambda message: [2, message])
+        request_id = partial_key.split(":partial:", 1)[-1]
+        code, detail = await _run("checkpoint", [requests_key, partial_key, events_key(requests_key, request_id)],
+                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s,
+                                   *script_args(self.events)], self.redis, lambda message: [2, message])
         return int(code), (detail if isinstance(detail, int) else _s(detail))
 
     # -- dead letter
@@ -374,9 +390,16 @@ class Scripts:
         pairs: list[Any] = []
         for k, v in letter.fields.items():
             pairs += [k, v]
+        rid = letter.fields.get(b"rid", letter.fields.get("rid"))
+        if rid is not None and self.events is not None:
+            keys.append(events_key(letter.stream, text(rid)))
+            log_args = script_args(self.events)
+        else:
+            keys.append(dead_key)  # (a key of the same slot; a cap of 0 writes nothing there)
+            log_args = script_args(None)
         args = [group, consumer, letter.entry_id, letter.reason, letter.source,
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
-                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs]
+                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs, *log_args]
         return _run("dead_letter", keys, args, client, dead_letter_refused)
 
     async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:

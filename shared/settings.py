@@ -14,6 +14,8 @@ from .types import GenerationRequest
 ENV_PREFIX = "REDROLL_"
 RECOVERY_SPLITS = ("halving", "alone")
 """The values of ``Settings.recovery_split``."""
+EVENT_LOG_MODES = ("off", "incidents", "all")
+"""The values of ``Settings.event_log``."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,21 @@ class Settings:
     tls_key_file: str | None = None
     redis_cluster: bool = False
     """Talk to a Redis Cluster (``redis_url`` is any node: the client discovers the rest)."""
+    sentinel_username: str | None = None
+    """With a ``redis+sentinel://`` URL: the ACL user the sentinels want (the Redis credentials
+    above are for the primary)."""
+    sentinel_password: str | None = None
+    sentinel_password_file: str | None = None
+    wait_replicas: int = 0
+    """N > 0: a submit, a worker's finish and a consumer's ack are acknowledged only once N replicas
+    have them (``WAIT N wait_timeout_ms`` after the write, on its connection); fewer in time is an
+    error that the write's retry path takes (see docs/cluster.md). 0: no wait (asynchronous replication)."""
+    wait_timeout_ms: int = 1000
+    """How long one WAIT (or WAITAOF) waits for the replicas before the write counts as not durable."""
+    wait_aof: bool = False
+    """Wait with ``WAITAOF 1 wait_replicas wait_timeout_ms`` instead: the write is fsynced to the
+    primary's append-only file and to ``wait_replicas`` replicas' (Redis 7.2+, Valkey 8; needs
+    ``appendonly yes``). A server without WAITAOF is refused at start."""
 
     claim_idle_ms: int = 30_000
     """Entries idle longer than this in a dead process's pending list are reclaimed."""
@@ -103,11 +120,28 @@ class Settings:
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
     steal_after_ms: int = 1000
     """With affinity lanes: an entry that waited this long in a lane is taken by any worker."""
+    event_log: str = "incidents"
+    """The per-request event log ``redroll trace`` reads (``{ns}:events:<request_id>``):
+    ``"incidents"`` (default): requests that had one (an entry taken back from a dead or draining
+    worker, a checkpoint, a lost lease, a dead letter) keep a log, their finish included; ``"all"``:
+    every request's finish is logged too (one more key per request: see docs/operations.md for its
+    cost); ``"off"``."""
+    event_log_ttl_s: int = 3600
+    """A request's event log expires this long after its last event."""
+    event_log_max_bytes: int = 4096
+    """The most a request's log holds (about 20 events; the oldest give way, and ``redroll trace``
+    says how many did)."""
 
     def __post_init__(self) -> None:
         if self.recovery_split not in RECOVERY_SPLITS:
             raise ValueError(f"recovery_split ({ENV_PREFIX}RECOVERY_SPLIT) must be one of "
                              f"{', '.join(RECOVERY_SPLITS)}, got {self.recovery_split!r}")
+        if (self.wait_replicas or self.wait_aof) and self.redis_cluster:
+            raise ValueError(f"wait_replicas / wait_aof ({ENV_PREFIX}WAIT_REPLICAS, {ENV_PREFIX}WAIT_AOF) "
+                             "work on one primary (with Sentinel or not), not with redis_cluster")
+        if self.event_log not in EVENT_LOG_MODES:
+            raise ValueError(f"event_log ({ENV_PREFIX}EVENT_LOG) must be one of {', '.join(EVENT_LOG_MODES)}, "
+                             f"got {self.event_log!r}")
         for name, least in _LEAST.items():
             value = getattr(self, name)
             if not value >= least:  # (NaN too)
@@ -158,7 +192,8 @@ _LEAST: dict[str, float] = {
     "claim_idle_ms": 1, "max_deliveries": 1, "claim_prefetch": 0, "heartbeat_s": 0.001, "drain_timeout_s": 0,
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
-    "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0,
+    "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0, "wait_replicas": 0,
+    "wait_timeout_ms": 1, "event_log_ttl_s": 1, "event_log_max_bytes": 256,
 }
 """The smallest value each numeric setting takes (Redis refuses an expiry of 0 or less, a window
 of 0 divides by zero, ...). ``results_max_len`` has none: 0 or less means no cap."""

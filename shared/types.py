@@ -48,6 +48,8 @@ SCHEMA_VERSION_RULE = "schema version must be a positive integer"
 """How a refusal names the schema version field ``v``, whether missing, of the wrong type or out of range."""
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID_PATTERN)]
+TraceParent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", max_length=512)]
+"""A W3C trace context ``traceparent`` (``<version>-<trace id>-<parent span id>-<flags>``)."""
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 UnixSeconds = Annotated[float, Meta(ge=-1e15, le=1e15)]
 """A finite number of seconds (NaN and the infinities fail the bounds)."""
@@ -199,6 +201,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     """Save partial output while generating (``{ns}:partial:<request_id>``) so that a worker that
     takes the entry after a death or a drain continues from there instead of starting over.
     Single-sample, ``input_ids`` prompts; saved only from ``checkpoint_min_new_tokens`` on."""
+    traceparent: Optional[TraceParent] = None
+    """The W3C trace context of the submit (OpenTelemetry, optional): every worker that runs the
+    request traces under it."""
     v: Annotated[int, Meta(ge=0)] = 0
 
     @property
@@ -275,6 +280,9 @@ class RecordData(msgspec.Struct, kw_only=True):
     output_text: Optional[list[str]] = None
     """Per sample, its decoded text when the request wants it (schema 2; see docs/design.md,
     "Text in and out")."""
+    traceparent: Optional[TraceParent] = None
+    """The W3C trace context of the worker's publish (OpenTelemetry, optional): consumer groups'
+    callbacks trace under it."""
     v: Annotated[int, Meta(ge=1)] = FIRST_SCHEMA_VERSION
 
 

@@ -189,6 +189,7 @@ def check(srt: Path) -> list[str]:
 
     strings = _string_constants(srt / "managers" / "tokenizer_manager.py")
     missing += [f"meta_info[{k!r}]" for k in contract.META_INFO_KEYS if k not in strings]
+    missing += [f"output[{k!r}]" for k in contract.OUTPUT_KEYS if k not in strings]
 
     missing += _missing_members(_classes(srt / "utils" / "common.py"), contract.UTILS_CLASSES, "utils", _methods,
                                 suffix="()")

@@ -1,6 +1,7 @@
 """Installing redroll prints no setuptools warning (an editable install used to print about 40
-lines: ``Package 'redroll.shared.lua' is absent from the packages configuration``), and the wheel
-carries the Lua scripts."""
+lines: ``Package 'redroll.shared.lua' is absent from the packages configuration``, and with a
+current pip setuptools' "Editable installation" note, which scripts/build_backend.py drops), and
+the wheel carries the Lua scripts."""
 
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ from tests.conftest import ROOT
 def test_an_editable_install_prints_no_build_warning(tmp_path):
     venv.create(tmp_path / "venv", with_pip=True)
     python = tmp_path / "venv" / "bin" / "python"
+    # The pip scripts/demo.sh and .ci/run use: a current one, which prints the build backend's warnings.
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
+                   capture_output=True, text=True, timeout=300)
+    relays = subprocess.run([str(python), "-c", "from pip._vendor.pyproject_hooks import BuildBackendWarning"],
+                            capture_output=True, text=True, timeout=60)
+    if relays.returncode != 0:
+        pytest.skip("this pip does not print a build backend's warnings (no newer pip to upgrade to)")
     proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-e", str(ROOT)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
-    assert "BuildBackendWarning" not in output.replace("BuildBackendWarning: Editable installation", ""), output[-3000:]
+    assert "BuildBackendWarning" not in output, output[-3000:]  # setuptools' editable note included
+    assert "Editable installation" not in output, output[-3000:]
     assert "absent from the `packages`" not in output
 
 

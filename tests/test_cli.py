@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -48,6 +49,10 @@ def test_demo_fakeredis_fallback(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fakeredis" in proc.stdout
     assert len(re.findall(r"^\[demo-\d+\] finished", proc.stdout, re.M)) == 4
+    # Asked for by name, the synthetic engine is not offered as a stand-in for a missing torch.
+    assert "synthetic engine (token ids without a model" in proc.stdout
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        assert "install redroll[cpu]" not in proc.stdout
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from redroll.shared.settings import Settings
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
 from redroll.status import collect_pipeline_status
+from redroll.trace import request_timeline
 from tests.conftest import (
     ROOT,
     read_jsonl,
@@ -96,8 +97,9 @@ async def test_partitions_spread_over_every_node(cluster_settings, rc):
 
 
 async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
-    """Producer futures, a group, fire-and-forget callbacks, queued aborts, status and dead letters."""
-    s = cluster_settings
+    """Producer futures, a group, fire-and-forget callbacks, queued aborts, status, dead letters and
+    ``redroll trace`` (every request's event log)."""
+    s = cluster_settings.with_(event_log="all")
     applied: list[str] = []
     async with Producer(s) as p:
         futs = await p.submit_many([dict(request_id=f"r-{i}", input_ids=[i + 1], sampling_params={"max_new_tokens": 3})
@@ -130,6 +132,13 @@ async def test_in_process_roles_on_the_cluster(cluster_settings, rc):
     assert pending == [0, 0, 0, 0, 1, 0]
     status = await collect_pipeline_status(rc, s.keys, s.partition_keys)
     assert status["requests"]["backlog"] == 0 and status["requests"]["pending"] == 0
+    # The life of a request, read across the partitions: its finish and the group that applied it;
+    # the malformed entry's dead letter in its partition.
+    traced = await request_timeline(rc, s.partition_keys, "cb-7")
+    assert [r.status for r in traced.records] == ["finished"] and traced.applied_by == ["g"]
+    assert traced.submitted is not None and traced.deliveries[0].ended == "finished"
+    bad = await request_timeline(rc, s.partition_keys, "bad")
+    assert bad.events_key == s.partition_keys[4].events("bad") and bad.deliveries[0].ended == "dead-lettered"
 
 
 async def _nothing_left(rc, s, group: str) -> bool:

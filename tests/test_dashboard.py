@@ -116,23 +116,21 @@ async def test_request_lookup_metrics_and_host_check(settings, r, monkeypatch):
             assert (await client.get("/api/status", headers={"Host": host})).status_code == 200, host
 
 
-async def test_request_lookup_calls_redroll_trace_and_redis_down_is_503(settings, r, monkeypatch):
-    import types
-
+async def test_request_lookup_is_redroll_trace_and_redis_down_is_503(settings, r):
     from redroll.embedded import free_port
     from redroll.shared.connection import connect
 
-    calls = []
-
-    async def trace_request(redis_client, settings_, request_id):
-        calls.append((settings_.namespace, request_id))
-        return [{"event": "submitted", "at": 1.0}, {"event": "finished", "at": 2.5}]
-
-    monkeypatch.setitem(sys.modules, "redroll.trace", types.SimpleNamespace(trace_request=trace_request))
+    (entry_id,) = await send(settings, r, [make_request(request_id="q-2", prompt="x")])
     async with client_for(r, settings) as client:
-        response = await client.get("/api/request/req%2F1")
-    assert response.status_code == 200 and response.json()[1] == {"event": "finished", "at": 2.5}
-    assert calls == [(settings.namespace, "req/1")]
+        queued = (await client.get("/api/request/q-2")).json()
+        unknown = await client.get("/api/request/never-submitted")
+    # The document of `redroll trace --json`, with the steps the page draws.
+    assert queued["request_id"] == "q-2" and queued["now"]["queued_entry"] == entry_id
+    assert queued["submitted"]["entry"] == entry_id and queued["gaps"] == []
+    assert [s["step"] for s in queued["steps"]] == ["submitted"]
+    assert entry_id in queued["steps"][0]["what"] and queued["steps"][0]["at"] == int(entry_id.split("-")[0]) / 1000
+    assert unknown.status_code == 200 and unknown.json()["steps"] == []
+    assert "no event log for 'never-submitted'" in unknown.json()["gaps"][0]
     down = connect(settings.with_(redis_url=f"redis://127.0.0.1:{free_port()}"))
     try:
         async with client_for(down, settings) as client:
@@ -367,6 +365,13 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
         assert any("WRONGTYPE" in a for a in alerts)
         await wait_until(lambda: [a for kind, a in driver.execute_script(PAGE_FIGURES)["alerts"] if kind == "alert"]
                          == alerts, timeout=30, interval=0.2)
+        # A request looked up by its id: the steps redroll trace prints (queued-0 waits in its entry).
+        queued_entry = (await r.get(keys.rid("queued-0"))).decode().split()[-1]
+        driver.find_element(By.ID, "lookup-id").send_keys("queued-0")
+        driver.find_element(By.CSS_SELECTOR, "#lookup button").click()
+        await wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, "#timeline tbody tr"), timeout=30)
+        cells = [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#timeline tbody td")]
+        assert cells[1] == "submitted" and queued_entry in cells[2] and cells[0].count(":") == 2
         screenshot = tmp_path / "dashboard.png"
         driver.set_window_size(1400, driver.execute_script("return document.documentElement.scrollHeight") + 40)
         driver.save_screenshot(str(screenshot))

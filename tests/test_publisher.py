@@ -114,6 +114,7 @@ async def test_a_group_of_finishes_has_one_future_and_each_its_own_outcome(r, se
     theirs = await claimed(r, keys, ["grp-1"], "w2")
     broken = keys.reply("broken")
     await r.set(broken, "not a stream")
+    await r.hset(keys.owner("broken"), "grp-2", mine[1])  # (its producer's submit noted it: the XADD is reached)
     scripts = CountingScripts(r)
     await scripts.load_all()
     publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_batch=2)  # two records a call

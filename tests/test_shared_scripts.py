@@ -713,3 +713,36 @@ async def test_finish_publishes_to_a_reply_stream_only_what_its_ownership_hash_n
     await r.hset(keys.owner("p"), "o1", entry)  # (what p's submit writes)
     assert await scripts.finish(**kwargs) == 1
     assert await r.xlen(keys.reply("p")) == 1 and await r.hlen(keys.owner("p")) == 0
+
+
+async def test_a_batch_finish_logs_each_item_in_its_own_event_log_and_a_refused_item_nowhere(r, settings):
+    # Four keys per item (reply, rid, checkpoint, ownership hash), then one event log per item:
+    # each item's event lands in its own log, and an item the ownership check refuses writes
+    # nothing at all (no record, no ack, no log line), whatever the other items do.
+    from redroll.shared.events import EventLog
+
+    keys, scripts = settings.keys, Scripts(r, EventLog())  # (every finish logged)
+    await ensure_group(r, keys.requests, G)
+    rids = ["mine-1", "forged-2", "fire-3", "lost-4"]
+    replies = [keys.reply("p"), keys.reply("p"), keys.results, keys.results]
+    entries = [(await r.xadd(keys.requests, {"rid": rid, "reply_to": reply, "data": data_for(rid)})).decode()
+               for rid, reply in zip(rids, replies)]
+    await r.xreadgroup(G, "c1", {keys.requests: ">"}, count=3)
+    await r.xreadgroup(G, "c2", {keys.requests: ">"}, count=1)  # (lost-4 is another worker's)
+    await r.hset(keys.owner("p"), "mine-1", entries[0])  # (p's submit noted mine-1, not forged-2)
+    reply = await scripts.finish_many_in(r, requests_key=keys.requests, group=G, consumer="c1", worker="c1", items=[
+        (entry, reply_key, keys.rid(rid), record(rid, worker="c1"), 0, None)
+        for entry, reply_key, rid in zip(entries, replies, rids)])
+    assert reply == [1, 4, 1, 0]
+    logs = {rid: (await r.get(keys.events(rid)) or b"").decode() for rid in rids}
+    assert logs["mine-1"].count("\n") == 1 and f"\tfinished\tworker=c1\tentry={entries[0]}\t" in logs["mine-1"]
+    assert f"\treply={keys.reply('p')}\t" in logs["mine-1"]
+    assert logs["fire-3"].count("\n") == 1 and f"\tentry={entries[2]}\t" in logs["fire-3"]
+    assert f"\treply={keys.results}\t" in logs["fire-3"]
+    assert logs["lost-4"].count("\n") == 1 and f"\tfenced\tworker=c1\tentry={entries[3]}\t" in logs["lost-4"]
+    assert logs["forged-2"] == ""
+    # The refused item: still pending with c1, not published, its ownership hash untouched.
+    assert (await pending(r, keys, entries[1]))["consumer"] == b"c1"
+    assert await r.xlen(keys.reply("p")) == 1 and await r.xlen(keys.results) == 1
+    assert await r.hgetall(keys.owner("p")) == {}  # (mine-1's field went with its finish)
+    assert await r.type(keys.owner("p")) in (b"none", b"hash")

@@ -19,6 +19,23 @@ from tests.conftest import started
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a queue of requests"}]
 
 
+# ---------------------------------------------------------------- the cut
+
+
+def test_the_text_is_cut_at_the_earliest_stop_string():
+    from redroll.engine_worker.engines.text import find_stop, trim_stop
+    from redroll.shared.types import SamplingParams
+
+    params = SamplingParams(stop=("END", "b"))
+    assert find_stop("a b END", params.stop) == (2, "b") and find_stop("abc", ("x",)) is None
+    assert find_stop("xENDy", ("ND", "END")) == (1, "END")  # earliest start wins, whatever the order
+    assert trim_stop("a b END", params, "stop") == "a "
+    assert trim_stop("a ", params, "stop") == "a "  # an engine's text already cut: unchanged
+    assert trim_stop("a b END", params, "length") == "a b END"  # not ended by a stop string
+    kept = SamplingParams(stop=("END",), no_stop_trim=True)
+    assert trim_stop("x ENDing", kept, "stop") == "x END"  # kept, and cut after it (as vLLM and SGLang)
+
+
 # ---------------------------------------------------------------- the synthetic engine
 
 

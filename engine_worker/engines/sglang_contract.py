@@ -101,6 +101,10 @@ FINISH_REASON_TYPES = {
     "FINISH_ABORT": "abort",
 }
 
+OUTPUT_KEYS = ("text", "output_ids", "meta_info")
+"""The keys of ``async_generate``'s output dict the adapter reads (managers/tokenizer_manager.py
+:308-310; ``text`` with stop strings trimmed by detokenizer_manager.py ``trim_matched_stop`` :194-212)."""
+
 META_INFO_KEYS = (
     # managers/tokenizer_manager.py _handle_batch_output :2507-2559, :2753; add_logprob_to_meta_info :2868
     "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",

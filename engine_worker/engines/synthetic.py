@@ -37,18 +37,21 @@ from .base import (
     check_token_ids,
     refuse_extras,
 )
-from .text import cut_at_stop, sample_text
+from .text import find_stop, sample_text
 
 SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
                    "claim", "batch", "model", "weight", "prompt", "sample", "redis", "done")
 """What the synthetic engine's token ids read as (``t % 16``, each after a space)."""
 
 
+_SPACED = tuple(" " + word for word in SYNTHETIC_WORDS)
+
+
 class SyntheticWords:
     """The synthetic engine's detokenizer: ``decode([1, 18])`` is ``" queue worker"``."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(" " + SYNTHETIC_WORDS[t % len(SYNTHETIC_WORDS)] for t in ids)
+        return "".join([_SPACED[t & 15] for t in ids])  # (ids are never negative: t & 15 is t % 16)
 
 
 _WORDS = SyntheticWords()
@@ -116,7 +119,7 @@ class SyntheticEngine:
                     return ids[: j + 1], lps[: j + 1], "stop"
                 if sp.stop:
                     text += _WORDS.decode([t])
-                    if cut_at_stop(text, sp.stop)[1]:
+                    if find_stop(text, sp.stop) is not None:
                         return ids[: j + 1], lps[: j + 1], "stop"
         return ids, lps, "length"
 

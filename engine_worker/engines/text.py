@@ -8,8 +8,9 @@ and each sample's text for the record.
   that raises (roles out of order, a tool the template cannot place).
 * :func:`sample_text` is a sample's text as the record carries it: its token ids decoded, cut
   just before the stop string that ended it (the stop string is not part of the text, as with
-  SGLang, vLLM and OpenAI's API; ``no_stop_trim`` keeps it). The token ids stay whole: up to and
-  including the token that completed the stop string.
+  SGLang, vLLM and OpenAI's API; ``no_stop_trim`` keeps it and cuts after it, as vLLM's
+  ``include_stop_str_in_output`` and SGLang do). The token ids stay whole: up to and including the
+  token that completed the stop string.
 * :func:`add_text` fills the samples an engine returned without text (engines that detokenize
   themselves, vLLM and SGLang, give theirs).
 """
@@ -62,17 +63,24 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """``text`` up to (without) the earliest stop string in it, and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the earliest stop string in ``text`` starts, and which (the first listed of those
+    starting there); None when there is none."""
+    found = [(i, n, stop) for n, stop in enumerate(stops) if (i := text.find(stop)) >= 0]
+    if not found:
+        return None
+    at, _, stop = min(found)
+    return at, stop
 
 
 def trim_stop(text: str, params: SamplingParams, finish_reason: str | None) -> str:
-    """``text`` cut before the stop string that ended its sample, unless ``no_stop_trim`` (a text
-    already cut holds no stop string: cutting again changes nothing)."""
-    if finish_reason == "stop" and params.stop and not params.no_stop_trim:
-        text, _ = cut_at_stop(text, params.stop)
+    """``text`` cut before the stop string that ended its sample (after it with ``no_stop_trim``).
+    A text an engine cut so already is left as it is."""
+    if finish_reason == "stop" and params.stop:
+        hit = find_stop(text, params.stop)
+        if hit is not None:
+            at, stop = hit
+            return text[:at + len(stop)] if params.no_stop_trim else text[:at]
     return text
 
 
@@ -93,4 +101,4 @@ def add_text(output: EngineOutput, request: GenerationRequest, tokenizer: Any) -
     return output
 
 
-__all__ = ["add_text", "chat_messages", "cut_at_stop", "has_chat_template", "render_chat", "sample_text", "trim_stop"]
+__all__ = ["add_text", "chat_messages", "find_stop", "has_chat_template", "render_chat", "sample_text", "trim_stop"]

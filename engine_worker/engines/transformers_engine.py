@@ -49,7 +49,7 @@ from .base import (
     refuse_extras,
 )
 from .prefix_cache import PrefixCache
-from .text import add_text, cut_at_stop, render_chat
+from .text import add_text, find_stop, render_chat
 from .tiny_model import TINY_RANDOM
 from .torch_weights import TorchWeights
 from .transformers_batch import _Job, _Row, _Sampling
@@ -454,7 +454,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
     def _hits_stop_string(self, row: _Row) -> bool:
         tokenizer = self._require_started()
         text = tokenizer.decode(row.token_ids, skip_special_tokens=row.params.skip_special_tokens)
-        return cut_at_stop(text, row.params.stop)[1]
+        return find_stop(text, row.params.stop) is not None
 
     def _banned_tokens(self, rows: list[_Row]) -> list[tuple[int, int]]:
         """(row, token) pairs that may not be sampled next: stops before ``min_new_tokens``."""

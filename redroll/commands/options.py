@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from redroll.commands import sentinel_options
 from redroll.shared.settings import Settings
 
 
 def add_connection_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (also REDROLL_* environment variables)")
     g.add_argument("--redis-url", default=argparse.SUPPRESS,
-                   help="redis://, rediss:// or unix:// URL (env REDROLL_REDIS_URL)")
+                   help="redis://, rediss://, unix:// or redis+sentinel://host:port,.../master URL "
+                        "(env REDROLL_REDIS_URL)")
     g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
     g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
                    help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
@@ -35,6 +37,7 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
                         "(env REDROLL_TLS_CERT_FILE)")
     g.add_argument("--tls-key-file", default=argparse.SUPPRESS,
                    help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")
+    sentinel_options.add_arguments(g)
     g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
                    help="log level (env REDROLL_LOG_LEVEL; default info)")
     g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
@@ -100,7 +103,7 @@ SETTING_DEFAULTS = Settings()
 
 def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
     keys = ("redis_url", "namespace", "partitions", "affinity_lanes", "steal_after_ms", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
-            "tls_key_file")
+            "tls_key_file", *sentinel_options.SETTINGS)
     overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return Settings.from_env(**overrides)

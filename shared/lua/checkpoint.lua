@@ -2,6 +2,7 @@
 -- KEYS[1] request stream, KEYS[2] checkpoint key ({tag}:partial:<request_id>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] entry id  ARGV[4] tokens the writer has saved so far
 -- ARGV[5] tokens in this part  ARGV[6] the part (one MessagePack map)  ARGV[7] TTL in seconds
+-- KEYS[3] the request's event log, ARGV[8] its cap in bytes ('0' = off), ARGV[9] its TTL
 -- The checkpoint is a string: a 64-byte header '<entry id, space-padded to 44> <18-digit token
 -- count>\n', then the parts, each one MessagePack map, in order. Appending costs one APPEND and
 -- one SETRANGE of the header, however long the output already is.
@@ -35,4 +36,54 @@ else
   if type(written) == 'table' and written.err then return {2, written.err} end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[7])
+if ARGV[8] ~= '0' then
+  -- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
+  -- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
+  -- oldest lines give way to one '0\ttrimmed\tn=<how many>' line at the head. Called after the
+  -- step's own writes (which Redis then never refuses for memory), through pcall: a key of another
+  -- type costs the log its event, never the step its fate.
+  local function log_event(ev, cap, ttl, line)
+    line = line .. '\n'
+    if redis.pcall('SET', ev, line, 'EX', ttl, 'NX') then return end
+    local n = redis.pcall('APPEND', ev, line)
+    if type(n) ~= 'number' then return end
+    if n > cap then
+      local s, dropped = redis.call('GET', ev), 0
+      local head = string.match(s, '^0\ttrimmed\tn=(%d+)\n')
+      if head then
+        dropped = tonumber(head)
+        s = string.sub(s, string.find(s, '\n', 1, true) + 1)
+      end
+      while #s + 32 > cap do
+        local nl = string.find(s, '\n', 1, true)
+        if nl == #s then break end  -- (the newest event stays, however long)
+        s, dropped = string.sub(s, nl + 1), dropped + 1
+      end
+      redis.call('SET', ev, '0\ttrimmed\tn=' .. dropped .. '\n' .. s, 'KEEPTTL')
+    end
+    redis.call('EXPIRE', ev, ttl)
+  end
+  local function now_ms()
+    local t = redis.call('TIME')
+    return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  end
+  -- One event per delivery's run of checkpoints: a save right after this worker's last one of
+  -- this entry replaces that line, counting the saves, so long generations push no older event out.
+  local stream = string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]
+  local who = '\tcheckpoint\tworker=' .. ARGV[2] .. '\tentry=' .. ARGV[3] .. '\tstream=' .. stream .. '\ttokens='
+  local log = redis.pcall('GET', KEYS[3])
+  local saves = 1
+  if type(log) == 'string' then
+    local start = #log - 1
+    while start > 0 and string.sub(log, start, start) ~= '\n' do start = start - 1 end
+    local last = string.sub(log, start + 1)
+    local at = string.find(last, who, 1, true)
+    if at then
+      saves = (tonumber(string.match(last, '\tsaves=(%d+)')) or 1) + 1
+      log = string.sub(log, 1, start)  -- (that line goes: this one replaces it)
+      redis.call('SET', KEYS[3], log, 'KEEPTTL')
+    end
+  end
+  log_event(KEYS[3], tonumber(ARGV[8]), ARGV[9], now_ms() .. who .. (saved + add) .. '\tsaves=' .. saves)
+end
 return {1, saved + add}

@@ -1,12 +1,14 @@
 -- Dead-letter one pending entry, owner-checked, and tell its waiter.
 -- KEYS[1] source stream  KEYS[2] dead stream  KEYS[3..] optional: reply stream, rid key, and after
--- the rid key the request's checkpoint key (deleted when it names this entry)
+-- the rid key the request's checkpoint key (deleted when it names this entry); the last key: the
+-- request's event log ({tag}:events:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] entry id  ARGV[4] reason  ARGV[5] source name
 -- ARGV[6] delete the entry after ack (1/0)   ARGV[7] index of the reply key in KEYS (0 = none)
 -- ARGV[8] index of the rid key in KEYS (0 = none)
 -- ARGV[9..12] error record: rid, status, worker, data (used when a reply key is given)
 -- ARGV[13] delivery count   ARGV[14] why the waiter's reply stream cannot be used ('' = it can)
--- ARGV[15] number of original field pairs, then the pairs
+-- ARGV[15] number of original field pairs, then the pairs, then the event log's cap in bytes
+-- ('0' = off) and TTL
 -- Returns {code, message}: {1, ''} dead-lettered (and the error record sent, when asked);
 -- {1, error} dead-lettered, but the reply stream refused the error record: the dead letter then
 -- carries a field reply_error (a waiting producer learns of its request from it);
@@ -66,8 +68,45 @@ end
 if type(held) == 'string' and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
   redis.call('DEL', KEYS[rid_idx])
 end
-if rid_idx > 0 and #KEYS > rid_idx then
+if rid_idx > 0 and #KEYS > rid_idx + 1 then
   local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)
   if type(head) == 'string' and string.match(head, '^(%S+)') == ARGV[3] then redis.call('DEL', KEYS[rid_idx + 1]) end
+end
+local ev_cap = tonumber(ARGV[16 + 2 * npairs])
+if ev_cap > 0 then
+  -- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
+  -- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
+  -- oldest lines give way to one '0\ttrimmed\tn=<how many>' line at the head. Called after the
+  -- step's own writes (which Redis then never refuses for memory), through pcall: a key of another
+  -- type costs the log its event, never the step its fate.
+  local function log_event(ev, cap, ttl, line)
+    line = line .. '\n'
+    if redis.pcall('SET', ev, line, 'EX', ttl, 'NX') then return end
+    local n = redis.pcall('APPEND', ev, line)
+    if type(n) ~= 'number' then return end
+    if n > cap then
+      local s, dropped = redis.call('GET', ev), 0
+      local head = string.match(s, '^0\ttrimmed\tn=(%d+)\n')
+      if head then
+        dropped = tonumber(head)
+        s = string.sub(s, string.find(s, '\n', 1, true) + 1)
+      end
+      while #s + 32 > cap do
+        local nl = string.find(s, '\n', 1, true)
+        if nl == #s then break end  -- (the newest event stays, however long)
+        s, dropped = string.sub(s, nl + 1), dropped + 1
+      end
+      redis.call('SET', ev, '0\ttrimmed\tn=' .. dropped .. '\n' .. s, 'KEEPTTL')
+    end
+    redis.call('EXPIRE', ev, ttl)
+  end
+  local function now_ms()
+    local t = redis.call('TIME')
+    return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  end
+  log_event(KEYS[#KEYS], ev_cap, ARGV[17 + 2 * npairs],
+            now_ms() .. '\tdead\tentry=' .. ARGV[3] .. '\tstream=' .. (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) ..
+            '\tsource=' .. ARGV[5] .. '\tdeliveries=' .. ARGV[13] ..
+            '\tby=' .. ARGV[2] .. '\treason=' .. string.gsub(ARGV[4], '[\t\n]', ' '))
 end
 return {1, reply_err}

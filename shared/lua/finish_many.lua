@@ -2,10 +2,13 @@
 -- KEYS[1] request stream, KEYS[2] this consumer's finish marker ({tag}:finished:<consumer>, a list),
 -- then per item i (1-based): KEYS[4i-1] reply stream, KEYS[4i] rid key,
 -- KEYS[4i+1] checkpoint key ({tag}:partial:<rid>), KEYS[4i+2] the ownership hash of the producer
--- whose reply stream it is ({tag}:own:<producer>; the rid key again for a results stream)
+-- whose reply stream it is ({tag}:own:<producer>; the rid key again for a results stream),
+-- then per item KEYS[2+4n+i] its event log ({tag}:events:<rid>)
 -- ARGV[1] group  ARGV[2] consumer  ARGV[3] worker  ARGV[4] marker TTL (ms)  ARGV[5] marker cap
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
--- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too)
+-- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too);
+-- then the event log's cap in bytes ('0' = off; negative: the finish only adds to a log that
+-- exists, one an incident began) and TTL, and per item the record's summary for it
 -- Returns one value per item: 1 published, 2 published by an earlier call of this consumer (a
 -- retried finish whose first reply was lost: nothing is written again), 0 fenced (this consumer no
 -- longer owns the entry and did not finish it, or the entry came earlier in this call), 3 refused:
@@ -28,7 +31,41 @@
 -- reply was lost tells its own earlier success from a lost lease.
 local out = {}
 local done = {}
-local n = (#KEYS - 2) / 4
+local n = (#KEYS - 2) / 5  -- (four keys per item, then one event log per item)
+-- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
+-- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
+-- oldest lines give way to one '0\ttrimmed\tn=<how many>' line at the head. Called after the
+-- step's own writes (which Redis then never refuses for memory), through pcall: a key of another
+-- type costs the log its event, never the step its fate.
+local function log_event(ev, cap, ttl, line)
+  line = line .. '\n'
+  if redis.pcall('SET', ev, line, 'EX', ttl, 'NX') then return end
+  local n = redis.pcall('APPEND', ev, line)
+  if type(n) ~= 'number' then return end
+  if n > cap then
+    local s, dropped = redis.call('GET', ev), 0
+    local head = string.match(s, '^0\ttrimmed\tn=(%d+)\n')
+    if head then
+      dropped = tonumber(head)
+      s = string.sub(s, string.find(s, '\n', 1, true) + 1)
+    end
+    while #s + 32 > cap do
+      local nl = string.find(s, '\n', 1, true)
+      if nl == #s then break end  -- (the newest event stays, however long)
+      s, dropped = string.sub(s, nl + 1), dropped + 1
+    end
+    redis.call('SET', ev, '0\ttrimmed\tn=' .. dropped .. '\n' .. s, 'KEEPTTL')
+  end
+  redis.call('EXPIRE', ev, ttl)
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
+local ev_at = 5 + 6 * n  -- (the event log's arguments follow the items')
+local ev_cap, ev_ttl = tonumber(ARGV[ev_at + 1]), ARGV[ev_at + 2]
+local ev_any = ev_cap > 0
+if ev_cap < 0 then ev_cap = -ev_cap end
 local marker = KEYS[2]
 local sname = string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]
 local marked = nil  -- (this consumer's finished entries, read once, when an item is not owned)
@@ -71,7 +108,15 @@ for i = 1, n do
       marked = {}
       for _, e in ipairs(redis.call('LRANGE', marker, 0, -1)) do marked[e] = true end
     end
-    if marked and marked[entry .. ' ' .. sname] then out[i] = 2 else out[i] = 0 end
+    if marked and marked[entry .. ' ' .. sname] then
+      out[i] = 2
+    else
+      out[i] = 0
+      if ev_cap > 0 then  -- (a lost lease is an incident: it begins a log)
+        log_event(KEYS[2 + 4 * n + i], ev_cap, ev_ttl,
+                  now_ms() .. '\tfenced\tworker=' .. ARGV[3] .. '\tentry=' .. entry .. '\tstream=' .. sname)
+      end
+    end
   else
     owned[entry] = nil  -- (an entry listed twice is published once)
     local reply, ridkey, partial, ownkey = KEYS[4 * i - 1], KEYS[4 * i], KEYS[4 * i + 1], KEYS[4 * i + 2]
@@ -110,6 +155,12 @@ for i = 1, n do
       if ARGV[a + 6] == '1' then
         local head = redis.pcall('GETRANGE', partial, 0, 43)
         if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial) end
+      end
+      if ev_cap > 0 and (ev_any or redis.call('EXISTS', KEYS[2 + 4 * n + i]) == 1) then
+        log_event(KEYS[2 + 4 * n + i], ev_cap, ev_ttl,
+                  string.match(added, '^%d+') .. '\tfinished\tworker=' .. ARGV[3] .. '\tentry=' .. entry .. '\tstream=' .. sname ..
+                  '\tstatus=' .. ARGV[a + 3] .. '\treply=' .. reply .. '\trec=' .. added ..
+                  '\tsummary=' .. ARGV[ev_at + 2 + i])
       end
       out[i] = 1
     end

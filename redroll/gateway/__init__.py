@@ -1,0 +1,1 @@
+"""``redroll serve``: an OpenAI-compatible HTTP gateway over the pipeline (needs the ``serve`` extra)."""
