@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, TypeVar
 import redis
 
 from redroll.shared.codec import ValidationError
-from redroll.shared.keys import WORKERS_GROUP, owner_key_for
+from redroll.shared.keys import WORKERS_GROUP, owner_key_for, submitted_as
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused, dead_letter_refused
 from redroll.shared.streams import text
@@ -154,7 +154,8 @@ class Outcomes:
             if request is None and error is not None:
                 record.callback = error.callback  # (routed to the handler the request named)
         owner = owner_key_for(reply_to) if record is not None and reply_to else None
-        if record is not None and not await self._bound(part.rid(request_id), owner, request_id, flight.entry_id):
+        if record is not None and not await self._bound(part.rid(request_id), owner, request_id,
+                                                              submitted_as(flight.stream, flight.entry_id)):
             record = None  # (an entry that fails the ownership checks gets no error record: see finish_many.lua)
         flight.publishing = True
         letter = DeadLetter(stream=flight.stream, entry_id=flight.entry_id, reason=reason, source="worker",
@@ -189,18 +190,19 @@ class Outcomes:
         else:
             ctx.stats.fenced += 1
 
-    async def _bound(self, rid_key: str, owner: str | None, request_id: str, entry_id: str) -> bool:
+    async def _bound(self, rid_key: str, owner: str | None, request_id: str, entry: str) -> bool:
         """The ownership checks of finish_many.lua, for an error record: the rid key names this
-        entry (or is gone), and the producer whose reply stream it goes to submitted it."""
+        entry (``entry``: its stream and id, :func:`submitted_as`) or is gone, and the producer whose
+        reply stream it goes to submitted it."""
         async with self.ctx.redis.pipeline(transaction=False) as pipe:
             pipe.get(rid_key)
             if owner is not None:
                 pipe.hget(owner, request_id)
             found = await pipe.execute(raise_on_error=False)
         held = found[0].decode() if isinstance(found[0], bytes) else None  # (another type: not a holder)
-        if held is not None and held.rpartition(" ")[2] != entry_id:
+        if held is not None and not held.endswith(" " + entry):
             return False
-        return owner is None or (isinstance(found[1], bytes) and found[1].decode() == entry_id)
+        return owner is None or (isinstance(found[1], bytes) and found[1].decode() == entry)
 
     # ------------------------------------------------------------ refused writes
 

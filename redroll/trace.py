@@ -232,7 +232,7 @@ async def _live(r: Redis, part: Keys, t: Timeline, rid_value: Any, partial_head:
         t.now.checkpoint_tokens = _int(text(partial_head)[45:63])
     if not isinstance(rid_value, (bytes, str)) or " " not in text(rid_value):
         return
-    entry = text(rid_value).split(" ", 1)[1]
+    entry = text(rid_value).rpartition(" ")[2]
     t.now.queued_entry = entry
     streams = part.request_streams
     async with r.pipeline(transaction=False) as pipe:

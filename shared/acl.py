@@ -145,7 +145,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "`submit --resume` reads the records that came while nothing read (XRANGE)"),
             Grant(("type", "hset", "expire", "hdel"), rw(owner),
                   "its ownership hash: the submit notes each request it queues for its reply stream there "
-                  "(request_id → entry id; the worker publishes to the reply stream only what it names), "
+                  "(request_id → stream and entry id; the worker publishes to the reply stream only what it names), "
                   "a cancelled one is taken out"),
             Grant(("xadd",), wr(dead, control),
                   "dead letters of undecodable records, abort / weight / drain commands on the control stream "

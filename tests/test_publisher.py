@@ -10,7 +10,7 @@ import msgpack
 
 from redroll.engine_worker.publisher import Finish, Publisher
 from redroll.shared.codec import decode_record, encode_record
-from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.keys import WORKERS_GROUP, submitted_as
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import Scripts
 from redroll.shared.streams import ensure_group
@@ -114,7 +114,7 @@ async def test_a_group_of_finishes_has_one_future_and_each_its_own_outcome(r, se
     theirs = await claimed(r, keys, ["grp-1"], "w2")
     broken = keys.reply("broken")
     await r.set(broken, "not a stream")
-    await r.hset(keys.owner("broken"), "grp-2", mine[1])  # (its producer's submit noted it: the XADD is reached)
+    await r.hset(keys.owner("broken"), "grp-2", submitted_as(keys.requests, mine[1]))  # (its producer's submit noted it: the XADD is reached)
     scripts = CountingScripts(r)
     await scripts.load_all()
     publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_batch=2)  # two records a call

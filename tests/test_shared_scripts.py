@@ -79,7 +79,7 @@ async def test_submit_dedup_retry_and_refusal(r, settings):
     f = entries[0][1]
     assert f[b"rid"] == b"rid-a" and f[b"reply_to"] == keys.results.encode() and f[b"data"] == data_for("rid-a")
     held = (await r.get(keys.rid("rid-a"))).decode()
-    assert held == f"tok-1 {first.entry_id}"
+    assert held == f"tok-1 requests {first.entry_id}"  # (token, stream, entry id)
     assert await r.ttl(keys.rid("rid-a")) == -1  # no expiry: the finish, a dead letter or gc deletes it
 
     again = await submit(scripts, keys, "rid-a", "tok-1")  # a retried submit (same token)
@@ -140,7 +140,7 @@ async def test_finish_releases_rid_so_it_can_be_reused(r, settings):
     # a new submit of the same id (another caller) is accepted now
     second = await submit(scripts, keys, "reuse-me", "tok-2")
     assert second.retried is False and second.entry_id != first.entry_id
-    assert (await r.get(keys.rid("reuse-me"))).decode() == f"tok-2 {second.entry_id}"
+    assert (await r.get(keys.rid("reuse-me"))).decode() == f"tok-2 requests {second.entry_id}"
 
 
 async def test_finish_refuses_an_entry_whose_rid_key_names_another_entry(r, settings):
@@ -507,7 +507,7 @@ async def test_dead_letter_refused_by_the_dead_stream_leaves_only_what_gc_collec
 async def test_dead_letter_refused_for_non_owner(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")
-    await r.set(keys.rid("req-1"), f"tok {entry}")
+    await r.set(keys.rid("req-1"), f"tok requests {entry}")
     res = await scripts.dead_letter(dead_key=keys.dead, group=G, consumer="c2",
                                     letter=letter_for(keys, entry, {b"rid": b"req-1"}))
     assert res.fenced and not res.done
@@ -691,7 +691,7 @@ async def test_submit_notes_a_reply_stream_request_in_its_producers_ownership_ha
     keys, scripts = settings.keys, Scripts(r)
     owned = await scripts.submit(keys.requests, keys.rid("o1"), "t", "o1", keys.reply("p"), data_for("o1"), 60)
     await scripts.submit(keys.requests, keys.rid("f1"), "t", "f1", keys.results, data_for("f1"), 60)
-    assert await r.hgetall(keys.owner("p")) == {b"o1": owned.entry_id.encode()}
+    assert await r.hgetall(keys.owner("p")) == {b"o1": f"requests {owned.entry_id}".encode()}
     assert 0 < await r.ttl(keys.owner("p")) <= 60
     # An ownership key of another type refuses that item alone: nothing of it is written.
     await r.set(keys.owner("q"), "not a hash")
@@ -710,9 +710,33 @@ async def test_finish_publishes_to_a_reply_stream_only_what_its_ownership_hash_n
     with pytest.raises(OwnershipError, match="did not submit it"):
         await scripts.finish(**kwargs)
     assert await r.xlen(keys.reply("p")) == 0
-    await r.hset(keys.owner("p"), "o1", entry)  # (what p's submit writes)
+    await r.hset(keys.owner("p"), "o1", f"requests {entry}")  # (what p's submit writes)
     assert await scripts.finish(**kwargs) == 1
     assert await r.xlen(keys.reply("p")) == 1 and await r.hlen(keys.owner("p")) == 0
+
+
+async def test_an_entry_forged_on_another_request_stream_with_the_submitted_id_is_refused(r, settings):
+    # Entry ids are per stream: an entry added to the high-priority stream with the id of a genuine
+    # submit to the normal stream (an explicit id, or the same millisecond) names the same
+    # request_id and reply stream. The rid key and the ownership hash name the stream as well as the
+    # id, so the forged entry is refused (for a reply stream and for the results stream alike) and
+    # the genuine one is published.
+    keys, scripts = settings.keys, Scripts(r)
+    for rid, reply in (("v1", keys.reply("p2")), ("v2", keys.results)):
+        genuine = await scripts.submit(keys.requests, keys.rid(rid), "t", rid, reply, data_for(rid), 60)
+        await ensure_group(r, keys.requests, G)
+        await ensure_group(r, keys.requests_high, G)
+        forged = (await r.xadd(keys.requests_high, {"rid": rid, "reply_to": reply, "data": data_for(rid)},
+                               id=genuine.entry_id)).decode()
+        assert forged == genuine.entry_id
+        await r.xreadgroup(G, "c1", {keys.requests_high: ">", keys.requests: ">"})
+        common = dict(reply_key=reply, rid_key=keys.rid(rid), group=G, consumer="c1", record=record(rid, worker="c1"))
+        with pytest.raises(OwnershipError):
+            await scripts.finish(requests_key=keys.requests_high, entry_id=forged, **common)
+        assert await r.xlen(reply) == 0
+        assert await scripts.finish(requests_key=keys.requests, entry_id=genuine.entry_id, **common) == 1
+        assert await r.xlen(reply) == 1 and not await r.exists(keys.rid(rid))
+        await r.delete(reply)
 
 
 async def test_a_batch_finish_logs_each_item_in_its_own_event_log_and_a_refused_item_nowhere(r, settings):
@@ -729,7 +753,7 @@ async def test_a_batch_finish_logs_each_item_in_its_own_event_log_and_a_refused_
                for rid, reply in zip(rids, replies)]
     await r.xreadgroup(G, "c1", {keys.requests: ">"}, count=3)
     await r.xreadgroup(G, "c2", {keys.requests: ">"}, count=1)  # (lost-4 is another worker's)
-    await r.hset(keys.owner("p"), "mine-1", entries[0])  # (p's submit noted mine-1, not forged-2)
+    await r.hset(keys.owner("p"), "mine-1", f"requests {entries[0]}")  # (p's submit noted mine-1, not forged-2)
     reply = await scripts.finish_many_in(r, requests_key=keys.requests, group=G, consumer="c1", worker="c1", items=[
         (entry, reply_key, keys.rid(rid), record(rid, worker="c1"), 0, None)
         for entry, reply_key, rid in zip(entries, replies, rids)])

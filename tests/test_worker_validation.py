@@ -14,7 +14,7 @@ import pytest
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
-from redroll.shared.keys import WORKERS_GROUP
+from redroll.shared.keys import WORKERS_GROUP, submitted_as
 from redroll.shared.types import SCHEMA_VERSION, RecordStatus
 from tests.conftest import wait_until
 
@@ -122,7 +122,7 @@ async def test_malformed_requests_are_dead_lettered_and_waiters_told(settings, r
                     fields["data"] = case.data
                 case.entry_id = (await r.xadd(keys.requests, fields)).decode()
                 if isinstance(case.rid, str) and case.reply_to == producer.reply_to:  # (as its submit notes it)
-                    await r.hset(keys.owner(producer.name), case.rid, case.entry_id)
+                    await r.hset(keys.owner(producer.name), case.rid, submitted_as(keys.requests, case.entry_id))
                 valid_futures.append(await producer.submit(
                     request_id=f"good-{i}", input_ids=[1, 2, 3 + i], sampling_params={"max_new_tokens": 4 + i}))
             valid_futures.append(await producer.submit(request_id="good-prompt", prompt="a prompt",

@@ -65,7 +65,8 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 if ARGV[6] == '1' then
   redis.call('XDEL', KEYS[1], ARGV[3])
 end
-if type(held) == 'string' and string.sub(held, -string.len(ARGV[3]) - 1) == ' ' .. ARGV[3] then
+local here = (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) .. ' ' .. ARGV[3]  -- (see submit_many.lua)
+if type(held) == 'string' and string.sub(held, -string.len(here) - 1) == ' ' .. here then
   redis.call('DEL', KEYS[rid_idx])
 end
 if rid_idx > 0 and #KEYS > rid_idx + 1 then

@@ -123,9 +123,11 @@ for i = 1, n do
     local held = redis.pcall('GET', ridkey)  -- (a rid key of another type is not ours to delete)
     -- The ownership checks: the request_id is this entry's, and so is the reply stream.
     local check = 0
-    if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) ~= ' ' .. entry then
+    -- (entry ids are per stream: the stream is part of what the submit wrote, see submit_many.lua)
+    local here = sname .. ' ' .. entry
+    if type(held) == 'string' and string.sub(held, -string.len(here) - 1) ~= ' ' .. here then
       check = 3
-    elseif ownkey ~= ridkey and redis.pcall('HGET', ownkey, ARGV[a + 2]) ~= entry then
+    elseif ownkey ~= ridkey and redis.pcall('HGET', ownkey, ARGV[a + 2]) ~= here then
       check = 4
     end
     -- The cap goes to XADD as the string it came as: a Lua number would be formatted back with

@@ -4,6 +4,9 @@
 -- is none or a results stream: then nothing is written there)
 -- ARGV[1] the ownership hash's TTL in seconds, then per item 5 values: token, request_id, reply_to
 -- ('' = none), affinity key ('' = none: the plain field ak), data
+-- The rid key holds '<token> <stream> <entry id>' and the ownership field '<stream> <entry id>'
+-- (<stream>: the request stream's name after its hash tag, e.g. requests:high): entry ids are per
+-- stream, so an entry forged on another request stream with the same id is not the one submitted.
 -- The rid key is created with SETNX and no TTL: a producer may create rid keys but never overwrite,
 -- expire or delete one (another producer's live request_id cannot be freed and taken over); the
 -- finish, a dead letter or housekeeping (release_rids) deletes it.
@@ -19,6 +22,7 @@
 local out = {}
 local ttl = ARGV[1]
 local stream = KEYS[1]
+local sname = string.match(stream, '^{[^}]*}:(.*)$') or stream
 local owners = {}  -- ownership hash -> its type, looked up once per call; 'written' once a field went in
 for i = 1, (#KEYS - 1) / 2 do
   local a = 1 + (i - 1) * 5
@@ -36,9 +40,9 @@ for i = 1, (#KEYS - 1) / 2 do
     if type(held) == 'table' and held.err then
       out[i] = {3, ridkey .. ': ' .. held.err}
     else
-      local sep = string.find(held, ' ', 1, true)  -- '<token> <entry id>'; anything else is someone else's
+      local sep = string.find(held, ' ', 1, true)  -- '<token> <stream> <entry id>'; else someone else's
       if sep and string.sub(held, 1, sep - 1) == token then
-        out[i] = {2, string.sub(held, sep + 1)}
+        out[i] = {2, string.match(held, '(%S+)$')}
       else
         out[i] = {0, sep and string.sub(held, 1, sep - 1) or held}
       end
@@ -67,9 +71,9 @@ for i = 1, (#KEYS - 1) / 2 do
     if type(id) == 'table' and id.err then
       out[i] = {3, stream .. ': ' .. id.err}
     else
-      redis.call('SETNX', ridkey, token .. ' ' .. id)
+      redis.call('SETNX', ridkey, token .. ' ' .. sname .. ' ' .. id)
       if ownkey ~= ridkey then
-        redis.call('HSET', ownkey, rid, id)
+        redis.call('HSET', ownkey, rid, sname .. ' ' .. id)
         owners[ownkey] = 'written'
       end
       out[i] = {1, id}
