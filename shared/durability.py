@@ -35,7 +35,7 @@ class ReplicasBehindError(RedrollError, redis.ConnectionError):
     may not survive a failover, so it is not reported done (its caller sends it again)."""
 
 
-class _DemotedPrimary(redis.ConnectionError):
+class _DemotedPrimary(RedrollError, redis.ConnectionError):
     """The wait reached a replica: the connection is to a primary that was demoted."""
 
 
