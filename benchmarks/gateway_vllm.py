@@ -164,7 +164,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     clients: dict[str, openai.AsyncOpenAI] = {}
     try:
         procs["worker"] = _start([sys.executable, "-m", "redroll.cli", "worker", "--engine", "vllm", "--model-path",
-                                  model, *flags["redroll"], "--max-inflight", str(args.max_inflight)],
+                                  model, *flags["redroll"], "--max-inflight", str(args.max_inflight),
+                                  *(["--claim-prefetch", str(args.claim_prefetch)] if args.claim_prefetch is not None
+                                    else [])],
                                  env, logs["worker"])
         procs["serve"] = _start([sys.executable, "-m", "redroll.cli", "serve", "--port", str(gw_port),
                                  "--model-name", MODEL, "--max-backlog", "10000", "--request-timeout", "600"],
@@ -230,6 +232,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-inflight", type=int, default=64, help="the redroll worker's --max-inflight")
+    parser.add_argument("--claim-prefetch", type=int, default=None,
+                        help="the redroll worker's --claim-prefetch (default: the worker's)")
     print(json.dumps(asyncio.run(main_async(parser.parse_args())), indent=2))
 
 
