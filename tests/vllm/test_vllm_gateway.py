@@ -159,27 +159,35 @@ async def test_a_chat_with_n4_top_logprobs_and_token_ids(client, tokenizer):
                    for c in content)
 
 
-async def test_a_stop_string_ends_the_chat_before_it(client, tokenizer):
-    """Greedy, a stop string taken from the unstopped answer: finish ``stop``, the content is the
-    answer up to the stop string, and the token ids are the answer's up to the token that
-    completed it."""
-    greedy = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0.0,
-                  extra_body={"return_token_ids": True, "ignore_eos": True})
-    full = await client.chat.completions.create(**greedy)
-    text, ids = full.choices[0].message.content, full.choices[0].model_extra["token_ids"]
+def a_stop_string(tokenizer, text: str, ids: list[int]) -> str:
+    """Three ASCII letters of ``text`` past its first 6 tokens' text: a stop string that ends it early."""
     head = decoded(tokenizer, ids[:6])
     at = next(i for i in range(len(head), len(text) - 3) if text[i:i + 3].isascii() and text[i:i + 3].isalpha())
-    stop = text[at:at + 3]
-    out = await client.chat.completions.create(**greedy, stop=[stop, "never-seen"])
+    return text[at:at + 3]
+
+
+async def test_stop_strings_end_the_chat_and_the_completion_before_them(client, tokenizer):
+    """Greedy, a stop string taken from the unstopped answer: finish ``stop``, the text is the
+    answer up to the stop string, and the token ids are the answer's up to the token that
+    completed it; for a chat and for a completion."""
+    greedy = dict(max_tokens=24, temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = await client.chat.completions.create(model=MODEL, messages=CHAT, **greedy)
+    text, ids = full.choices[0].message.content, full.choices[0].model_extra["token_ids"]
+    stop = a_stop_string(tokenizer, text, ids)
+    out = await client.chat.completions.create(model=MODEL, messages=CHAT, stop=[stop, "never-seen"], **greedy)
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content == text[:text.index(stop)]
     assert choice.model_extra["token_ids"] == ids[:len(choice.model_extra["token_ids"])]
     assert out.usage.completion_tokens == len(choice.model_extra["token_ids"]) < 24
 
-    completion = await client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=24,
-                                                 temperature=0.0, stop=stop, extra_body={"ignore_eos": True})
-    assert stop not in completion.choices[0].text
+    prompt = "The quick brown fox"
+    full = await client.completions.create(model=MODEL, prompt=prompt, **greedy)
+    text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
+    stop = a_stop_string(tokenizer, text, ids)
+    out = await client.completions.create(model=MODEL, prompt=prompt, stop=stop, **greedy)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == text[:text.index(stop)]
+    assert len(out.choices[0].model_extra["token_ids"]) < 24
 
 
 async def test_a_chat_the_template_refuses_is_a_400_naming_messages(client):
