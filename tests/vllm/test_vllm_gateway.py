@@ -1,0 +1,199 @@
+"""``redroll serve`` in front of a ``redroll worker --engine vllm`` process (the tiny checkpoint,
+with a chat template), driven by the official ``openai`` SDK: completions and chats, n = 4,
+logprobs and top_logprobs, token ids, stop strings, usage, and a worker's refusal as a 400.
+
+Every text is checked against the checkpoint's own tokenizer (the gateway holds none: the worker
+detokenizes). One worker and one gateway serve the module (a vLLM start costs tens of seconds).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import pytest_asyncio
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from redroll.engine_worker.engines.tiny_checkpoint import TINY_CHAT_TEMPLATE, save_tiny_checkpoint  # noqa: E402
+from redroll.shared.settings import Settings  # noqa: E402
+from tests.conftest import spawn, stop_process  # noqa: E402
+from tests.gateway_support import Served  # noqa: E402
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a queue of requests"}]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gw"), 0, chat_template=TINY_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def settings(redis_server):
+    return Settings(redis_url=redis_server.url, namespace="gv" + uuid.uuid4().hex[:10])
+
+
+@pytest.fixture(scope="module")
+def gateway(settings, checkpoint, tmp_path_factory):
+    """One vLLM worker process and one gateway, for the module."""
+    logs = tmp_path_factory.mktemp("gw-vllm")
+    worker = spawn(settings, "worker", "--engine", "vllm", "--model-path", str(checkpoint), "--dtype", "float32",
+                   "--context-length", "1024", "--max-running-requests", "64", "--kv-cache-gib", "0.25",
+                   "--max-inflight", "64", "--name", "gw-vllm", log=logs / "worker.log")
+    served = None
+    try:
+        served = Served(settings, "--model-name", MODEL, "--request-timeout", "300", log=logs / "serve.log")
+        yield served
+    finally:
+        if served is not None:
+            served.stop()
+        stop_process(worker, 60)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client(gateway):
+    """The async openai client (its first call waits for vLLM to start: a generous timeout)."""
+    c = openai.AsyncOpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=300)
+    yield c
+    await c.close()
+
+
+def rendered(tokenizer, messages) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def decoded(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def is_vllms_text(text: str, tokenizer, ids: list[int]) -> bool:
+    """``text`` is the ids decoded, as vLLM's detokenizer makes it: it holds back a last character
+    whose bytes are not all there (the tokenizer decodes those to U+FFFD)."""
+    full = decoded(tokenizer, ids)
+    return full.startswith(text) and set(full[len(text):]) <= {"\ufffd"}
+
+
+async def test_completions_n4_with_top_logprobs_and_token_ids(client, tokenizer):
+    """n = 4 seeded samples of a text prompt: each its own token ids, its text vLLM's decoding of
+    them, logprobs per token with the 3 most likely (the sampled one among them when it ranks),
+    usage from the worker's tokenizer; the same seed gives the same samples."""
+    prompt = "The quick brown fox"
+    call = dict(model=MODEL, prompt=prompt, max_tokens=12, n=4, logprobs=3, seed=11, temperature=1.0,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = await client.completions.create(**call)
+    assert out.model == MODEL and len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
+    samples = []
+    for choice in out.choices:
+        ids = choice.model_extra["token_ids"]
+        samples.append(ids)
+        assert len(ids) == 12 and choice.finish_reason == "length"
+        assert is_vllms_text(choice.text, tokenizer, ids)
+        assert choice.model_extra["prompt_token_ids"] is None  # (a text prompt: tokenized by the worker)
+        lp = choice.logprobs
+        assert lp.tokens == [f"token_id:{t}" for t in ids] and len(lp.token_logprobs) == 12
+        assert all(v <= 0.0 for v in lp.token_logprobs)
+        assert len(lp.top_logprobs) == 12
+        for t, v, top in zip(ids, lp.token_logprobs, lp.top_logprobs):
+            assert len(top) == 3
+            assert list(top.values()) == sorted(top.values(), reverse=True)
+            if f"token_id:{t}" in top:
+                assert top[f"token_id:{t}"] == pytest.approx(v, abs=1e-5)
+            else:
+                assert v <= min(top.values()) + 1e-5
+    assert len({tuple(s) for s in samples}) > 1  # (sampled, not four copies)
+    assert out.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert out.usage.completion_tokens == 48 and out.usage.total_tokens == out.usage.prompt_tokens + 48
+    assert out.model_extra["weight_version"] is not None
+
+    again = await client.completions.create(**call)
+    assert [c.model_extra["token_ids"] for c in again.choices] == samples
+
+
+async def test_a_token_id_prompt_and_a_list_of_prompts(client, tokenizer):
+    """A token-id prompt is echoed as ``prompt_token_ids`` and counted as sent; a list of prompts
+    gives their choices in order; greedy samples of the same prompt agree, text or ids."""
+    ids = tokenizer("A queue of requests")["input_ids"]
+    by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0.0,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = by_ids.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == ids and by_ids.usage.prompt_tokens == len(ids)
+    assert is_vllms_text(choice.text, tokenizer, choice.model_extra["token_ids"])
+
+    batch = await client.completions.create(model=MODEL, prompt=["A queue of requests", "Hello, world!"],
+                                            max_tokens=8, n=2, temperature=0.0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert len(batch.choices) == 4 and batch.usage.completion_tokens == 32
+    first = [c.model_extra["token_ids"] for c in batch.choices[:2]]
+    assert first == [choice.model_extra["token_ids"]] * 2  # (greedy: the text prompt = its ids)
+
+
+async def test_a_chat_with_n4_top_logprobs_and_token_ids(client, tokenizer):
+    """A chat rendered by the worker with the checkpoint's template: usage counts the rendered
+    prompt, each of the 4 choices carries its token ids, its content decoded from them, and per
+    token its logprob and the 2 most likely."""
+    out = await client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, n=4,
+                                               logprobs=True, top_logprobs=2, seed=5, temperature=1.0,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.object == "chat.completion" and len(out.choices) == 4
+    assert out.usage.prompt_tokens == len(rendered(tokenizer, CHAT)) and out.usage.completion_tokens == 40
+    for choice in out.choices:
+        ids = choice.model_extra["token_ids"]
+        assert len(ids) == 10 and choice.finish_reason == "length" and choice.message.role == "assistant"
+        assert is_vllms_text(choice.message.content, tokenizer, ids)
+        content = choice.logprobs.content
+        assert [c.token for c in content] == [f"token_id:{t}" for t in ids]
+        assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+                   for c in content)
+
+
+def a_stop_string(tokenizer, text: str, ids: list[int]) -> str:
+    """Three ASCII letters of ``text`` past its first 6 tokens' text: a stop string that ends it early."""
+    head = decoded(tokenizer, ids[:6])
+    at = next(i for i in range(len(head), len(text) - 3) if text[i:i + 3].isascii() and text[i:i + 3].isalpha())
+    return text[at:at + 3]
+
+
+async def test_stop_strings_end_the_chat_and_the_completion_before_them(client, tokenizer):
+    """Greedy, a stop string taken from the unstopped answer: finish ``stop``, the text is the
+    answer up to the stop string, and the token ids are the answer's up to the token that
+    completed it; for a chat and for a completion."""
+    greedy = dict(max_tokens=24, temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    full = await client.chat.completions.create(model=MODEL, messages=CHAT, **greedy)
+    text, ids = full.choices[0].message.content, full.choices[0].model_extra["token_ids"]
+    stop = a_stop_string(tokenizer, text, ids)
+    out = await client.chat.completions.create(model=MODEL, messages=CHAT, stop=[stop, "never-seen"], **greedy)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == text[:text.index(stop)]
+    assert choice.model_extra["token_ids"] == ids[:len(choice.model_extra["token_ids"])]
+    assert out.usage.completion_tokens == len(choice.model_extra["token_ids"]) < 24
+
+    prompt = "The quick brown fox"
+    full = await client.completions.create(model=MODEL, prompt=prompt, **greedy)
+    text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
+    stop = a_stop_string(tokenizer, text, ids)
+    out = await client.completions.create(model=MODEL, prompt=prompt, stop=stop, **greedy)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == text[:text.index(stop)]
+    assert len(out.choices[0].model_extra["token_ids"]) < 24
+
+
+async def test_a_chat_the_template_refuses_is_a_400_naming_messages(client):
+    """The worker renders chats: a chat its template refuses comes back as OpenAI's 400."""
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "hi"}],
+                                             max_tokens=4)
+    error = ei.value.body
+    assert error["param"] == "messages" and "\n" not in error["message"]
