@@ -18,7 +18,6 @@ e.g. ``input_ids[3]``) and the rule. Decoding never raises anything else, whatev
 
 from __future__ import annotations
 
-import functools
 import re
 import time
 from dataclasses import dataclass
@@ -26,46 +25,20 @@ from typing import Any, Mapping
 
 import msgspec
 
-from redroll.errors import RedrollError
-
+from .record_codec import decode_record, encode_record, record_to_map
 from .types import (
-    RECORD_DATA_FIELDS,
     REQUEST_ID_PATTERN,
     REQUEST_ID_RULE,
     SCHEMA_VERSION,
     SCHEMA_VERSION_RULE,
     ChatMessage,
-    CompletionRecord,
     GenerationRequest,
-    RecordData,
-    RecordStatus,
     SamplingParams,
     request_schema_version,
 )
+from .validation import TOO_DEEP, NewerSchemaError, ValidationError, _data, _field_str, _from_msgspec
 
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
-
-
-class ValidationError(RedrollError, ValueError):
-    """A payload broke the wire contract. ``field`` names where, ``rule`` says what."""
-
-    def __init__(self, field: str, rule: str, *, request_id: str | None = None, reply_to: str | None = None):
-        super().__init__(f"{field}: {rule}")
-        self.field = field
-        self.rule = rule
-        # Filled in when they could be read, so that a waiter can be told.
-        self.request_id = request_id
-        self.reply_to = reply_to
-        self.callback: str | None = None
-        """The handler the request named, when readable (its error record is routed to it)."""
-
-    @property
-    def reason(self) -> str:
-        return f"invalid {self.field}: {self.rule}"
-
-
-class NewerSchemaError(ValidationError):
-    """The entry was written for a newer schema: hand it back for a newer worker."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +59,8 @@ DEFAULT_LIMITS = Limits()
 
 _ENCODER = msgspec.msgpack.Encoder()
 _REQUEST_DECODER = msgspec.msgpack.Decoder(GenerationRequest)
-_RECORD_DECODER = msgspec.msgpack.Decoder(RecordData)
 _ANY_DECODER = msgspec.msgpack.Decoder()
 
-TOO_DEEP = "maps or lists nested too deeply"
-"""The rule a payload breaks when msgspec's decoders, which recurse in C, hit Python's recursion
-limit (about 1,000 levels): a poison payload, refused like any other invalid one."""
 
 
 def _encode_value(obj: Any, field: str) -> bytes:
@@ -102,74 +71,6 @@ def _encode_value(obj: Any, field: str) -> bytes:
         raise ValidationError(field, "holds an integer outside MessagePack's 64-bit range") from None
     except RecursionError:
         raise ValidationError(field, TOO_DEEP) from None
-
-# ---------------------------------------------------------------- msgspec errors → ValidationError
-
-_AT = re.compile(r" - at `\$\.?(.*)`$")
-_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$")
-_MISSING = re.compile(r"^Object missing required field `(.*)`$")
-_GOT = re.compile(r", got `(\w+)`$")
-_COLLAPSE = ("sampling_params.stop[", "sampling_params.stop_regex", "sampling_params.logit_bias",
-             "sampling_params.custom_params", "meta_info")
-"""Paths reported at their field, not deeper (a stop string, a key inside meta_info)."""
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _from_msgspec(exc: msgspec.ValidationError, prefix: str = "") -> ValidationError:
-    message = str(exc)
-    at = _AT.search(message)
-    path = at.group(1) if at else ""
-    rule = message[: at.start()] if at else message
-    if m := _UNKNOWN.match(rule):
-        path = _join(path, m.group(1))
-        rule = ("unknown sampling parameter" if path.startswith("sampling_params") or prefix.startswith("sampling_params")
-                else "unknown field")
-    elif m := _MISSING.match(rule):
-        path = _join(path, m.group(1))
-        rule = "is required"
-    path = prefix + path if path else prefix.rstrip(".")
-    # The rule in words, not msgspec's regex or bound (the one pattern is the request_id's).
-    if rule.startswith("Expected `str` matching regex") or (path == "request_id" and rule.startswith("Expected")):
-        got = _GOT.search(rule)
-        rule = REQUEST_ID_RULE + (f", got {got.group(1)}" if got else "")
-    elif path == "v" and rule.startswith("Expected"):
-        got = _GOT.search(rule)
-        rule = SCHEMA_VERSION_RULE + (f", got {got.group(1)}" if got else "")
-    for short in _COLLAPSE:
-        if path.startswith(short):
-            path = short.rstrip("[")
-    if re.match(r"^(output_logprobs|weight_versions)\[\d+\]\[", path):
-        path = path[: path.index("]") + 1]
-    return ValidationError(path or "data", rule)
-
-
-# ---------------------------------------------------------------- the stream-field envelope
-
-
-def _field(fields: Mapping[Any, Any], name: str) -> Any:
-    raw = fields.get(name.encode())
-    return fields.get(name) if raw is None else raw
-
-
-def _field_str(fields: Mapping[Any, Any], name: str) -> str | None:
-    raw = _field(fields, name)
-    if isinstance(raw, (bytes, bytearray)):
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    return raw if isinstance(raw, str) else None
-
-
-def _data(fields: Mapping[Any, Any]) -> bytes:
-    data = _field(fields, "data")
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValidationError("data", "missing or not bytes")
-    return data
-
 
 def check_request_id(value: Any, field: str = "request_id") -> str:
     if not isinstance(value, str):
@@ -419,162 +320,6 @@ def decode_messages(raw: Any) -> list[ChatMessage]:
     return messages
 
 
-# ---------------------------------------------------------------- records
-
-
-def record_to_map(rec: CompletionRecord) -> dict[str, Any]:
-    return msgspec.to_builtins(rec.data())
-
-
-_DATA_NAMES = tuple(f.name for f in RECORD_DATA_FIELDS)
-_STATUS_PAIR = {s: _ENCODER.encode("status") + _ENCODER.encode(s.value) for s in RecordStatus}
-_STATUS_BYTES = {s: s.value.encode() for s in RecordStatus}
-_WORKER_KEY = _ENCODER.encode("worker")
-
-
-def _map_header(count: int) -> bytes:
-    return bytes([0x80 | count]) if count < 16 else b"\xde" + count.to_bytes(2, "big")
-
-
-# A CompletionRecord encodes as RecordData's map followed by two more pairs, ``status`` and
-# ``worker`` (a subclass's fields follow its parent's): what _decode_with_plain_fields appends.
-_DATA_HEADER = _map_header(len(_DATA_NAMES))
-_RECORD_HEADER = _map_header(len(_DATA_NAMES) + 2)
-_RECORD_HEADER_LEN = len(_RECORD_HEADER)
-
-
-def encode_record(rec: CompletionRecord) -> dict[str, bytes]:
-    """Encode a record into stream fields: ``rid``, ``status``, ``worker`` plain, ``data`` msgpack.
-
-    ``data`` is the map of :class:`RecordData`'s fields in their order: the bytes ``rec.data()``
-    encodes to, taken out of the record's own encoding (its header counted two pairs fewer, the
-    ``status`` and ``worker`` pairs at its end cut off) instead of building a map or a struct
-    first: the worker does this once per request."""
-    whole = _ENCODER.encode(rec)
-    tail = len(_STATUS_PAIR[rec.status]) + len(_WORKER_KEY) + len(_ENCODER.encode(rec.worker))
-    return {
-        "rid": rec.request_id.encode(),
-        "status": _STATUS_BYTES[rec.status],
-        "worker": (rec.worker or "").encode(),
-        "data": b"".join((_DATA_HEADER, memoryview(whole)[_RECORD_HEADER_LEN:len(whole) - tail])),
-    }
-
-
-_STATUS_BY_FIELD: dict[Any, RecordStatus] = {
-    **{s.value.encode(): s for s in RecordStatus}, **{s.value: s for s in RecordStatus}}
-_STATUS_PAIR_BY_FIELD: dict[Any, bytes] = {k: _STATUS_PAIR[s] for k, s in _STATUS_BY_FIELD.items()}
-
-
-def decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
-    """Decode and validate a result entry. Raises only :class:`ValidationError`."""
-    try:
-        return _decode_record(fields)
-    except RecursionError:  # (see TOO_DEEP)
-        raise ValidationError("data", TOO_DEEP) from None
-
-
-def _decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
-    raw_status = _field(fields, "status")
-    status = _STATUS_BY_FIELD.get(raw_status)
-    if status is None:
-        raise ValidationError("status", f"unknown status {_field_str(fields, 'status')!r}")
-    data = _data(fields)
-    worker = _field_str(fields, "worker") or None
-    rec = _decode_with_plain_fields(data, _STATUS_PAIR_BY_FIELD[raw_status], _worker_pair(worker))
-    if rec is None:  # the canonical path: the data map alone, then the record built from it
-        try:
-            wire = _RECORD_DECODER.decode(data)
-        except msgspec.ValidationError as exc:  # (a subclass of DecodeError: first)
-            raise _from_msgspec(exc) from None
-        except msgspec.DecodeError as exc:
-            raise ValidationError("data", f"not valid msgpack ({exc})") from None
-        rec = CompletionRecord(status=status, worker=worker, **{f.name: getattr(wire, f.name) for f in _RECORD_FIELDS})
-    ids = rec.output_token_ids
-    if len(rec.finish_reasons) != len(ids):
-        raise ValidationError("finish_reasons", "must be a list with one entry per sample")
-    logprobs = rec.output_logprobs
-    if logprobs is not None:
-        if len(logprobs) != len(ids):
-            raise ValidationError("output_logprobs", "must be a list with one entry per sample")
-        for i, (lp, s) in enumerate(zip(logprobs, ids)):
-            if len(lp) != len(s):
-                raise ValidationError(f"output_logprobs[{i}]", "must have the same length as its token ids")
-    versions = rec.weight_versions
-    if versions is not None:
-        if len(versions) != len(ids):
-            raise ValidationError("weight_versions", "must be a list with one entry per sample")
-        for i, (vs, s) in enumerate(zip(versions, ids)):
-            if vs is not None and len(vs) != len(s):
-                raise ValidationError(f"weight_versions[{i}]", "must have the same length as its token ids")
-    _check_extras(rec)
-    return rec
-
-
-_RECORD_FIELDS = msgspec.structs.fields(RecordData)
-_COMPLETION_DECODER = msgspec.msgpack.Decoder(CompletionRecord)
-
-
-def _decode_with_plain_fields(data: Any, status_pair: bytes, worker_pair: bytes) -> CompletionRecord | None:
-    """The record in one decode: the data map's header counts two more pairs, the entry's plain
-    ``status`` and ``worker``, appended after its own (a later key wins, so a data map's own
-    ``status`` or ``worker`` key changes nothing). None when that does not decode (not a map,
-    trailing bytes, a bad value anywhere): then the canonical path decodes it and says why."""
-    data = bytes(data)
-    if data.startswith(_DATA_HEADER):  # (a map of RecordData's fields, as encode_record writes it)
-        header, body = _RECORD_HEADER, len(_DATA_HEADER)
-    else:
-        head = data[:1]
-        if not head:
-            return None
-        if 0x80 <= head[0] <= 0x8F:
-            count, body = head[0] & 0x0F, 1
-        elif head[0] == 0xDE:
-            count, body = int.from_bytes(data[1:3], "big"), 3
-        elif head[0] == 0xDF:
-            count, body = int.from_bytes(data[1:5], "big"), 5
-        else:
-            return None
-        count += 2
-        if count > 0xFFFFFFFF:  # (not a map this header could count: the canonical path says why)
-            return None
-        header = b"\xde" + count.to_bytes(2, "big") if count < 0x10000 else b"\xdf" + count.to_bytes(4, "big")
-    try:
-        return _COMPLETION_DECODER.decode(b"".join((header, memoryview(data)[body:], status_pair, worker_pair)))
-    except msgspec.DecodeError:
-        return None
-
-
-@functools.lru_cache(maxsize=1024)
-def _worker_pair(worker: str | None) -> bytes:
-    """The ``worker`` pair appended to a data map (a consumer reads the records of a few workers:
-    built once per worker)."""
-    return _WORKER_KEY + _ENCODER.encode(worker)
-
-
-def _check_extras(data: RecordData) -> None:
-    """The shapes of the per-request extras: one entry per sample, one per token."""
-    ids = data.output_token_ids
-    if data.output_text is not None and len(data.output_text) != len(ids):
-        raise ValidationError("output_text", "must be a list with one entry per sample")
-    top = data.output_top_logprobs
-    if top is not None:
-        if len(top) != len(ids):
-            raise ValidationError("output_top_logprobs", "must be a list with one entry per sample")
-        for i, (t, s) in enumerate(zip(top, ids)):
-            if len(t) != len(s):
-                raise ValidationError(f"output_top_logprobs[{i}]", "must have one entry per token id")
-    routed = data.routed_experts
-    if routed is not None:
-        if len(routed) != len(ids):
-            raise ValidationError("routed_experts", "must be a list with one entry per sample")
-        for i, experts in enumerate(routed):
-            if experts is None:
-                continue
-            tokens, layers, top_k = experts.shape
-            if len(experts.data) != 4 * tokens * layers * top_k:
-                raise ValidationError(f"routed_experts[{i}].data",
-                                      f"must hold {tokens}x{layers}x{top_k} int32 values")
-
 __all__ = [
     "DEFAULT_LIMITS",
     "Limits",
@@ -591,4 +336,5 @@ __all__ = [
     "decode_sampling_params",
     "encode_record",
     "encode_request",
+    "record_to_map",
 ]
