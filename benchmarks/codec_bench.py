@@ -33,14 +33,17 @@ def before_revision() -> str:
 
 
 def load_codec_at(rev: str, workdir: Path) -> ModuleType:
-    """``shared/codec.py`` (and the ``shared/types.py`` it imports) of ``rev``, as package ``_codec_before``."""
+    """``shared/codec.py`` (and the ``shared`` modules it imports: types, and from when the codec was
+    split, the record codec and validation) of ``rev``, as package ``_codec_before``."""
     package = workdir / "_codec_before"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("codec.py", "types.py"):
-        source = subprocess.run(["git", "show", f"{rev}:shared/{name}"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout
-        (package / name).write_text(source)
+    for name in ("codec.py", "types.py", "record_codec.py", "validation.py"):
+        shown = subprocess.run(["git", "show", f"{rev}:shared/{name}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode != 0 and name in ("record_codec.py", "validation.py"):
+            continue  # (not split yet at rev)
+        shown.check_returncode()
+        (package / name).write_text(shown.stdout)
     sys.path.insert(0, str(workdir))
     try:
         return importlib.import_module("_codec_before.codec")
