@@ -166,9 +166,12 @@ async def test_release_rids_deletes_only_keys_whose_entry_is_in_no_request_strea
     await r.xdel(keys.requests, gone.entry_id)  # (as a producer's cancel of a queued request leaves it)
     await r.set(keys.rid("junk"), "no entry")
     await r.set(keys.rid("ahead"), "t 99999999999999-0")  # (an id past every entry)
+    # Ids are per stream: the rid key's stream is the one looked in, whatever the others hold.
+    twin = keys.lane(0)
+    await r.xadd(twin, {"rid": "twin"}, id=gone.entry_id)
     await r.hset(keys.rid("hash"), "x", "1")
     names = ["queued", "high", "gone", "junk", "ahead", "hash", "missing"]
-    streams = keys.request_streams
+    streams = [*keys.request_streams, twin]
     expected = [keys.rid(x) for x in ("gone", "junk", "ahead")]
     assert await scripts.release_rids(streams, [keys.rid(x) for x in names], dry_run=True) == expected
     assert await r.exists(*expected) == 3

@@ -5,19 +5,27 @@
 -- ARGV[1] number of request streams  ARGV[2] '1' = dry run (report, delete nothing)
 -- Returns one value per rid key: 1 released (or would be, in a dry run), 0 kept (its entry is still
 -- in a stream, or the key is gone or not a string).
+-- A rid key names its stream before the entry id ('<token> <stream> <entry id>', see
+-- submit_many.lua: ids are per stream): only that stream is looked in (a value without one: all).
 -- One atomic call: the check and the delete see the same key, so a rid key re-created for a new
 -- submit between a scan and this call is judged by its own entry. DEL is its only write.
 local nstreams = tonumber(ARGV[1])
+local names = {}
+for s = 1, nstreams do names[s] = string.match(KEYS[s], '^{[^}]*}:(.*)$') or KEYS[s] end
 local out = {}
 for i = nstreams + 1, #KEYS do
   local held = redis.pcall('GET', KEYS[i])
   local release = 0
   if type(held) == 'string' then
     local entry = string.match(held, '(%d+%-%d+)$')
+    local sname = string.match(held, '^%S+ (%S+) %d+%-%d+$')
     release = 1
     if entry then
       for s = 1, nstreams do
-        local found = redis.pcall('XRANGE', KEYS[s], entry, entry, 'COUNT', 1)
+        local found = nil
+        if sname == nil or sname == names[s] then
+          found = redis.pcall('XRANGE', KEYS[s], entry, entry, 'COUNT', 1)
+        end
         if type(found) == 'table' and not found.err and #found > 0 then
           release = 0
           break
