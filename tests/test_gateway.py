@@ -230,7 +230,7 @@ async def test_error_shapes(settings, tmp_path, gateway_log):
                                ({"prompt": "x", "temperature": "hot"}, "temperature"),
                                ({"prompt": [1, "a"]}, "prompt[0]"),
                                ({"max_tokens": 3}, "prompt"),
-                               ({"prompt": "x", "stream": True}, "stream"),
+                               ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
                                ({"prompt": "x", "n": 1000}, "n")):
             status, body, _ = curl(f"{url}/completions", *auth, "-d", json.dumps(payload))
             assert status == 400, (payload, body)
