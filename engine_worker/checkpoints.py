@@ -1,4 +1,4 @@
-"""Checkpoints of resumable requests: save partial output while generating, resume it elsewhere.
+"""Checkpoints of resumable and streamed requests: save partial output while generating, resume it elsewhere.
 
 A request with ``resumable`` (single-sample, token-id prompt, ``max_new_tokens`` at least the
 pipeline's ``checkpoint_min_new_tokens``) has its partial output saved next to it, under its hash
@@ -7,6 +7,12 @@ tag, in ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens o
 only the lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
 resubmit never resumes a stale one). A drain saves what the engine made before handing the entry
 back. The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
+
+A streamed request (``stream``: any prompt, one sample) is checkpointed the same way, more often:
+every ``stream_chunk_tokens`` tokens or ``stream_chunk_ms`` ms, whichever comes first, and only
+as far as its text is settled (:mod:`.streaming`). Each part is also the request's next chunk,
+added to its chunk stream in the same call: what a reader was sent is what was saved, so a
+continuation on another worker (greedy or sampled) goes on after exactly what the reader has.
 
 A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt +
 saved tokens with the remaining budget and publishes one stitched record: ids, logprobs,
@@ -24,43 +30,22 @@ from typing import Any
 import msgspec
 import redis
 
+from redroll.shared.chunks import Part, decode_part, encode_part
+from redroll.shared.codec import ValidationError
 from redroll.shared.continuing import continue_after, join_parts
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import WORKERS_GROUP, Keys, chunks_key_for, owner_key_for
 from redroll.shared.types import GenerationRequest
 
 from .context import WorkerContext
 from .engines.base import EngineOutput, SampleOutput
+from .engines.text import render_chat, sample_text
 from .flights import DEATHS_SUFFIX
+from .streaming import settled
 
 log = logging.getLogger("redroll.worker")
 
 HEADER_BYTES = 64
 """``<entry id, space-padded to 44> <18-digit token count>\\n``."""
-
-
-class Part(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One appended piece of partial output (8 hex digits of length, then this as MessagePack)."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    weight_version: str | None = None
-    """The version that made every token of this part ..."""
-    weight_versions: list[str] | None = None
-    """... or, when an in-place update fell inside it, the version of each token."""
-    worker: str
-    finish_reason: str | None = None
-
-    def versions(self) -> list[str]:
-        return list(self.weight_versions) if self.weight_versions else [str(self.weight_version)] * len(self.token_ids)
-
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode_part = msgspec.msgpack.Decoder(Part).decode
-
-
-def encode_part(part: Part) -> bytes:
-    body = _encode(part)
-    return b"%08x" % len(body) + body
 
 
 @dataclass
@@ -73,6 +58,8 @@ class Checkpoint:
     weight_versions: list[str] = field(default_factory=list)
     segments: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    text: str = ""
+    """The text the parts carried (a streamed request's: what its readers were sent)."""
 
     @property
     def tokens(self) -> int:
@@ -93,7 +80,7 @@ def parse_checkpoint(raw: bytes) -> Checkpoint | None:
     while pos < len(raw):
         try:
             size = int(raw[pos:pos + 8], 16)
-            part = _decode_part(raw[pos + 8:pos + 8 + size])
+            part = decode_part(raw[pos + 8:pos + 8 + size])
         except (ValueError, msgspec.DecodeError):
             return None
         pos += 8 + size
@@ -111,26 +98,52 @@ def parse_checkpoint(raw: bytes) -> Checkpoint | None:
         else:
             cp.segments.append({"worker": part.worker, "weight_version": version, "tokens": len(part.token_ids)})
         cp.finish_reason = part.finish_reason
+        cp.text += part.text or ""
     if cp.tokens != count:
         return None
     return cp
 
 
 def is_checkpointed(request: GenerationRequest, min_new_tokens: int) -> bool:
-    return request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens
+    return request.stream or (request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens)
 
 
-def resume_request(request: GenerationRequest, cp: Checkpoint) -> GenerationRequest:
+def is_resumed(request: GenerationRequest) -> bool:
+    """Whether a checkpoint of ``request`` is looked for when its entry is taken."""
+    return request.resumable or request.stream
+
+
+def prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int] | None:
+    """The prompt's token ids as the engine makes them: ``input_ids``, a chat rendered by the chat
+    template, a text prompt encoded by the tokenizer; None when the engine has no tokenizer that can."""
+    if request.input_ids is not None:
+        return list(request.input_ids)
+    try:
+        if request.messages is not None:
+            return render_chat(tokenizer, request, "this")
+        return list(tokenizer.encode(request.prompt))
+    except (AttributeError, TypeError, ValidationError):
+        return None
+
+
+def resume_request(request: GenerationRequest, cp: Checkpoint, tokenizer: Any = None) -> GenerationRequest:
     """``request`` continued after the checkpoint's tokens (see :func:`~redroll.shared.continuing.continue_after`):
     the prompt grows by them and the budget shrinks by as much; a seeded request continues with
-    ``sampling_seed + tokens saved``."""
+    ``sampling_seed + tokens saved``. A text or chat prompt becomes its token ids first (``tokenizer``:
+    the engine's; the synthetic engine, which has none that encodes, continues from the saved tokens
+    alone), the record's text still wanted as before."""
     seed = request.sampling_params.sampling_seed
-    return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens)
+    fields: dict[str, Any] = {}
+    if request.input_ids is None:
+        fields = {"prompt": None, "messages": None, "tools": None, "return_text": request.wants_text}
+        request = msgspec.structs.replace(request, input_ids=prompt_ids(request, tokenizer) or [])
+    return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens, **fields)
 
 
-def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequest, worker: str) -> EngineOutput:
+def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequest, worker: str,
+                   tokenizer: Any = None) -> EngineOutput:
     """One output from the saved part and what this worker made after it (joined as
-    :func:`~redroll.shared.continuing.join_parts` says)."""
+    :func:`~redroll.shared.continuing.join_parts` says); its text decoded from the joined ids."""
     new = output.samples[0]
     version = output.weight_version
     new_versions = list(new.weight_versions) if new.weight_versions else [str(version)] * len(new.token_ids)
@@ -138,11 +151,13 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
                          (new.token_ids, None if new.logprobs is None else list(new.logprobs), new_versions)])
     sample = SampleOutput(token_ids=joined.token_ids, logprobs=joined.logprobs, finish_reason=new.finish_reason,
                           weight_versions=joined.weight_versions)
+    if request.wants_text and tokenizer is not None:
+        sample.text = sample_text(tokenizer, sample.token_ids, request.sampling_params, sample.finish_reason)
     segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
     extra = dict(output.extra)
     extra.update(segments=segments, resumed_from=cp.tokens)
-    return EngineOutput(samples=[sample], prompt_tokens=len(request.input_ids or []), cached_tokens=output.cached_tokens,
-                        weight_version=version, extra=extra)
+    return EngineOutput(samples=[sample], prompt_tokens=max(0, output.prompt_tokens - cp.tokens),
+                        cached_tokens=output.cached_tokens, weight_version=version, extra=extra)
 
 
 class Checkpoints:
@@ -162,13 +177,17 @@ class Checkpoints:
 
     async def append(self, stream: str, part: Keys, request: GenerationRequest, entry_id: str, saved: int,
                      piece: Part) -> bool:
-        """One fenced append; False when the lease or the count says this worker may not write."""
+        """One fenced append (and a streamed request's chunk); False when the lease or the count
+        says this worker may not write."""
         ctx = self.ctx
+        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
         try:
             ok, detail = await ctx.scripts.checkpoint(
                 requests_key=stream, partial_key=part.partial(request.request_id), group=WORKERS_GROUP,
                 consumer=ctx.name, entry_id=entry_id, saved=saved, adding=len(piece.token_ids),
-                part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s)
+                part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s, chunks_key=chunks,
+                chunks_ttl_s=ctx.settings.stream_chunk_ttl_s,
+                owner_key=owner_key_for(request.reply_to) if chunks else None)
         except redis.RedisError as exc:
             log.warning("checkpoint of %s not saved: %s", request.request_id, exc)
             return False
@@ -193,20 +212,25 @@ class Checkpoints:
             log.warning("checkpoint %s not deleted: %s", key, exc)
 
     def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None) -> "Saver":
-        return Saver(self, flight, request, base.tokens if base else 0)
+        return Saver(self, flight, request, base)
 
 
 class Saver:
     """Saves one flight's new tokens while the engine generates it: :meth:`run` as a task
-    (cancelled when the generation returns), :meth:`flush` for what a drain cut short."""
+    (cancelled when the generation returns), :meth:`flush` for what a drain cut short. A streamed
+    request's saves are its chunks (see :mod:`.streaming` for where one may end)."""
 
-    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: int):
+    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None):
         self.checkpoints = checkpoints
         self.ctx = checkpoints.ctx
         self.flight = flight
         self.request = request
-        self.base = base
+        self.base = base.tokens if base else 0
         """Tokens in the checkpoint before this worker's generation began."""
+        self.base_ids = list(base.token_ids) if base else []
+        self.sent_text = base.text if base else ""
+        """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.streaming`)."""
+        self.tokenizer = self.ctx.engine.tokenizer if request.stream and self.ctx.capabilities.tokenizer else None
         self.done = 0
         """Tokens of this worker's generation saved so far."""
         self.broken = False
@@ -223,41 +247,61 @@ class Saver:
         if not ctx.capabilities.partial_output:
             return  # this engine cannot show partial output: nothing to save while it runs
         partial = ctx.engine.partial
-        every_tokens, every_s = ctx.settings.checkpoint_tokens, ctx.settings.checkpoint_interval_s
+        settings = ctx.settings
+        if self.request.stream:  # every K tokens or T ms, whichever comes first
+            every_tokens, every_s, first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000.0, True
+            pause = min(every_s, 0.02)
+        else:  # every N tokens or S seconds, whichever comes later
+            every_tokens, every_s, first = settings.checkpoint_tokens, settings.checkpoint_interval_s, False
+            pause = min(every_s, 1.0) if every_s > 0 else 0.05
         last_save = time.monotonic()
         while not self.broken and not self.stopped:
-            await asyncio.sleep(min(every_s, 1.0) if every_s > 0 else 0.05)
+            await asyncio.sleep(pause)
             if self.stopped:
                 return
             snap = partial(self.flight.handle)
-            if snap is None or len(snap.token_ids) - self.done < every_tokens:
+            new = 0 if snap is None else len(snap.token_ids) - self.done
+            if new <= 0:
                 continue
-            if time.monotonic() - last_save < every_s:
-                continue
-            await self.save(snap)
-            last_save = time.monotonic()
+            enough, due = new >= every_tokens, time.monotonic() - last_save >= every_s
+            if (enough or due) if first else (enough and due):
+                if await self.save(snap):
+                    last_save = time.monotonic()
 
     async def flush(self, sample: SampleOutput) -> None:
         """Save the rest of ``sample`` (a drain's aborted output) before the entry goes back."""
         if not self.broken:
             await self.save(sample)
 
-    async def save(self, sample: SampleOutput) -> None:
-        start = self.done
-        ids = list(sample.token_ids[start:])
+    async def save(self, sample: SampleOutput) -> bool:
+        """Save what ``sample`` has past what was saved (a streamed request's: as far as it is
+        settled); True when something was."""
+        start, end = self.done, len(sample.token_ids)
+        text: str | None = None
+        if self.request.stream:
+            cut = settled(self.tokenizer, self.request, self.base_ids + list(sample.token_ids), self.base + start,
+                          self.sent_text)
+            end = cut.tokens - self.base
+            if cut.text is not None and self.request.wants_text:
+                text = cut.text[len(self.sent_text):]
+        ids = list(sample.token_ids[start:end])
         if not ids:
-            return
+            return False
         version = str(self.ctx.engine.info.weight_version)
-        versions = list(sample.weight_versions[start:]) if sample.weight_versions else [version] * len(ids)
+        versions = list(sample.weight_versions[start:end]) if sample.weight_versions else [version] * len(ids)
         mixed = len(set(versions)) > 1
-        piece = Part(token_ids=ids, logprobs=list(sample.logprobs[start:]) if sample.logprobs is not None else None,
+        whole = end == len(sample.token_ids)
+        piece = Part(token_ids=ids,
+                     logprobs=list(sample.logprobs[start:end]) if sample.logprobs is not None else None,
                      weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
-                     worker=self.ctx.name,
-                     finish_reason=sample.finish_reason if sample.finish_reason in ("stop", "length") else None)
+                     worker=self.ctx.name, text=text,
+                     finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
         flight = self.flight
         if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,
                                          flight.entry_id, self.base + start, piece):
-            self.done = start + len(ids)
+            self.done = end
+            if self.request.stream and cut.text is not None:
+                self.sent_text = cut.text
             if getattr(flight, "suspect_cap", None) is not None:
                 # Its checkpoint advanced here, after the death of a worker that ran it: it is no
                 # suspect of that death any more (the next death counts from scratch), nor does it
@@ -267,5 +311,6 @@ class Saver:
                     await self.ctx.redis.hdel(self.ctx.keys.errors, flight.key + DEATHS_SUFFIX)
                 except redis.RedisError as exc:
                     log.warning("death note of %s not cleared: %s", flight.entry_id, exc)
-        else:
-            self.broken = True
+            return True
+        self.broken = True
+        return False

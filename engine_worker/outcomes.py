@@ -29,6 +29,7 @@ from redroll.shared.streams import text
 from redroll.shared.tracing import end_span
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
+from .checkpoints import is_resumed
 from .context import WorkerContext
 from .flights import DEATHS_SUFFIX, Flights, InFlight
 from .publisher import Finish
@@ -67,7 +68,7 @@ class Outcomes:
         return Finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
                       rid_key=part.rid(request.request_id), record=record,
                       cap=self._results_cap if reply_key == part.results else 0,
-                      partial_key=part.partial(request.request_id) if request.resumable else None)
+                      partial_key=part.partial(request.request_id) if is_resumed(request) else None)
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         publication = self._publication(flight, request, record)

@@ -8,11 +8,11 @@ import time
 from typing import Awaitable
 
 from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
-from redroll.shared.keys import Keys
+from redroll.shared.keys import Keys, chunks_key_for
 from redroll.shared.tracing import worker_spans
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
-from .checkpoints import Checkpoint, Checkpoints, Saver, is_checkpointed, resume_request, stitch_resumed
+from .checkpoints import Checkpoint, Checkpoints, Saver, is_checkpointed, is_resumed, resume_request, stitch_resumed
 from .context import WorkerContext
 from .control import AbortedSet
 from .engines.base import EngineOutput, SampleOutput
@@ -122,7 +122,7 @@ class RequestRunner:
             ctx.engine.validate(request)
         except ValidationError:  # (decoded again in its own task, which says why)
             return None
-        if (request in self.aborted or request.resumable
+        if (request in self.aborted or is_resumed(request)
                 or (request.deadline is not None and request.deadline <= time.time())
                 or (request.min_weight_version is not None and not self.weights.serves(request.min_weight_version))):
             return None
@@ -209,7 +209,7 @@ class RequestRunner:
                 delay, flight.stop, ctx.engine, RecordStatus.EXPIRED, "deadline")
         started = time.monotonic()
         resume = saver = None
-        if request.resumable:
+        if is_resumed(request):
             resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
             if resume is not None:
                 ctx.stats.resumed += 1
@@ -229,7 +229,7 @@ class RequestRunner:
                 await saver.flush(output.samples[0])
             return
         if resume is not None:
-            output = stitch_resumed(resume, output, request, ctx.name)
+            output = stitch_resumed(resume, output, request, ctx.name, self._tokenizer())
         await self.outcomes.finish(flight, request, self._record(flight, request, output, queue_ms, engine_ms))
 
     def _record(self, flight: InFlight, request: GenerationRequest, output: EngineOutput, queue_ms: float,
@@ -265,7 +265,7 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
-        generating = resume_request(request, resume) if resume is not None else request
+        generating = resume_request(request, resume, self._tokenizer()) if resume is not None else request
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:
             return await ctx.engine.generate(generating, flight.handle)
@@ -274,6 +274,9 @@ class RequestRunner:
                 saver.stop()  # type: ignore[union-attr]
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    def _tokenizer(self) -> object | None:
+        return self.ctx.engine.tokenizer if self.ctx.capabilities.tokenizer else None
 
     def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
         """The record of a request stopped before it reached the engine (aborted, expired)."""
@@ -306,6 +309,8 @@ class RequestRunner:
             if len(self._reply_keys_ok) > 10_000:
                 self._reply_keys_ok.clear()
             self._reply_keys_ok.add((part.tag, reply_to))
+        if request.stream and (reply_to is None or chunks_key_for(reply_to, request.request_id) is None):
+            raise ValidationError("stream", f"a streamed request replies to a producer's reply stream, not {reply_to!r}")
         model = self.ctx.engine.info.model
         if request.model is not None and request.model != model:
             raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves {model!r})")

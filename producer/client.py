@@ -37,11 +37,12 @@ from .replies import BeforeAckError, Callback, ReplyReader, _Waiter
 from .request import make_request, request_stream
 from .rollout import RolloutGroup, group_members, next_segment, stitch_segments
 from .sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
+from .streaming import StreamChunk, stream_chunks
 
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "make_request", "request_stream", "send",
+__all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "StreamChunk", "make_request", "request_stream", "send",
            "send_each", "submit_batch", "submit_until_accepted"]
 
 log = logging.getLogger("redroll.producer")
@@ -151,6 +152,7 @@ class Producer(ReplyReader):
         self._last_expire = 0.0
         self._tokens_from_ids = tokens_from_ids
         self._before_ack = before_ack
+        self._stream_redis: Redis | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -194,6 +196,8 @@ class Producer(ReplyReader):
                 w.future.cancel()
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
+        if self._stream_redis is not None:
+            await self._stream_redis.aclose()
 
     async def __aenter__(self) -> "Producer":
         return await self.start()
@@ -458,6 +462,40 @@ class Producer(ReplyReader):
             so_far = [t for seg in segments for t in seg.output_token_ids[0]]
             current = next_segment(original, so_far, len(segments))
         return stitch_segments(original.request_id, segments)
+
+    async def stream(self, request: GenerationRequest | None = None, *, timeout: float | None = None,
+                     **fields: Any) -> AsyncIterator[StreamChunk]:
+        """Submit one request with ``stream`` and yield its output while it generates:
+        ``async for chunk in producer.stream(prompt="Hi", sampling_params={"max_new_tokens": 64})``.
+        Each :class:`~redroll.producer.streaming.StreamChunk` carries the token offset it starts at,
+        its token ids, text and logprobs; the last has the finish reason and the record. A worker
+        that dies mid-stream costs nothing: another continues after what was sent. ``timeout`` (s):
+        the whole stream's, raising :class:`TimeoutError` (the request goes on: :meth:`result` or
+        :meth:`abort` it)."""
+        req = request or make_request(**fields)
+        if not req.stream:
+            req = msgspec.structs.replace(req, stream=True)
+        future = await self.submit(req)  # (sets req.reply_to)
+        chunks = stream_chunks(self._stream_reads(), req, future)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            while True:
+                left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"request {req.request_id!r} did not finish streaming within {timeout} s")
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), left)
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def _stream_reads(self) -> Redis:
+        """The client whose connections streams' blocking reads hold (the submit pool stays free)."""
+        if self._stream_redis is None:
+            self._stream_redis = connect(self.settings, max_connections=1024)
+        return self._stream_redis
 
     async def generate_resumable(self, request: GenerationRequest | None = None, *, max_segments: int = 16,
                                  **fields: Any) -> CompletionRecord:

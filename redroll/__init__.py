@@ -31,6 +31,7 @@ _EXPORTS = {
     "RecordStatus": "redroll.shared.types",
     "SamplingParams": "redroll.shared.types",
     "Settings": "redroll.shared.settings",
+    "StreamChunk": "redroll.producer.streaming",
     "SyncProducer": "redroll.producer.sync",
     "Worker": "redroll.engine_worker.worker",
     "make_request": "redroll.producer.client",

@@ -107,6 +107,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     finished = f"{pt}:finished:*"
     replies = f"{pt}:reply:*"
     owners = f"{pt}:own:*"
+    chunks = f"{pt}:chunks:*"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
     conn = connection_commands(server_version)
@@ -125,6 +126,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners
+        own_chunks = f"{pt}:chunks:{glob_escape(producer)}}}*" if producer else chunks
         return [
             Grant((*conn, "multi", "exec", *scripts),
                   rw(requests, requests_high, lanes, rid, own, owner, dead, events),
@@ -147,6 +149,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "its ownership hash: the submit notes each request it queues for its reply stream there "
                   "(request_id → stream and entry id; the worker publishes to the reply stream only what it names), "
                   "a cancelled one is taken out"),
+            Grant(("xread", "xrange"), rd(own_chunks),
+                  "streamed requests: read their chunks (only the chunk streams of its own requests when narrowed)"),
             Grant(("xadd",), wr(dead, control),
                   "dead letters of undecodable records, abort / weight / drain commands on the control stream "
                   "(no results stream: the worker publishes a cancelled fire-and-forget request's record)"),
@@ -162,7 +166,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "worker":
         return [
             Grant((*conn, "multi", "exec", *scripts, "scan", "time"),
-                  rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events),
+                  rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events,
+                     chunks),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
                   "delete_consumer_if_empty and release_rids with their keys (FCALL); SCAN ... TYPE for reply "
@@ -179,6 +184,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
                   "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
+            Grant(("type", "xadd", "expire", "del"), rw(chunks),
+                  "streamed requests' chunks: each added with its checkpoint part (checkpoint.lua), the chunks "
+                  "of an earlier entry of the request_id deleted when its checkpoint starts over"),
             Grant(("hget", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; its field goes with the finish"),

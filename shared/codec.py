@@ -113,8 +113,8 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
             raise ValidationError("tools", "needs messages (tools are handed to the chat template)")
         needed = request_schema_version(req)
         if req.v < needed:
-            raise ValidationError("v", f"must be at least {needed} for a request with messages, tools or "
-                                       f"return_text, got {req.v}")
+            raise ValidationError("v", f"must be at least {needed} for a request with "
+                                       f"{'stream' if req.stream else 'messages, tools or return_text'}, got {req.v}")
         if req.input_ids is not None and len(req.input_ids) > limits.max_input_tokens:
             raise ValidationError("input_ids", f"longer than {limits.max_input_tokens} tokens")
         check_sampling_params(req.sampling_params, limits)
@@ -127,6 +127,12 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         if req.resumable and (req.sampling_params.n != 1 or req.input_ids is None):
             raise ValidationError("resumable", "needs a single-sample request (n = 1) with input_ids (a resumed "
                                                "request continues from prompt + saved token ids)")
+        if req.stream and req.sampling_params.n != 1:
+            raise ValidationError("sampling_params.n", f"a streamed request makes one sample, got n={req.sampling_params.n} "
+                                                       "(send one streamed request per sample, as the gateway does)")
+        if req.stream and req.reply_to is None:
+            raise ValidationError("reply_to", "a streamed request needs a reply stream: its chunks go beside it "
+                                              "(Producer.stream sets it)")
         if req.resumable and req.return_text:
             raise ValidationError("return_text", "not with resumable (a resumed request's text would cover only "
                                                  "what it made after its checkpoint)")

@@ -85,6 +85,15 @@ def owner_key_for(reply_key: str) -> str | None:
     return f"{tag}}}:own:{producer}"
 
 
+def chunks_key_for(reply_key: str, request_id: str) -> str | None:
+    """The chunk stream (``Keys.chunks``) of a streamed request that replies to ``reply_key``
+    (``{tag}:reply:<producer>``), else None (a results stream: no producer reads chunks there)."""
+    tag, sep, producer = reply_key.partition("}:reply:")
+    if not sep or not tag.startswith("{") or not producer:
+        return None
+    return f"{tag}}}:chunks:{producer}}}{request_id}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """All key names of a pipeline in namespace ``namespace``.
@@ -196,6 +205,13 @@ class Keys:
     def partial(self, request_id: str) -> str:
         """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""
         return f"{self.tag}:partial:{request_id}"
+
+    def chunks(self, producer: str, request_id: str) -> str:
+        """Stream: the chunks of a streamed request (``stream``) of ``producer``, each one part of its
+        checkpoint (see engine_worker/streaming.py). The producer's name and the request_id are joined
+        by ``}``, which neither may hold, so an ACL pattern ``{tag}:chunks:<producer>}*`` matches that
+        producer's chunk streams only. It expires ``stream_chunk_ttl_s`` after its last chunk."""
+        return f"{self.tag}:chunks:{producer}}}{request_id}"
 
     def events(self, request_id: str) -> str:
         """Stream: the event log of one request (submitted, deliveries, checkpoints, the finish, dead

@@ -115,6 +115,14 @@ class Settings:
     """... or every this many seconds, whichever comes later (one append each time)."""
     checkpoint_min_new_tokens: int = 1024
     """Resumable requests with a smaller max_new_tokens are never checkpointed (they are cheap to redo)."""
+    stream_chunk_tokens: int = 8
+    """Streamed requests (``stream``): send a chunk every this many new tokens ..."""
+    stream_chunk_ms: float = 50.0
+    """... or every this many milliseconds with at least one new token, whichever comes first (each
+    chunk is one write, which also checkpoints it)."""
+    stream_chunk_ttl_s: int = 600
+    """A streamed request's chunk stream expires this long after its last chunk (readers that come
+    later, a gateway's retry say, take the whole output from the record)."""
     affinity_lanes: int = 0
     """L > 0: requests with an affinity key (a session id; a group's ``group_id``) queue on one
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
@@ -193,7 +201,8 @@ _LEAST: dict[str, float] = {
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
     "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0, "wait_replicas": 0,
-    "wait_timeout_ms": 1, "event_log_ttl_s": 1, "event_log_max_bytes": 256,
+    "wait_timeout_ms": 1, "event_log_ttl_s": 1, "event_log_max_bytes": 256, "stream_chunk_tokens": 1,
+    "stream_chunk_ms": 1, "stream_chunk_ttl_s": 1,
 }
 """The smallest value each numeric setting takes (Redis refuses an expiry of 0 or less, a window
 of 0 divides by zero, ...). ``results_max_len`` has none: 0 or less means no cap."""

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest schema version this code reads and writes. A request is written with the lowest
 version that carries every field it uses (:func:`request_schema_version`)."""
 
@@ -24,6 +24,10 @@ release run it."""
 TEXT_SCHEMA_VERSION = 2
 """The version that added chat ``messages``, ``tools`` and ``return_text`` (requests) and
 ``output_text`` (records)."""
+
+
+STREAM_SCHEMA_VERSION = 3
+"""The version that added ``stream`` (requests)."""
 
 
 class RecordStatus(str, enum.Enum):
@@ -201,6 +205,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     """Save partial output while generating (``{ns}:partial:<request_id>``) so that a worker that
     takes the entry after a death or a drain continues from there instead of starting over.
     Single-sample, ``input_ids`` prompts; saved only from ``checkpoint_min_new_tokens`` on."""
+    stream: bool = False
+    """Send the output while it is generated (schema 3): chunks on the request's chunk stream
+    ``{tag}:chunks:<producer>}<request_id>`` every ``stream_chunk_tokens`` tokens or
+    ``stream_chunk_ms`` ms, each saved as a checkpoint in the same write, so a worker that takes
+    the entry after a death continues after what was sent. Single-sample (n = 1), with a reply stream."""
     traceparent: Optional[TraceParent] = None
     """The W3C trace context of the submit (OpenTelemetry, optional): every worker that runs the
     request traces under it."""
@@ -225,6 +234,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 def request_schema_version(request: GenerationRequest) -> int:
     """The lowest schema version that carries every field ``request`` uses: a worker that knows
     only an older one would silently drop such a field, so it hands the entry back instead."""
+    if request.stream:
+        return STREAM_SCHEMA_VERSION
     if request.messages is not None or request.tools is not None or request.return_text is not None:
         return TEXT_SCHEMA_VERSION
     return FIRST_SCHEMA_VERSION

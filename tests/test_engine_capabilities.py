@@ -29,7 +29,7 @@ from tests.conftest import running, wait_until
 
 @pytest.mark.parametrize("make, declared", [
     (lambda: SyntheticEngine(), {"weights_from_disk", "weights_in_place", "partial_output", "instant",
-                                 "progress_counters"}),
+                                 "progress_counters", "tokenizer"}),
     (lambda: TransformersEngine(), {"weights_from_disk", "weights_in_place", "weights_from_push",
                                     "weights_from_tensor", "partial_output", "progress_counters", "prefill_counters",
                                     "tokenizer"}),

@@ -59,7 +59,9 @@ _WORDS = SyntheticWords()
 
 class SyntheticEngine:
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, partial_output=True,
-                                      progress_counters=True)
+                                      progress_counters=True, tokenizer=True)
+    tokenizer = _WORDS
+    """Decodes ids as the records' text spells them (streamed chunks' text); it encodes nothing."""
     """Plus ``instant`` when it makes outputs without waiting (no ``token_ms``, no ``slots``: set in ``__init__``)."""
 
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
