@@ -278,7 +278,7 @@ async def test_429_when_the_pipeline_backlog_is_over_the_bound(settings, r, gate
 
 async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
     """redroll serve as the ``gateway`` ACL role (a worker as ``worker``): plain and keyed calls,
-    --max-queued's backlog reads, and not one denial in ACL LOG."""
+    streamed too, --max-queued's backlog reads, and not one denial in ACL LOG."""
     import uuid
 
     import redis
@@ -310,6 +310,11 @@ async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
                 again = await client.chat.completions.create(model="redroll", messages=CHAT, max_tokens=3,
                                                              extra_headers={"Idempotency-Key": "acl-1"})
                 assert plain.usage.completion_tokens == 3 and keyed.model_dump() == again.model_dump()
+                for key in (None, "acl-2"):  # (streamed: the chunks read with the gateway role's grants)
+                    chunks = [c async for c in await client.chat.completions.create(
+                        model="redroll", messages=CHAT, max_tokens=3, n=2, stream=True,
+                        extra_headers={"Idempotency-Key": key} if key else None)]
+                    assert {c.choices[0].finish_reason for c in chunks if c.choices} >= {"length"}
                 await asyncio.sleep(1.5)  # (a health ping that reads the backlog)
         finally:
             gateway.stop()

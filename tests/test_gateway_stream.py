@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -16,7 +17,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from redroll.engine_worker.worker import Worker  # noqa: E402
-from tests.conftest import running  # noqa: E402
+from tests.conftest import running, wait_until  # noqa: E402
 from tests.gateway_support import CountingEngine, Served  # noqa: E402
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a stream of tokens"}]
@@ -38,6 +39,11 @@ async def sdk():
     yield client
     for c in made:
         await c.close()
+
+
+async def waiting(http: "httpx.AsyncClient", gateway: Served) -> bool:
+    """True once ``gateway`` has no call waiting."""
+    return (await http.get(gateway.url + "/health")).json()["waiting"] == 0
 
 
 def worker(settings, engine) -> Worker:
@@ -249,6 +255,8 @@ async def test_a_dropped_stream_retried_on_another_gateway(settings, gateway_log
                     break
             await dropped.close()  # (the client goes away mid-stream)
             assert len(engine.started) == 2 and not any(ch.finish_reason for c in seen for ch in c.choices)
+            async with httpx.AsyncClient() as http:  # (the first gateway noticed: the call waits no more)
+                await wait_until(lambda: waiting(http, one), timeout=30)
 
             retried = await collect(await b.chat.completions.create(**ask, extra_headers=key))
             assert texts(retried, chat=True) == texts(whole, chat=True)
@@ -262,6 +270,7 @@ async def test_a_dropped_stream_retried_on_another_gateway(settings, gateway_log
 
             after = await collect(await a.chat.completions.create(**ask, extra_headers=key))  # (from the records)
             assert texts(after, chat=True) == texts(whole, chat=True)
+            assert len(after) == 2 + 2  # (the two roles, then each choice whole in one chunk)
             assert sorted(engine.started.values()) == [1, 1]  # (each keyed request ran once)
     finally:
         one.stop()

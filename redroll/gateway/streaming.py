@@ -76,8 +76,15 @@ def open_choices(requests: list[GenerationRequest], records: list[Awaitable[Comp
             raise GatewayError(504, f"no record within {timeout:.0f} s (send an Idempotency-Key to be able to "
                                     "retry a call without running it twice)", kind="timeout", code="timeout") from None
 
-    tasks = [asyncio.ensure_future(within(record)) for record in records]
-    streams = [stream_chunks(wait_client, req, task) for req, task in zip(requests, tasks)]
+    awaited: list[asyncio.Future] = []
+    tasks = []
+    for record in records:
+        if isinstance(record, asyncio.Future) and record.done():  # (here already: the whole choice from it)
+            awaited.append(record)
+        else:
+            tasks.append(asyncio.ensure_future(within(record)))
+            awaited.append(tasks[-1])
+    streams = [stream_chunks(wait_client, req, future) for req, future in zip(requests, awaited)]
     return ChoiceStreams(streams, tasks, keyed)
 
 
