@@ -1,0 +1,155 @@
+"""The gateway's streaming: how soon a streamed call's first tokens come, and what streaming costs.
+
+    python -m benchmarks.gateway_stream [--calls 20] [--max-tokens 64] [--token-ms 10] [--concurrency 32] [--runs 3]
+
+On one private redis-server: one synthetic worker process making a token every ``--token-ms``
+(so a call of ``--max-tokens`` takes their product to generate), one ``redroll serve`` process,
+the worker's chunk settings at their defaults (8 tokens or 50 ms). Each run measures, over
+``--calls`` sequential calls of ``POST /v1/completions`` (httpx, keep-alive):
+
+- ``whole_p50_ms``: a call without ``stream``, to its response;
+- ``first_chunk_p50_ms`` and ``stream_p50_ms``: a streamed call, to its first event with text and
+  to ``[DONE]``; ``keyed_first_chunk_p50_ms``: the same with an ``Idempotency-Key``;
+- ``whole_calls_per_s`` and ``stream_calls_per_s``: ``--concurrency`` callers at once, ``--calls``
+  each, without and with ``stream``.
+
+Prints one JSON document: every run, then the median and range of each figure over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(url: str, ns: str) -> dict[str, str]:
+    return {**os.environ, "REDROLL_REDIS_URL": url, "REDROLL_NAMESPACE": ns, "PYTHONPATH": str(ROOT)}
+
+
+async def _wait_healthy(client, url: str) -> None:
+    for _ in range(600):
+        try:
+            if (await client.get(url + "/health")).status_code == 200:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("redroll serve did not start")
+
+
+def _p50_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000.0
+
+
+async def _streamed(http, url: str, body: dict, headers: dict | None = None) -> tuple[float, float]:
+    """(seconds to the first event with text, seconds to [DONE]) of one streamed call."""
+    started = time.perf_counter()
+    first = None
+    async with http.stream("POST", url, json={**body, "stream": True}, headers=headers) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            if first is None and json.loads(line[len("data: "):])["choices"][0].get("text"):
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError("a streamed call sent no text")
+    return first, time.perf_counter() - started
+
+
+async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
+    import httpx
+
+    from tests.gateway_support import free_port
+
+    ns = "bench-gws-" + uuid.uuid4().hex[:6]
+    port = free_port()
+    env = _env(url, ns)
+    worker = subprocess.Popen([sys.executable, "-m", "redroll.cli", "worker", "--engine", "synthetic", "--token-ms",
+                               str(args.token_ms), "--max-inflight", "256"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = subprocess.Popen([sys.executable, "-m", "redroll.cli", "serve", "--port", str(port), "--max-backlog",
+                              "4096"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    endpoint = base + "/v1/completions"
+    body = {"model": "redroll", "prompt": "bench", "max_tokens": args.max_tokens}
+    try:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.concurrency + 8)) as http:
+            await _wait_healthy(http, base)
+            for _ in range(5):  # warm-up: the worker, the connections, the scripts
+                (await http.post(endpoint, json=body)).raise_for_status()
+                await _streamed(http, endpoint, body)
+            whole, first, streamed, keyed_first = [], [], [], []
+            for i in range(args.calls):
+                t = time.perf_counter()
+                (await http.post(endpoint, json=body)).raise_for_status()
+                whole.append(time.perf_counter() - t)
+                f, s = await _streamed(http, endpoint, body)
+                first.append(f)
+                streamed.append(s)
+                keyed_first.append((await _streamed(http, endpoint, body, {"Idempotency-Key": f"{ns}-{i}"}))[0])
+
+            async def plain_calls() -> None:
+                for _ in range(args.calls):
+                    (await http.post(endpoint, json=body)).raise_for_status()
+
+            async def streamed_calls() -> None:
+                for _ in range(args.calls):
+                    await _streamed(http, endpoint, body)
+
+            rates = {}
+            for name, fn in (("whole", plain_calls), ("stream", streamed_calls)):
+                t = time.perf_counter()
+                await asyncio.gather(*(fn() for _ in range(args.concurrency)))
+                rates[name] = args.calls * args.concurrency / (time.perf_counter() - t)
+        return {"whole_p50_ms": _p50_ms(whole), "first_chunk_p50_ms": _p50_ms(first),
+                "stream_p50_ms": _p50_ms(streamed), "keyed_first_chunk_p50_ms": _p50_ms(keyed_first),
+                "whole_calls_per_s": rates["whole"], "stream_calls_per_s": rates["stream"]}
+    finally:
+        for proc in (serve, worker):
+            proc.terminate()
+        for proc in (serve, worker):
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    from redroll.embedded import start_redis_server
+
+    server = start_redis_server()
+    try:
+        runs = [await one_run(server.url, args) for _ in range(args.runs)]
+    finally:
+        server.stop()
+    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
+                   "max": max(r[k] for r in runs)} for k in runs[0]}
+    return {"calls": args.calls, "max_tokens": args.max_tokens, "token_ms": args.token_ms,
+            "concurrency": args.concurrency, "runs": runs, "summary": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--token-ms", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    print(json.dumps(asyncio.run(main_async(parser.parse_args())), indent=2))
+
+
+if __name__ == "__main__":
+    main()
