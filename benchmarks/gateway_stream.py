@@ -11,7 +11,11 @@ the worker's chunk settings at their defaults (8 tokens or 50 ms). Each run meas
 - ``first_chunk_p50_ms`` and ``stream_p50_ms``: a streamed call, to its first event with text and
   to ``[DONE]``; ``keyed_first_chunk_p50_ms``: the same with an ``Idempotency-Key``;
 - ``whole_calls_per_s`` and ``stream_calls_per_s``: ``--concurrency`` callers at once, ``--calls``
-  each, without and with ``stream``.
+  each, without and with ``stream``; ``api_whole_calls_per_s`` and ``api_stream_calls_per_s``: the
+  same through the Python API (``Producer.generate``, ``Producer.stream``), without the gateway.
+
+The worker reads ``REDROLL_STREAM_CHUNK_TOKENS`` and ``REDROLL_STREAM_CHUNK_MS`` from the
+environment: set them high to see what making the chunks costs.
 
 Prints one JSON document: every run, then the median and range of each figure over the runs.
 """
@@ -72,6 +76,8 @@ async def _streamed(http, url: str, body: dict, headers: dict | None = None) -> 
 async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
     import httpx
 
+    from redroll.producer.client import Producer
+    from redroll.shared.settings import Settings
     from tests.gateway_support import free_port
 
     ns = "bench-gws-" + uuid.uuid4().hex[:6]
@@ -114,9 +120,26 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
                 t = time.perf_counter()
                 await asyncio.gather(*(fn() for _ in range(args.concurrency)))
                 rates[name] = args.calls * args.concurrency / (time.perf_counter() - t)
+        async with Producer(Settings(redis_url=url, namespace=ns)) as producer:
+            sp = {"max_new_tokens": args.max_tokens}
+
+            async def api_whole() -> None:
+                for _ in range(args.calls):
+                    await producer.generate(prompt="bench", sampling_params=sp)
+
+            async def api_stream() -> None:
+                for _ in range(args.calls):
+                    async for _chunk in producer.stream(prompt="bench", sampling_params=sp):
+                        pass
+
+            for name, fn in (("api_whole", api_whole), ("api_stream", api_stream)):
+                t = time.perf_counter()
+                await asyncio.gather(*(fn() for _ in range(args.concurrency)))
+                rates[name] = args.calls * args.concurrency / (time.perf_counter() - t)
         return {"whole_p50_ms": _p50_ms(whole), "first_chunk_p50_ms": _p50_ms(first),
                 "stream_p50_ms": _p50_ms(streamed), "keyed_first_chunk_p50_ms": _p50_ms(keyed_first),
-                "whole_calls_per_s": rates["whole"], "stream_calls_per_s": rates["stream"]}
+                "whole_calls_per_s": rates["whole"], "stream_calls_per_s": rates["stream"],
+                "api_whole_calls_per_s": rates["api_whole"], "api_stream_calls_per_s": rates["api_stream"]}
     finally:
         for proc in (serve, worker):
             proc.terminate()
@@ -137,8 +160,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         server.stop()
     summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
                    "max": max(r[k] for r in runs)} for k in runs[0]}
+    chunks = {k: os.environ[k] for k in ("REDROLL_STREAM_CHUNK_TOKENS", "REDROLL_STREAM_CHUNK_MS") if k in os.environ}
     return {"calls": args.calls, "max_tokens": args.max_tokens, "token_ms": args.token_ms,
-            "concurrency": args.concurrency, "runs": runs, "summary": summary}
+            "concurrency": args.concurrency, "chunk_settings": chunks, "runs": runs, "summary": summary}
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ class ChoiceStreams:
 
 
 def open_choices(requests: list[GenerationRequest], records: list[Awaitable[CompletionRecord]],
-                       wait_client: Any, timeout: float, keyed: KeyedCall | None) -> ChoiceStreams:
+                 wait_client: Any, timeout: float, keyed: KeyedCall | None) -> ChoiceStreams:
     """Each request's chunk stream, read until its record (from ``records``, within ``timeout``
     seconds of now, else 504) lands."""
     deadline = time.monotonic() + timeout
