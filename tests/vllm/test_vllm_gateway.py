@@ -197,3 +197,20 @@ async def test_a_chat_the_template_refuses_is_a_400_naming_messages(client):
                                              max_tokens=4)
     error = ei.value.body
     assert error["param"] == "messages" and "\n" not in error["message"]
+
+
+async def test_a_streamed_chat_through_the_python_api_on_vllm(gateway, settings, tokenizer, client):
+    """``Producer.stream`` against the vLLM worker: several chunks, every token once, the text of
+    the chunks is the record's (vLLM's own), which is the tokenizer's decoding of its ids."""
+    from redroll.producer.client import Producer
+
+    await client.models.list()  # (the gateway is up; the worker answered its first call above)
+    greedy = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    async with Producer(settings.with_(stream_chunk_tokens=4), block_ms=200) as producer:
+        chunks = [c async for c in producer.stream(messages=CHAT, sampling_params=greedy, timeout=300)]
+    record = chunks[-1].record
+    ids = [t for c in chunks for t in c.token_ids]
+    assert record.ok and len(chunks) > 2 and ids == record.output_token_ids[0] and len(ids) == 64
+    assert "".join(c.text or "" for c in chunks) == record.output_text[0]
+    # (vLLM's own text of a sample leaves out a last character its final token left incomplete)
+    assert record.output_text[0] == decoded(tokenizer, ids).rstrip("\ufffd")
