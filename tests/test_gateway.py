@@ -230,7 +230,7 @@ async def test_error_shapes(settings, tmp_path, gateway_log):
                                ({"prompt": "x", "temperature": "hot"}, "temperature"),
                                ({"prompt": [1, "a"]}, "prompt[0]"),
                                ({"max_tokens": 3}, "prompt"),
-                               ({"prompt": "x", "stream": True}, "stream"),
+                               ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
                                ({"prompt": "x", "n": 1000}, "n")):
             status, body, _ = curl(f"{url}/completions", *auth, "-d", json.dumps(payload))
             assert status == 400, (payload, body)
@@ -278,7 +278,7 @@ async def test_429_when_the_pipeline_backlog_is_over_the_bound(settings, r, gate
 
 async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
     """redroll serve as the ``gateway`` ACL role (a worker as ``worker``): plain and keyed calls,
-    --max-queued's backlog reads, and not one denial in ACL LOG."""
+    streamed too, --max-queued's backlog reads, and not one denial in ACL LOG."""
     import uuid
 
     import redis
@@ -310,6 +310,11 @@ async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
                 again = await client.chat.completions.create(model="redroll", messages=CHAT, max_tokens=3,
                                                              extra_headers={"Idempotency-Key": "acl-1"})
                 assert plain.usage.completion_tokens == 3 and keyed.model_dump() == again.model_dump()
+                for key in (None, "acl-2"):  # (streamed: the chunks read with the gateway role's grants)
+                    chunks = [c async for c in await client.chat.completions.create(
+                        model="redroll", messages=CHAT, max_tokens=3, n=2, stream=True,
+                        extra_headers={"Idempotency-Key": key} if key else None)]
+                    assert {c.choices[0].finish_reason for c in chunks if c.choices} >= {"length"}
                 await asyncio.sleep(1.5)  # (a health ping that reads the backlog)
         finally:
             gateway.stop()

@@ -1,8 +1,10 @@
 """The gateway's translation, in process (no server): OpenAI bodies to requests, and the rules the
-docs state (the priority mapping, session keys, field names in errors, token-id prompts)."""
+docs state (the priority mapping, session keys, field names in errors, token-id prompts), and the
+stream chunks written from redroll's (a streamed call's fan-out, top logprobs, usage)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 pytest.importorskip("starlette")
@@ -48,6 +50,8 @@ def test_a_chat_body_becomes_a_chat_request():
     (b'{"prompt": "x", "max_tokens": -1}', CompletionBody, "max_tokens"),
     (b'{"prompt": "x", "n": 65}', CompletionBody, "n"),
     (b'{"prompt": "x", "top_k": 0}', CompletionBody, "top_k"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": true}}', CompletionBody, "stream_options"),
+    (b'{"prompt": "x", "stream": true, "seed": 9223372036854775807, "n": 2}', CompletionBody, "seed"),
     (b'{"prompt": []}', CompletionBody, "prompt"),
     (b'{"n": 1}', CompletionBody, "prompt"),
     (b'not json', CompletionBody, None),
@@ -73,3 +77,58 @@ def test_session_keys_and_call_names_are_stable_and_request_id_shaped():
     assert session_key(None) is None and session_key("a") != session_key("b")
     assert call_name("k", "") == call_name("k", "") != call_name("k", "other caller")
     assert call_name("k", "").startswith("i-") and len(call_name("k", "")) <= 64
+
+
+def test_a_streamed_call_is_one_request_per_choice():
+    """n choices of each prompt, each one sample (a streamed request makes one), seeded seed + i."""
+    reqs = requests_of(b'{"prompt": ["a", [1, 2]], "n": 3, "seed": 10, "stream": true, "max_tokens": 4}')
+    assert [r.request_id for r in reqs] == [f"g-1-{i}" for i in range(6)]
+    assert [r.prompt or r.input_ids for r in reqs] == ["a"] * 3 + [[1, 2]] * 3
+    assert [r.sampling_params.sampling_seed for r in reqs] == list(range(10, 16))
+    assert {(r.sampling_params.n, r.stream, r.group_id, r.sampling_params.max_new_tokens) for r in reqs} == {
+        (1, True, "g-1", 4)}
+    unseeded = requests_of(b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true}', ChatBody)
+    assert [r.sampling_params.sampling_seed for r in unseeded] == [None, None]
+    (one,) = requests_of(b'{"prompt": "a", "stream": true}')
+    assert one.group_id is None and one.stream
+    (plain,) = requests_of(b'{"prompt": "a", "n": 3}')  # (not streamed: one request of n samples)
+    assert plain.sampling_params.n == 3 and not plain.stream
+
+
+def test_stream_chunks_in_openai_shape():
+    """A chat's role chunk first; logprobs per token; top logprobs on the last chunk (from the
+    record) only; the usage chunk counts each prompt once."""
+    from redroll.gateway.streaming import EventWriter
+    from redroll.producer.streaming import StreamChunk
+    from redroll.shared.types import CompletionRecord, RecordStatus
+
+    body = decode_body(b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true, "logprobs": true, '
+                       b'"top_logprobs": 1, "stream_options": {"include_usage": true}}', ChatBody)
+    writer = EventWriter(body, "c", "redroll", 5, [None])
+    events = [msgspec.json.decode(e[len(b"data: "):]) for e in writer.opening().split(b"\n\n") if e]
+    assert [e["choices"][0]["delta"] for e in events] == [{"role": "assistant", "content": ""}] * 2
+    assert {e["object"] for e in events} == {"chat.completion.chunk"} and all(e["usage"] is None for e in events)
+    first = msgspec.json.decode(writer.chunk(1, StreamChunk(request_id="r-1", offset=0, token_ids=[3, 4], text=" a b",
+                                                            logprobs=[-0.5, -0.25]))[len(b"data: "):])
+    (choice,) = first["choices"]
+    assert choice["index"] == 1 and choice["delta"] == {"content": " a b"} and choice["finish_reason"] is None
+    assert [(e["token"], e["logprob"], e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [
+        ("token_id:3", -0.5, []), ("token_id:4", -0.25, [])]
+    record = CompletionRecord(request_id="r-1", status=RecordStatus.FINISHED, output_token_ids=[[3, 4, 5]],
+                              finish_reasons=["length"], output_logprobs=[[-0.5, -0.25, -1.0]],
+                              output_top_logprobs=[[[(3, -0.5)], [(4, -0.25)], [(7, -0.1)]]], output_text=[" a b c"],
+                              meta_info={"prompt_tokens": 6, "weight_version": "2"})
+    last = msgspec.json.decode(writer.chunk(1, StreamChunk(request_id="r-1", offset=2, token_ids=[5], text=" c",
+                                                           logprobs=[-1.0], finish_reason="length",
+                                                           record=record))[len(b"data: "):])
+    (choice,) = last["choices"]
+    assert choice["finish_reason"] == "length" and choice["weight_version"] == "2"
+    assert choice["logprobs"]["content"] == [{"token": "token_id:5", "logprob": -1.0, "bytes": None,
+                                              "top_logprobs": [{"token": "token_id:7", "logprob": -0.1, "bytes": None}]}]
+    writer.records[0] = record
+    assert writer.usage() == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    failed = CompletionRecord.failed(None, request_id="r-0", status=RecordStatus.ERROR, error="invalid messages: no",
+                                     worker="w")
+    with pytest.raises(GatewayError) as refused:
+        writer.chunk(0, StreamChunk(request_id="r-0", offset=0, token_ids=[], text=None, logprobs=None, record=failed))
+    assert refused.value.status == 400 and refused.value.param == "messages"

@@ -3,8 +3,8 @@
 One :class:`Gateway` per process: its producer submits every call (calls without an
 ``Idempotency-Key`` await their records on the producer's own reply stream; keyed calls go through
 :class:`~redroll.gateway.idempotency.KeyedCalls`, whose records any replica can read). A call is
-parse → requests → records → response; :meth:`Gateway.records` is where a streaming stage will
-hand out chunks instead of whole records.
+parse → requests → records → response; a streamed call (``stream: true``) is parse → requests →
+chunks → events instead (:mod:`redroll.gateway.streaming`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 
 from .idempotency import KeyedCalls, call_name, fingerprint
 from .protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
-from .translate import build_requests, chat_response, completion_response, prompt_token_ids
+from .streaming import EventStream, EventWriter, open_choices, respond
+from .translate import META, build_requests, chat_response, completion_response, prompt_token_ids
 
 log = logging.getLogger("redroll.gateway")
 
@@ -188,7 +189,7 @@ class Gateway:
 
     async def records(self, requests: list[GenerationRequest], keyed_name: str | None,
                       body_fingerprint: str) -> list[CompletionRecord]:
-        """The records of a call's requests, in order (a streaming stage yields chunks here instead)."""
+        """The records of a call's requests, in order."""
         timeout = self.config.request_timeout_s
         if keyed_name is not None:
             assert self.keyed is not None
@@ -200,7 +201,8 @@ class Gateway:
             raise GatewayError(504, f"no record within {timeout:.0f} s (send an Idempotency-Key to be able to "
                                     "retry a call without running it twice)", kind="timeout", code="timeout") from None
 
-    async def call(self, request: Request, kind: type[CompletionBody] | type[ChatBody]) -> dict[str, Any]:
+    async def call(self, request: Request, kind: type[CompletionBody] | type[ChatBody]) -> dict[str, Any] | Response:
+        """A call's response: a JSON object, or (``stream: true``) a stream of events."""
         scope = self.authorize(request)
         raw = await request.body()
         body = decode_body(raw, kind)
@@ -215,18 +217,48 @@ class Gateway:
         session = request.headers.get("x-session-id") or body.session_id or body.user
         fp = fingerprint(raw)
         requests = build_requests(body, base_id=call_id, session=session, settings=self.settings, fingerprint=fp)
-        self.waiting += 1
-        self.metrics.waiting.set(self.waiting)
+        if body.stream:
+            return await self.stream(body, call_id, requests, keyed_name, fp)
+        self._waiting(+1)
         try:
             records = await self.records(requests, keyed_name, fp)
         finally:
-            self.waiting -= 1
-            self.metrics.waiting.set(self.waiting)
+            self._waiting(-1)
         prompts = prompt_token_ids(body)
         build = chat_response if kind is ChatBody else completion_response
         response = build(call_id, self.config.model_name, records, prompts)
         self.metrics.tokens.inc(response["usage"]["completion_tokens"])
         return response
+
+    async def stream(self, body: CompletionBody | ChatBody, call_id: str, requests: list[GenerationRequest],
+                     keyed_name: str | None, body_fingerprint: str) -> EventStream:
+        """A streamed call's response, once its first chunk is here: a keyed call attaches to the
+        requests of its key (submitting what was not), a call without a key submits them."""
+        assert self.keyed is not None  # (admitted: Redis was reachable)
+        wait_client = self.keyed.wait_client
+        self._waiting(+1)
+        try:
+            keyed = None
+            if keyed_name is not None:
+                keyed = await self.keyed.start(requests, keyed_name, body_fingerprint)
+                records: list[Any] = [keyed.record(req.request_id) for req in requests]
+            else:
+                records = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
+            choices = open_choices(requests, records, wait_client, self.config.request_timeout_s, keyed)
+        except BaseException:
+            self._waiting(-1)
+            raise
+        created = requests[0].meta_info[META]["created"]
+        writer = EventWriter(body, call_id, self.config.model_name, created, prompt_token_ids(body))
+
+        def ended(tokens: int) -> None:
+            self._waiting(-1)
+            self.metrics.tokens.inc(tokens)
+        return await respond(writer, choices, ended)
+
+    def _waiting(self, change: int) -> None:
+        self.waiting += change
+        self.metrics.waiting.set(self.waiting)
 
 
 class FastJSON(JSONResponse):
@@ -248,7 +280,8 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
         async def handle(request: Request) -> Response:
             started = time.perf_counter()
             try:
-                response: Response = FastJSON(await gateway.call(request, kind))
+                answer = await gateway.call(request, kind)
+                response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
             except GatewayError as exc:
                 response = _error(exc)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:

@@ -15,8 +15,8 @@ per window, whichever replica the retries reach.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-import time
 from typing import Any
 
 import redis
@@ -67,25 +67,22 @@ class KeyedCalls:
         """Each request's record, in order: read from the call's reply stream, or awaited there
         after submitting what was not submitted yet. A call whose stream says another body made it
         is refused (422) before anything is submitted."""
+        call = await self.start(requests, name, body_fingerprint)
+        try:
+            return await call.all(timeout)
+        finally:
+            await call.close()
+
+    async def start(self, requests: list[GenerationRequest], name: str, body_fingerprint: str) -> "KeyedCall":
+        """Submit what of the call was not submitted yet (as :meth:`run`), and hand out the call:
+        a record awaitable per request (a streamed call reads its chunks meanwhile). Close it."""
         stream = self.reply_stream(requests, name)
         part = self.settings.keys_for(requests[0])
         for req in requests:
             req.reply_to = stream
         datas = {req.request_id: encode_request(req, self.settings.limits)["data"] for req in requests}
         found, last_id = await self._submit_missing(stream, part, requests, datas, body_fingerprint)
-        wanted = {req.request_id for req in requests}
-        deadline = time.monotonic() + timeout
-        while not wanted <= found.keys():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise GatewayError(504, f"no record within {timeout:.0f} s; the call goes on: retry with the same "
-                                        "Idempotency-Key to get its completion", kind="timeout", code="timeout")
-            reply = await self.wait_client.xread({stream: last_id}, block=max(1, int(min(left, 5.0) * 1000)))
-            for _, entries in reply or ():
-                for entry_id, fields in entries:
-                    last_id = text(entry_id)
-                    _take(found, fields)
-        return [found[req.request_id] for req in requests]
+        return KeyedCall(self.wait_client, stream, [req.request_id for req in requests], found, last_id)
 
     async def _submit_missing(self, stream: str, part: Keys, requests: list[GenerationRequest],
                               datas: dict[str, bytes], body_fingerprint: str) -> tuple[dict[str, CompletionRecord], str]:
@@ -141,6 +138,72 @@ class KeyedCalls:
                     raise GatewayError(409, f"request {req.request_id!r} is held by a submit that is not this "
                                             "gateway's", code="conflict") from None
             return found, last_id
+
+
+class KeyedCall:
+    """A submitted keyed call: one future per request, resolved with its record as it lands on
+    the call's reply stream (read by one task, started with the first :meth:`record`, on a
+    connection of ``wait_client``). :meth:`close` ends the reading; the requests go on."""
+
+    def __init__(self, wait_client: Redis, stream: str, request_ids: list[str], found: dict[str, CompletionRecord],
+                 last_id: str):
+        self.wait_client = wait_client
+        self.stream = stream
+        self.request_ids = request_ids
+        self._last_id = last_id
+        loop = asyncio.get_running_loop()
+        self._futures: dict[str, asyncio.Future[CompletionRecord]] = {rid: loop.create_future() for rid in request_ids}
+        self._resolve(found)
+        self._reader: asyncio.Task | None = None
+
+    def record(self, request_id: str) -> "asyncio.Future[CompletionRecord]":
+        """The future of ``request_id``'s record."""
+        if self._reader is None and not all(f.done() for f in self._futures.values()):
+            self._reader = asyncio.create_task(self._read(), name=f"keyed-call-{self.stream}")
+        return self._futures[request_id]
+
+    async def all(self, timeout: float) -> list[CompletionRecord]:
+        """Every record, in order, within ``timeout`` seconds (else 504: the call goes on)."""
+        futures = [self.record(rid) for rid in self.request_ids]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*map(asyncio.shield, futures)), timeout))
+        except asyncio.TimeoutError:
+            raise timed_out(timeout) from None
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for future in self._futures.values():
+            if not future.done():
+                future.cancel()
+
+    def _resolve(self, found: dict[str, CompletionRecord]) -> None:
+        for rid, rec in found.items():
+            future = self._futures.get(rid)
+            if future is not None and not future.done():
+                future.set_result(rec)
+
+    async def _read(self) -> None:
+        try:
+            while not all(f.done() for f in self._futures.values()):
+                reply = await self.wait_client.xread({self.stream: self._last_id}, block=5000)
+                found: dict[str, CompletionRecord] = {}
+                for _, entries in reply or ():
+                    for entry_id, fields in entries:
+                        self._last_id = text(entry_id)
+                        _take(found, fields)
+                self._resolve(found)
+        except Exception as exc:  # (Redis unreachable past the client's retries: every waiter learns it)
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(exc)
+                    future.exception()  # (retrieved: a call that stopped waiting logs nothing)
+
+
+def timed_out(timeout: float) -> GatewayError:
+    return GatewayError(504, f"no record within {timeout:.0f} s; the call goes on: retry with the same "
+                             "Idempotency-Key to get its completion", kind="timeout", code="timeout")
 
 
 def _take(found: dict[str, CompletionRecord], fields: Any) -> None:

@@ -4,8 +4,8 @@ Field names follow OpenAI's API; the RL extensions are named as vLLM's OpenAI se
 (``return_token_ids``, ``priority``, ``session_id``, ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``), plus redroll's own
 ``min_weight_version``. Unknown fields are ignored, as OpenAI-compatible servers do; the ones
-redroll cannot honour (``stream``, ``echo``, ``suffix``, ``best_of`` other than ``n``, a
-``response_format`` other than text) are refused naming the field.
+redroll cannot honour (``echo``, ``suffix``, ``best_of`` other than ``n``, a ``response_format``
+other than text, ``stream_options`` without ``stream``) are refused naming the field.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ def invalid(param: str, rule: str) -> GatewayError:
     return GatewayError(400, f"invalid {param}: {rule}", param=param, code="invalid_value")
 
 
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's ``stream_options``."""
+
+    include_usage: bool = False
+    """A last chunk with ``choices: []`` and the call's ``usage`` (the others carry ``usage: null``)."""
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """What both endpoints share."""
 
@@ -57,6 +64,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Optional[Annotated[float, Meta(ge=-2.0, le=2.0)]] = None
     user: Optional[str] = None
     stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
     # vLLM's extensions
     top_k: Optional[int] = None
     min_p: Optional[Annotated[float, Meta(ge=0.0, le=1.0)]] = None
@@ -119,8 +127,8 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
 
 def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
     """The OpenAI fields this gateway cannot honour, each refused naming it."""
-    if body.stream:
-        raise invalid("stream", "streaming is not served yet: send stream=false (or leave it out)")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "only allowed with stream=true")
     if isinstance(body, CompletionBody):
         if body.echo:
             raise invalid("echo", "echo is not supported")

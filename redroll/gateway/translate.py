@@ -1,7 +1,9 @@
 """OpenAI bodies to redroll requests, and records back to OpenAI responses.
 
-One HTTP call is one request per prompt (``n`` samples each: ``sampling_params.n``); a call with
-several prompts is one group (``group_id``), so its requests share a partition. Responses are built
+One HTTP call is one request per prompt (``n`` samples each: ``sampling_params.n``); a streamed
+call (``stream: true``) is one request per choice instead, each one sample (a streamed request
+makes one), seeded ``seed + i`` for choice ``i`` when the call gives a seed. A call of several
+requests is one group (``group_id``), so its requests share a partition. Responses are built
 from the records alone (their ``meta_info`` carries what the call needs), so any replica that holds
 the records of a call answers it the same way: a retried call gets the very response.
 """
@@ -25,7 +27,7 @@ FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages"
                "sampling_params.top_k": "top_k", "sampling_params.min_p": "min_p",
                "sampling_params.stop": "stop", "sampling_params.stop_token_ids": "stop_token_ids",
                "sampling_params.sampling_seed": "seed", "sampling_params.min_new_tokens": "min_tokens",
-               "top_logprobs_num": "top_logprobs", "affinity_key": "session_id"}
+               "top_logprobs_num": "top_logprobs", "affinity_key": "session_id", "stream": "stream"}
 """redroll's field names (in a ValidationError) as the OpenAI body names them."""
 
 META = "gateway"
@@ -47,7 +49,8 @@ def redroll_priority(priority: int) -> int:
 def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
                    settings: Settings, fingerprint: str) -> list[GenerationRequest]:
     """The requests of one call (checked against the wire contract; a break is a 400 naming the
-    OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``."""
+    OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
+    prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order."""
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
                                 "skip_special_tokens": body.skip_special_tokens}
     for ours, theirs in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", body.top_k),
@@ -76,18 +79,29 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         sampling["max_new_tokens"] = max_tokens
     meta = {META: {"created": int(time.time()), "model": body.model, "fp": fingerprint,
                    "ids": bool(body.return_token_ids)}}
-    group_id = base_id if len(inputs) > 1 else None
+    streamed = bool(body.stream)
+    samples = body.n if streamed else 1
+    group_id = base_id if len(inputs) * samples > 1 else None
     requests = []
     try:
-        for i, prompt in enumerate(inputs):
-            req = make_request(request_id=f"{base_id}-{i}", sampling_params=sampling, return_text=True,
-                               return_logprob=want_logprobs, top_logprobs_num=top, meta_info=meta,
-                               affinity_key=session_key(session), group_id=group_id,
-                               priority=redroll_priority(body.priority),
-                               min_weight_version=body.min_weight_version, **prompt)
-            req.reply_to = settings.keys_for(req).results  # (checked here; the sender sets its own)
-            encode_request(req, settings.limits)
-            requests.append(req)
+        for prompt in inputs:
+            for _ in range(samples):
+                i = len(requests)
+                params = sampling
+                extra: dict[str, Any] = {}
+                if streamed:
+                    params = {**sampling, "n": 1}
+                    if body.seed is not None:
+                        params["sampling_seed"] = body.seed + i
+                    extra["stream"] = True
+                req = make_request(request_id=f"{base_id}-{i}", sampling_params=params, return_text=True,
+                                   return_logprob=want_logprobs, top_logprobs_num=top, meta_info=meta,
+                                   affinity_key=session_key(session), group_id=group_id,
+                                   priority=redroll_priority(body.priority),
+                                   min_weight_version=body.min_weight_version, **prompt, **extra)
+                req.reply_to = settings.keys_for(req).results  # (checked here; the sender sets its own)
+                encode_request(req, settings.limits)
+                requests.append(req)
     except ValidationError as exc:
         param = FIELD_NAMES.get(exc.field, exc.field)
         if param == "max_tokens" and isinstance(body, ChatBody) and body.max_completion_tokens is not None:
@@ -132,7 +146,7 @@ def check_records(records: list[CompletionRecord]) -> None:
                            code=rec.status.value)
 
 
-def _token(token_id: int) -> str:
+def token_name(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
@@ -151,7 +165,7 @@ def _samples(records: list[CompletionRecord]):
             index += 1
 
 
-def _extensions(rec: CompletionRecord, j: int, with_ids: bool) -> dict[str, Any]:
+def choice_extensions(rec: CompletionRecord, j: int, with_ids: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"weight_version": rec.meta_info.get("weight_version")}
     if rec.weight_versions and rec.weight_versions[j] is not None:
         out["weight_versions"] = rec.weight_versions[j]
@@ -160,7 +174,7 @@ def _extensions(rec: CompletionRecord, j: int, with_ids: bool) -> dict[str, Any]
     return out
 
 
-def _gateway_meta(rec: CompletionRecord) -> dict[str, Any]:
+def gateway_meta(rec: CompletionRecord) -> dict[str, Any]:
     return rec.meta_info.get(META) or {}
 
 
@@ -176,7 +190,7 @@ def completion_response(call_id: str, model: str, records: list[CompletionRecord
                         prompts: list[list[int] | None]) -> dict[str, Any]:
     """A ``text_completion`` object from a call's records (one per prompt, in order)."""
     check_records(records)
-    meta = _gateway_meta(records[0])
+    meta = gateway_meta(records[0])
     with_ids = bool(meta.get("ids"))
     choices = []
     for index, k, rec, j in _samples(records):
@@ -187,9 +201,9 @@ def completion_response(call_id: str, model: str, records: list[CompletionRecord
             ids = rec.output_token_ids[j]
             tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else None
             choice["logprobs"] = {
-                "tokens": [_token(t) for t in ids], "token_logprobs": rec.output_logprobs[j],
-                "text_offset": [], "top_logprobs": [{_token(t): lp for t, lp in top} for top in tops] if tops else None}
-        choice.update(_extensions(rec, j, with_ids))
+                "tokens": [token_name(t) for t in ids], "token_logprobs": rec.output_logprobs[j],
+                "text_offset": [], "top_logprobs": [{token_name(t): lp for t, lp in top} for top in tops] if tops else None}
+        choice.update(choice_extensions(rec, j, with_ids))
         if with_ids:
             choice["prompt_token_ids"] = prompts[k]
         choices.append(choice)
@@ -202,7 +216,7 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
                   prompts: list[list[int] | None]) -> dict[str, Any]:
     """A ``chat.completion`` object from a call's record."""
     check_records(records)
-    meta = _gateway_meta(records[0])
+    meta = gateway_meta(records[0])
     with_ids = bool(meta.get("ids"))
     choices = []
     for index, k, rec, j in _samples(records):
@@ -213,10 +227,10 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
             ids = rec.output_token_ids[j]
             tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else [[] for _ in ids]
             choice["logprobs"] = {"content": [
-                {"token": _token(t), "logprob": lp, "bytes": None,
-                 "top_logprobs": [{"token": _token(tt), "logprob": tlp, "bytes": None} for tt, tlp in top]}
+                {"token": token_name(t), "logprob": lp, "bytes": None,
+                 "top_logprobs": [{"token": token_name(tt), "logprob": tlp, "bytes": None} for tt, tlp in top]}
                 for t, lp, top in zip(ids, rec.output_logprobs[j], tops)]}
-        choice.update(_extensions(rec, j, with_ids))
+        choice.update(choice_extensions(rec, j, with_ids))
         choices.append(choice)
     response = {"id": f"chatcmpl-{call_id}", "object": "chat.completion",
                 "created": meta.get("created", int(time.time())), "model": meta.get("model") or model,
