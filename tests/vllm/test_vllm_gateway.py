@@ -214,3 +214,38 @@ async def test_a_streamed_chat_through_the_python_api_on_vllm(gateway, settings,
     assert "".join(c.text or "" for c in chunks) == record.output_text[0]
     # (vLLM's own text of a sample leaves out a last character its final token left incomplete)
     assert record.output_text[0] == decoded(tokenizer, ids).rstrip("\ufffd")
+
+
+async def test_streamed_calls_through_the_sdk_on_vllm(client, tokenizer):
+    """``stream=True`` against the vLLM worker: chat and completions, n = 2 interleaved by index,
+    usage last; each choice's deltas add up to the non-streamed call's text, and its token ids to
+    the non-streamed ids."""
+    greedy = dict(max_tokens=32, temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = await client.chat.completions.create(model=MODEL, messages=CHAT, **greedy)
+    stream = await client.chat.completions.create(model=MODEL, messages=CHAT, stream=True,
+                                                  stream_options={"include_usage": True}, **greedy)
+    text, ids, finish, usage, pieces = "", [], None, None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            ids += (choice.model_extra or {}).get("token_ids") or []
+            finish = choice.finish_reason or finish
+            pieces += bool(choice.delta.content)
+    assert pieces > 1 and finish == "length"
+    assert text == whole.choices[0].message.content and ids == whole.choices[0].model_extra["token_ids"]
+    assert usage.completion_tokens == 32 == whole.usage.completion_tokens
+
+    prompt = "The quick brown fox"
+    seeded = dict(max_tokens=16, temperature=1.0, seed=11, n=2, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, **seeded)
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1]
+    # a streamed choice i is the non-streamed single sample seeded seed + i (the gateway's fan-out)
+    for i in (0, 1):
+        one = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0,
+                                              seed=11 + i, extra_body={"ignore_eos": True})
+        assert texts[i] == one.choices[0].text
