@@ -187,7 +187,9 @@ class Checkpoints:
                 consumer=ctx.name, entry_id=entry_id, saved=saved, adding=len(piece.token_ids),
                 part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s, chunks_key=chunks,
                 chunks_ttl_s=ctx.settings.stream_chunk_ttl_s,
-                owner_key=owner_key_for(request.reply_to) if chunks else None)
+                owner_key=owner_key_for(request.reply_to) if chunks else None,
+                # (a streamed request's chunks are its normal course, not an incident to log)
+                logged=not request.stream or ctx.settings.event_log == "all")
         except redis.RedisError as exc:
             log.warning("checkpoint of %s not saved: %s", request.request_id, exc)
             return False

@@ -27,8 +27,8 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 
 log = logging.getLogger("redroll.producer")
 
-READ_BLOCK_MS = 5000
-"""How long one XREAD waits for chunks (the record's arrival ends it sooner)."""
+READ_BLOCK_MS = 1000
+"""How long one XREAD waits for chunks (the record's arrival ends the wait sooner)."""
 
 
 class StreamChunk(msgspec.Struct, kw_only=True):
@@ -106,15 +106,15 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
     owned = not isinstance(record, asyncio.Future)
     waiting = asyncio.ensure_future(record)
     last_id: bytes | str = "0-0"
+    read: asyncio.Future | None = None
     try:
         while not waiting.done():
             read = asyncio.ensure_future(redis.xread({key: last_id}, block=READ_BLOCK_MS))
             await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
-                read.cancel()  # (the record came: it holds the rest)
-                await asyncio.gather(read, return_exceptions=True)
-                break
-            for _, entries in read.result() or ():
+                break  # (the record came: it holds the rest; the read is let go in ``finally``)
+            entries_read, read = read.result(), None
+            for _, entries in entries_read or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
                     parsed = chunk_of(fields)
@@ -126,8 +126,19 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
                         yield chunk
         yield assembler.last(await waiting)
     finally:
+        if read is not None and not read.done():
+            # Not awaited: a cancellation that lands inside a Redis call can be swallowed there
+            # (asyncio.wait_for on Python 3.11), and the read would then hold the stream's end for
+            # the rest of its block. It ends by itself within READ_BLOCK_MS; its result is dropped.
+            read.cancel()
+            read.add_done_callback(_drop)
         if owned and not waiting.done():
             waiting.cancel()
+
+
+def _drop(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # (retrieved: a read let go has nobody to tell)
 
 
 __all__ = ["READ_BLOCK_MS", "StreamAssembler", "StreamChunk", "chunks_key", "stream_chunks"]

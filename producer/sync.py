@@ -14,6 +14,7 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 from .client import Callback, Producer, warn_renamed
 from .rollout import GroupOutcome, RolloutGroup
 from .session import Session
+from .streaming import StreamChunk
 
 
 class SyncProducer:
@@ -25,7 +26,8 @@ class SyncProducer:
     ``before_ack`` run on the producer's own thread, not the caller's.
 
     What it has, each blocking the caller until done and with :class:`Producer`'s arguments:
-    ``submit``/``submit_many`` (concurrent futures), ``generate``, ``generate_across_updates``,
+    ``submit``/``submit_many`` (concurrent futures), ``generate``, ``stream`` (a plain iterator of
+    chunks), ``generate_across_updates``,
     ``result``, ``abort``, ``as_completed`` (a plain iterator), ``submit_group`` (a
     :class:`SyncRolloutGroup`: ``wait``, ``take``, ``stream``, ``abort``), ``session`` (a
     :class:`SyncSession`: ``turn``), ``update_weights``, ``set_weight_version`` and
@@ -91,6 +93,20 @@ class SyncProducer:
         """Deprecated: the old name of :meth:`generate_across_updates` (warns once per process)."""
         warn_renamed("generate_resumable", "generate_across_updates")
         return self.generate_across_updates(request, **fields)
+
+    def stream(self, request: GenerationRequest | None = None, *, timeout: float | None = None,
+               **fields: Any) -> Iterator[StreamChunk]:
+        """:meth:`Producer.stream` as a plain iterator (each chunk as it comes). Leaving the loop
+        early stops reading; the request goes on (``abort`` it if it should not)."""
+        chunks = self._producer.stream(request, timeout=timeout, **fields)
+        try:
+            while True:
+                try:
+                    yield self._call(chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(chunks.aclose())
 
     def result(self, request_id: str, timeout: float | None = None) -> CompletionRecord:
         return self._call(self._producer.result(request_id, timeout))

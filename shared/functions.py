@@ -54,17 +54,20 @@ def _body(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
-def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]]) -> tuple[str, str]:
+def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]], prelude: str = "") -> tuple[str, str]:
     """(library name, source) for the script ``bodies``: each wrapped in a function of
-    ``KEYS`` and ``ARGV`` and registered as ``<library>_<name>`` with its ``flags``."""
+    ``KEYS`` and ``ARGV`` and registered as ``<library>_<name>`` with its ``flags``; ``prelude``
+    (helpers several bodies call: ``shared/lua/prelude.lua``) comes once, before them."""
     blocks = []
     for name, body in bodies.items():
         flag_list = ", ".join(f"'{f}'" for f in flags.get(name, ()))
         blocks.append((name, f"local function {name}(KEYS, ARGV)\n{body.rstrip()}\nend\n", flag_list))
-    digest = hashlib.sha1("\0".join(b + "\1" + f for _, b, f in blocks).encode()).hexdigest()[:12]
+    digest = hashlib.sha1("\0".join([prelude, *(b + "\1" + f for _, b, f in blocks)]).encode()).hexdigest()[:12]
     library = f"redroll_{digest}"
     lines = [f"#!lua name={library}",
              "-- redroll's Lua code (built from shared/lua/*.lua by redroll.shared.functions: edit those)"]
+    if prelude:
+        lines.append(prelude.rstrip() + "\n")
     for name, block, flag_list in blocks:
         lines.append(block)
         lines.append(f"redis.register_function{{function_name='{library}_{name}', callback={name}, "
@@ -75,7 +78,7 @@ def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]]) -> 
     return library, "\n".join(lines) + "\n"
 
 
-LIBRARY, LIBRARY_SOURCE = build_library({name: _body(name) for name in SCRIPTS}, SCRIPTS)
+LIBRARY, LIBRARY_SOURCE = build_library({name: _body(name) for name in SCRIPTS}, SCRIPTS, _body("prelude"))
 """This version's library name (``redroll_<digest>``) and its source."""
 
 

@@ -362,18 +362,21 @@ class Scripts:
     # -- checkpoints (resumable requests)
     async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,
                          saved: int, adding: int, part: bytes, ttl_s: int, chunks_key: str | None = None,
-                         chunks_ttl_s: int = 0, owner_key: str | None = None) -> tuple[int, int | str]:
+                         chunks_ttl_s: int = 0, owner_key: str | None = None,
+                         logged: bool = True) -> tuple[int, int | str]:
         """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
         consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
         or (2, the error that refused the write: nothing written). With ``chunks_key`` (a streamed
         request) the part is also added to that chunk stream, in the same call, kept ``chunks_ttl_s``,
-        if ``owner_key`` (the ownership hash of the producer whose reply stream it names) names the entry."""
+        if ``owner_key`` (the ownership hash of the producer whose reply stream it names) names the entry.
+        ``logged``: the save goes into the request's event log (when the log is on)."""
         request_id = partial_key.split(":partial:", 1)[-1]
         keys = [requests_key, partial_key, events_key(requests_key, request_id), chunks_key or partial_key,
                 owner_key or partial_key]
         code, detail = await _run("checkpoint", keys,
                                   [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s,
-                                   *script_args(self.events), max(1, int(chunks_ttl_s)) if chunks_key else 0,
+                                   *script_args(self.events if logged else None),
+                                   max(1, int(chunks_ttl_s)) if chunks_key else 0,
                                    request_id, submitted_as(requests_key, entry_id)], self.redis,
                                   lambda message: [2, message])
         return int(code), (detail if isinstance(detail, int) else _s(detail))

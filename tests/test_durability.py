@@ -163,6 +163,37 @@ async def test_the_consumer_ack_transaction_waits_and_raises_what_the_multi_refu
         await r.aclose()
 
 
+async def test_a_gateways_keyed_submit_waits_for_the_replicas_and_its_retry_is_not_doubled(primary_and_replica,
+                                                                                               namespace):
+    """``redroll serve``'s Idempotency-Key calls submit in a WATCH/MULTI of their own: with
+    wait_replicas they, too, are done only once a replica has them, and the retry of one that was
+    not (the client's, with the same key) submits nothing twice."""
+    pytest.importorskip("starlette")
+    from redroll.gateway.idempotency import KeyedCalls
+
+    primary, replica = primary_and_replica
+    await _in_sync(replica.port)
+    settings = Settings(redis_url=primary.url, namespace=namespace, wait_replicas=1, wait_timeout_ms=5000)
+    r = connect(settings)
+    calls = KeyedCalls(settings, r, r, window_s=60)
+    try:
+        call = await calls.start([make_request(request_id="k-1", prompt="p")], "i-one", "fp")
+        await call.close()
+        assert await redis.asyncio.Redis(port=replica.port).xlen(settings.keys.requests) == 1  # WAIT: there
+        await redis.asyncio.Redis(port=replica.port).replicaof("NO", "ONE")
+        short = KeyedCalls(settings.with_(wait_timeout_ms=200), r, r, window_s=60)
+        with pytest.raises(ReplicasBehindError, match="0 of 1 replica"):
+            await short.start([make_request(request_id="k-2", prompt="p")], "i-two", "fp")
+        await redis.asyncio.Redis(port=replica.port).replicaof("127.0.0.1", primary.port)
+        await _in_sync(replica.port)
+        call = await calls.start([make_request(request_id="k-2", prompt="p")], "i-two", "fp")  # the retry
+        await call.close()
+        assert await r.xlen(settings.keys.requests) == 2
+        assert await redis.asyncio.Redis(port=replica.port).xlen(settings.keys.requests) == 2
+    finally:
+        await r.aclose()
+
+
 async def test_a_wait_that_reaches_a_replica_is_a_connection_error(primary_and_replica):
     """A connection left on a demoted primary: the wait (WAIT refuses to run on a replica) raises a
     connection error, which every write path retries (a Sentinel client's pool is dropped first)."""

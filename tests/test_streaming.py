@@ -4,6 +4,8 @@ from the record; the refusals that name their field."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
@@ -248,3 +250,24 @@ async def test_streams_stay_with_their_producer_under_narrowed_acl_users(acl_ser
     record = chunks[-1].record
     assert record.ok and _joined(chunks)[1] == record.output_text[0]
     assert [c.offset for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+
+
+def test_the_sync_producer_streams_as_a_plain_iterator(settings):
+    import threading
+
+    from redroll.producer.sync import SyncProducer
+
+    s = settings.with_(stream_chunk_tokens=2)
+    loop = asyncio.new_event_loop()
+    worker = Worker(s, SyntheticEngine(token_ms=3), max_inflight=2, block_ms=100)
+    thread = threading.Thread(target=loop.run_until_complete, args=(worker.run(),), daemon=True)
+    thread.start()
+    try:
+        with SyncProducer(s, block_ms=100) as producer:
+            chunks = list(producer.stream(request_id="sync-1", prompt="x", sampling_params={"max_new_tokens": 20},
+                                          timeout=60))
+    finally:
+        loop.call_soon_threadsafe(worker.request_stop)
+        thread.join(30)
+    assert len(chunks) > 2 and chunks[-1].record.ok
+    assert [t for c in chunks for t in c.token_ids] == chunks[-1].record.output_token_ids[0]

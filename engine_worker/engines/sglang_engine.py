@@ -445,13 +445,13 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
         if request.return_routed_experts:
             kwargs["return_routed_experts"] = True
 
-        streaming = request.resumable and request.n == 1
+        streaming = (request.resumable or request.stream) and request.n == 1
 
         async def call_sglang() -> Any:
             await self._dispatch_open.wait()  # (closed only while a flush after an in-place swap waits)
             job.started.add(rid)
             if streaming:
-                return await self._streamed(engine, job, rid, kwargs)
+                return await self._streamed(engine, job, rid, kwargs, every_token=request.stream)
             return await engine.async_generate(**kwargs)
 
         call = asyncio.ensure_future(call_sglang())
@@ -473,7 +473,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             raise _request_error(exc, rid) from exc
         return self._map_output(call.result(), job, request, rid)
 
-    async def _streamed(self, engine: Any, job: _Job, rid: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    async def _streamed(self, engine: Any, job: _Job, rid: str, kwargs: dict[str, Any], *,
+                        every_token: bool = False) -> dict[str, Any]:
         """One sample through ``async_generate(stream=True)`` (engine.py:645-646), its chunks kept
         in ``job.streamed`` as they come (for :meth:`partial`); returns what a non-streaming call
         would: the whole output_ids and output_token_logprobs with the last chunk's meta_info.
@@ -482,7 +483,8 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
         the server runs with ``incremental_streaming_output`` (:2637-2648, deltas, coalesced by
         ``_wait_one_response`` :1983-1990). The generator is always closed: one left suspended keeps
         the tokenizer manager's reader lock and every weight update would wait on it (:941-957)."""
-        kwargs["sampling_params"]["stream_interval"] = self.stream_interval
+        # (a streamed request: every token, as SGLang's own server streams; the worker makes the chunks)
+        kwargs["sampling_params"]["stream_interval"] = 1 if every_token else self.stream_interval
         incremental = bool(getattr(engine.tokenizer_manager, "incremental_streaming_output", False))  # :543
         ids: list[int] = []
         entries: list = []
@@ -511,7 +513,7 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
 
     def partial(self, handle: str) -> SampleOutput | None:
         """What the (single) streaming sample of ``handle`` has made so far; None when it does not
-        stream (only resumable requests do) or nothing arrived yet."""
+        stream (only resumable and streamed requests do) or nothing arrived yet."""
         job = self._jobs.get(handle)
         if job is None or not job.rids or job.rids[0] not in job.streamed:
             return None

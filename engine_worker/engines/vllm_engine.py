@@ -252,8 +252,10 @@ class VLLMEngine(VLLMWeights):
                           seed: int | None, prompt: dict[str, Any]) -> None:
         if job.aborted:
             return
-        streaming = request.resumable and request.n == 1
-        params = self.process.sampling_params(request, seed, stream_interval=self.stream_interval if streaming else None)
+        streaming = (request.resumable or request.stream) and request.n == 1
+        # (a streamed request: every token, as `vllm serve` streams; the worker makes the chunks)
+        interval = 1 if request.stream else self.stream_interval
+        params = self.process.sampling_params(request, seed, stream_interval=interval if streaming else None)
         sample.started = True
         try:
             async for out in llm.generate(dict(prompt), params, sample.rid):
@@ -325,7 +327,7 @@ class VLLMEngine(VLLMWeights):
             await asyncio.sleep(_ABORT_RETRY_S)
 
     def partial(self, handle: str) -> SampleOutput | None:
-        """What the streaming sample of ``handle`` (a resumable request) has made so far."""
+        """What the streaming sample of ``handle`` (a resumable or streamed request) has made so far."""
         job = self._jobs.get(handle)
         if job is None or len(job.samples) != 1 or not job.samples[0].token_ids:
             return None

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from redroll.producer.request import request_stream
 from redroll.shared.codec import ValidationError, decode_record, encode_request
+from redroll.shared.durability import Durability
 from redroll.shared.functions import is_missing
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import StreamRefusedError
@@ -58,6 +59,7 @@ class KeyedCalls:
         self.wait_client = wait_client
         self.scripts = Scripts(redis_client)
         self.window_s = window_s
+        self.durability = Durability.of(settings)
 
     def reply_stream(self, requests: list[GenerationRequest], name: str) -> str:
         return self.settings.keys_for(requests[0]).reply(name)
@@ -137,7 +139,21 @@ class KeyedCalls:
                 except DuplicateRequestError:
                     raise GatewayError(409, f"request {req.request_id!r} is held by a submit that is not this "
                                             "gateway's", code="conflict") from None
+            await self._replicated(stream)
             return found, last_id
+
+    async def _replicated(self, stream: str) -> None:
+        """With ``wait_replicas`` / ``wait_aof``: return once replicas have the call's submit. The
+        submit's MULTI ran on a connection that WATCH held, which redis-py hands back to its pool
+        at the EXEC, so the WAIT follows a write of its own (the call stream's expiry set again)
+        sent after the EXEC answered: replicas that acknowledged that write have everything
+        written before it. A shortfall raises ReplicasBehindError (a connection error: a 503, and
+        the client's retry with the same key finds the call and submits nothing twice)."""
+        if not self.durability.waits:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.expire(stream, self.window_s)
+            await self.durability.execute(pipe)
 
 
 class KeyedCall:

@@ -29,39 +29,10 @@
 -- to ARGV[4] ms, after the acks (a key of another type found at the start is left alone: no marker
 -- then). An entry this consumer no longer owns is looked up there, so a retry of a finish whose
 -- reply was lost tells its own earlier success from a lost lease.
+-- (log_event and now_ms: shared/lua/prelude.lua)
 local out = {}
 local done = {}
 local n = (#KEYS - 2) / 5  -- (four keys per item, then one event log per item)
--- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
--- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
--- oldest lines give way to one '0\ttrimmed\tn=<how many>' line at the head. Called after the
--- step's own writes (which Redis then never refuses for memory), through pcall: a key of another
--- type costs the log its event, never the step its fate.
-local function log_event(ev, cap, ttl, line)
-  line = line .. '\n'
-  if redis.pcall('SET', ev, line, 'EX', ttl, 'NX') then return end
-  local n = redis.pcall('APPEND', ev, line)
-  if type(n) ~= 'number' then return end
-  if n > cap then
-    local s, dropped = redis.call('GET', ev), 0
-    local head = string.match(s, '^0\ttrimmed\tn=(%d+)\n')
-    if head then
-      dropped = tonumber(head)
-      s = string.sub(s, string.find(s, '\n', 1, true) + 1)
-    end
-    while #s + 32 > cap do
-      local nl = string.find(s, '\n', 1, true)
-      if nl == #s then break end  -- (the newest event stays, however long)
-      s, dropped = string.sub(s, nl + 1), dropped + 1
-    end
-    redis.call('SET', ev, '0\ttrimmed\tn=' .. dropped .. '\n' .. s, 'KEEPTTL')
-  end
-  redis.call('EXPIRE', ev, ttl)
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-end
 local ev_at = 5 + 6 * n  -- (the event log's arguments follow the items')
 local ev_cap, ev_ttl = tonumber(ARGV[ev_at + 1]), ARGV[ev_at + 2]
 local ev_any = ev_cap > 0
