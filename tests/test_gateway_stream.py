@@ -186,10 +186,10 @@ def curl_stream(url: str, payload: dict, on_line=None) -> tuple[list[str], str]:
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-async def test_raw_events_with_curl(settings, gateway_log):
+async def test_raw_events_with_curl(settings, gateway_log, sdk):
     """Raw SSE lines: chunks arrive while the request is still generating, several of them before the
     finish, ``data: [DONE]`` last. Errors before the first byte are JSON with their status; a record
-    that fails after the stream began ends it with an error event, then [DONE]."""
+    that fails after the stream began ends it with an error event, then [DONE] (the SDK raises it)."""
     engine = FailsWhenTold(token_ms=25)
     gateway = Served(settings, log=gateway_log)
     loop = asyncio.get_running_loop()
@@ -233,6 +233,15 @@ async def test_raw_events_with_curl(settings, gateway_log):
             assert engine.told.is_set() and lines[-1] == "data: [DONE]"
             error = json.loads(lines[-2][len("data: "):])["error"]
             assert error["type"] == "server_error" and "mid-stream" in error["message"], lines[-2]
+
+            # the same through the SDK: the error event raises
+            engine.told = asyncio.Event()
+            stream = await sdk(gateway).completions.create(model="redroll", prompt=["a fine prompt", "fail-later"],
+                                                           max_tokens=80, stream=True)
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                async for chunk in stream:
+                    if any(ch.text for ch in chunk.choices):
+                        engine.told.set()
     finally:
         gateway.stop()
 
