@@ -297,6 +297,9 @@ class Saver:
                      logprobs=list(sample.logprobs[start:end]) if sample.logprobs is not None else None,
                      weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
                      worker=self.ctx.name, text=text,
+                     top_logprobs=[list(t) for t in sample.top_logprobs[start:end]]
+                     if self.request.stream and sample.top_logprobs is not None
+                     and len(sample.top_logprobs) >= end else None,
                      finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
         flight = self.flight
         if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,

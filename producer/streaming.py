@@ -41,6 +41,8 @@ class StreamChunk(msgspec.Struct, kw_only=True):
     text: str | None = None
     """The text these tokens add (None: the request wants no text)."""
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``top_logprobs_num``: per token, the k most likely (token id, logprob) pairs."""
     finish_reason: str | None = None
     """Set on the last chunk only (from the record): "stop", "length", "abort", or None for a
     request that never ran (an error, an abort before it started)."""
@@ -66,12 +68,13 @@ class StreamAssembler:
         self.tokens += len(part.token_ids)
         self.text += part.text or ""
         return StreamChunk(request_id=self.request_id, offset=offset, token_ids=list(part.token_ids),
-                           text=part.text, logprobs=part.logprobs)
+                           text=part.text, logprobs=part.logprobs, top_logprobs=part.top_logprobs)
 
     def last(self, record: CompletionRecord) -> StreamChunk:
         """What ``record`` holds past what was handed out, with its finish reason and itself."""
         ids = record.output_token_ids[0] if record.output_token_ids else []
         logprobs = record.output_logprobs[0] if record.output_logprobs else None
+        tops = record.output_top_logprobs[0] if record.output_top_logprobs else None
         full = record.output_text[0] if record.output_text else None
         text = None
         if full is not None:
@@ -84,6 +87,7 @@ class StreamAssembler:
         self.text = full if full is not None else self.text
         return StreamChunk(request_id=self.request_id, offset=offset, token_ids=list(ids[offset:]), text=text,
                            logprobs=list(logprobs[offset:]) if logprobs is not None else None,
+                           top_logprobs=[list(t) for t in tops[offset:]] if tops is not None else None,
                            finish_reason=record.finish_reasons[0] if record.finish_reasons else None, record=record)
 
 

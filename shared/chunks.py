@@ -26,6 +26,8 @@ class Part(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     text: str | None = None
     """A streamed request's text of these tokens (what its chunk says), when it wants text."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """A streamed request's k most likely (token id, logprob) pairs per token (``top_logprobs_num``)."""
 
     def versions(self) -> list[str]:
         return list(self.weight_versions) if self.weight_versions else [str(self.weight_version)] * len(self.token_ids)

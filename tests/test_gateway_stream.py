@@ -246,6 +246,24 @@ async def test_raw_events_with_curl(settings, gateway_log, sdk):
         gateway.stop()
 
 
+async def test_a_stream_that_outlives_the_request_timeout_ends_with_a_timeout_event(settings, gateway_log):
+    """``--request-timeout`` running out after the stream began: the chunks so far, then a 504 error
+    event (type ``timeout``) and [DONE]; the request goes on."""
+    engine = CountingEngine(token_ms=25)
+    gateway = Served(settings, "--request-timeout", "1", log=gateway_log)
+    try:
+        async with running(worker(settings, engine)):
+            lines, _ = await asyncio.to_thread(curl_stream, f"{gateway.v1}/completions", {
+                "prompt": "slow", "max_tokens": 400, "stream": True})
+            assert lines[-1] == "data: [DONE]"
+            events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+            assert any(e.get("choices") and e["choices"][0]["text"] for e in events)  # (it had begun)
+            error = events[-1]["error"]
+            assert error["type"] == "timeout" and error["code"] == "timeout", error
+    finally:
+        gateway.stop()
+
+
 async def test_a_dropped_stream_retried_on_another_gateway(settings, gateway_log, sdk):
     """The client drops a keyed stream after its first chunks and retries it (same Idempotency-Key,
     same body) on a second gateway process: the whole completion from its start, equal to an

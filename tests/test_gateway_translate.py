@@ -96,8 +96,8 @@ def test_a_streamed_call_is_one_request_per_choice():
 
 
 def test_stream_chunks_in_openai_shape():
-    """A chat's role chunk first; logprobs per token; top logprobs on the last chunk (from the
-    record) only; the usage chunk counts each prompt once."""
+    """A chat's role chunk first; logprobs and top logprobs per token (a chunk's own, else the
+    record's for the last chunk); the usage chunk counts each prompt once."""
     from redroll.gateway.streaming import EventWriter
     from redroll.producer.streaming import StreamChunk
     from redroll.shared.types import CompletionRecord, RecordStatus
@@ -109,11 +109,13 @@ def test_stream_chunks_in_openai_shape():
     assert [e["choices"][0]["delta"] for e in events] == [{"role": "assistant", "content": ""}] * 2
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and all(e["usage"] is None for e in events)
     first = msgspec.json.decode(writer.chunk(1, StreamChunk(request_id="r-1", offset=0, token_ids=[3, 4], text=" a b",
-                                                            logprobs=[-0.5, -0.25]))[len(b"data: "):])
+                                                            logprobs=[-0.5, -0.25],
+                                                            top_logprobs=[[(3, -0.5)], [(4, -0.25)]]))[len(b"data: "):])
     (choice,) = first["choices"]
     assert choice["index"] == 1 and choice["delta"] == {"content": " a b"} and choice["finish_reason"] is None
     assert [(e["token"], e["logprob"], e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [
-        ("token_id:3", -0.5, []), ("token_id:4", -0.25, [])]
+        ("token_id:3", -0.5, [{"token": "token_id:3", "logprob": -0.5, "bytes": None}]),
+        ("token_id:4", -0.25, [{"token": "token_id:4", "logprob": -0.25, "bytes": None}])]
     record = CompletionRecord(request_id="r-1", status=RecordStatus.FINISHED, output_token_ids=[[3, 4, 5]],
                               finish_reasons=["length"], output_logprobs=[[-0.5, -0.25, -1.0]],
                               output_top_logprobs=[[[(3, -0.5)], [(4, -0.25)], [(7, -0.1)]]], output_text=[" a b c"],

@@ -271,3 +271,20 @@ def test_the_sync_producer_streams_as_a_plain_iterator(settings):
         thread.join(30)
     assert len(chunks) > 2 and chunks[-1].record.ok
     assert [t for c in chunks for t in c.token_ids] == chunks[-1].record.output_token_ids[0]
+
+
+async def test_chunks_carry_logprobs_and_top_logprobs_equal_to_the_records(settings, chat_checkpoint):
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
+
+    s = settings.with_(stream_chunk_tokens=4, stream_chunk_ms=10)
+    worker = Worker(s, TransformersEngine(str(chat_checkpoint)), max_inflight=2, block_ms=100)
+    async with running(worker), Producer(s, block_ms=100) as producer:
+        chunks = [c async for c in producer.stream(request_id="top-1", messages=CHAT, return_logprob=True,
+                                                   top_logprobs_num=3, timeout=120,
+                                                   sampling_params={"max_new_tokens": 48, "ignore_eos": True})]
+    record = chunks[-1].record
+    assert record.ok and len(chunks) > 2
+    assert [x for c in chunks for x in c.logprobs] == record.output_logprobs[0]
+    assert [list(map(tuple, t)) for c in chunks for t in c.top_logprobs] == \
+        [list(map(tuple, t)) for t in record.output_top_logprobs[0]]
+    assert all(c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids) for c in chunks)

@@ -301,7 +301,8 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             return None
         row = job.rows[0]
         return SampleOutput(list(row.token_ids), list(row.logprobs) if job.request.return_logprob else None,
-                            row.finish_reason, weight_versions=list(row.versions))
+                            row.finish_reason, weight_versions=list(row.versions),
+                            top_logprobs=[list(t) for t in row.top] if job.request.top_logprobs_num else None)
 
     def progress(self, handle: str) -> int | None:
         """Tokens generated so far by the longest sample of ``handle``; ``None`` if unknown."""

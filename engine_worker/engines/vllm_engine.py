@@ -332,7 +332,9 @@ class VLLMEngine(VLLMWeights):
         if job is None or len(job.samples) != 1 or not job.samples[0].token_ids:
             return None
         s = job.samples[0]
-        return SampleOutput(list(s.token_ids), list(s.logprobs) if len(s.logprobs) == len(s.token_ids) else None, None)
+        top = list(s.top) if len(s.top) == len(s.token_ids) else None
+        return SampleOutput(list(s.token_ids), list(s.logprobs) if len(s.logprobs) == len(s.token_ids) else None, None,
+                            top_logprobs=top)
 
     # ------------------------------------------------------------------ output
 

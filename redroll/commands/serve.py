@@ -29,14 +29,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="a file of bearer keys, one a line ('#' comments); without it the gateway is open")
     p.add_argument("--max-backlog", type=positive_int, default=1024,
-                   help="calls this gateway may have waiting for records; more get 429 with Retry-After")
+                   help="calls this gateway may have waiting for records or streaming; more get 429 with "
+                        "Retry-After (it also sizes the pool of connections that wait: one per streamed choice)")
     p.add_argument("--max-queued", type=positive_int, default=None,
                    help="requests the whole pipeline may have queued or in flight (sampled every second); "
                         "more: new calls get 429 with Retry-After (default: no bound)")
     p.add_argument("--idempotency-window", type=positive_int, default=86_400,
                    help="seconds a call made with an Idempotency-Key keeps its completion for retries")
     p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
-                   help="seconds a call waits for its records before a 504 (the requests go on)")
+                   help="seconds a call waits for its records before a 504 (a stream that began ends with a "
+                        "504 error event instead; the requests go on)")
     p.set_defaults(run=run)
 
 

@@ -190,7 +190,7 @@ class EventWriter:
         return event(self._object(choice))
 
     def _logprobs(self, chunk: StreamChunk, rec: CompletionRecord | None) -> dict[str, Any] | None:
-        """The chunk's tokens' logprobs; their top logprobs only where the record is (the last chunk)."""
+        """The chunk's tokens' logprobs and (``top_logprobs``) their k most likely tokens each."""
         if not self.want_logprobs:
             return None
         ids = list(chunk.token_ids)
@@ -199,7 +199,9 @@ class EventWriter:
             lps = rec.output_logprobs[0][chunk.offset:chunk.offset + len(ids)]
         lps = lps or [None] * len(ids)
         tops: list[list[tuple[int, float]]] = [[] for _ in ids]
-        if self.top and rec is not None and rec.output_top_logprobs:
+        if self.top and chunk.top_logprobs is not None and len(chunk.top_logprobs) == len(ids):
+            tops = [list(t) for t in chunk.top_logprobs]
+        elif self.top and rec is not None and rec.output_top_logprobs:
             tops = list(rec.output_top_logprobs[0][chunk.offset:chunk.offset + len(ids)]) or tops
         if self.chat:
             return {"content": [

@@ -249,3 +249,21 @@ async def test_streamed_calls_through_the_sdk_on_vllm(client, tokenizer):
         one = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0,
                                               seed=11 + i, extra_body={"ignore_eos": True})
         assert texts[i] == one.choices[0].text
+
+
+async def test_a_streamed_chats_logprobs_and_top_logprobs_are_the_non_streamed_ones(client):
+    """Every streamed token's logprob and its two most likely alternatives (vLLM's), as the
+    non-streamed call gives them."""
+    ask = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2,
+               extra_body={"ignore_eos": True})
+    whole = (await client.chat.completions.create(**ask)).choices[0].logprobs.content
+    streamed, chunks = [], 0
+    async for chunk in await client.chat.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                streamed += choice.logprobs.content
+                chunks += 1
+    assert chunks > 1 and len(streamed) == len(whole) == 24
+    for got, want in zip(streamed, whole):
+        assert got.token == want.token and abs(got.logprob - want.logprob) < 1e-4
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs] and len(got.top_logprobs) == 2
