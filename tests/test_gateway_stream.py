@@ -309,3 +309,29 @@ async def test_a_dropped_stream_retried_on_another_gateway(settings, gateway_log
     finally:
         one.stop()
         two.stop()
+
+
+async def test_a_gateway_sigkilled_mid_stream_the_retry_on_another_gets_it_all(settings, gateway_log, sdk):
+    """The gateway serving a keyed stream is SIGKILLed after its first chunks: the client's stream
+    breaks, its retry (same Idempotency-Key, same body) on another gateway process streams the whole
+    completion, equal to an uninterrupted run's, and each request was generated once."""
+    engine = CountingEngine(token_ms=20)
+    one, two = Served(settings, log=gateway_log), Served(settings, log=gateway_log)
+    try:
+        async with running(worker(settings, engine)):
+            ask = dict(model="redroll", messages=CHAT, max_tokens=40, n=2, seed=5, stream=True)
+            whole = await collect(await sdk(two).chat.completions.create(**ask))  # (uninterrupted, no key)
+            engine.started.clear()
+            key = {"Idempotency-Key": "killed-gateway"}
+            broken = await sdk(one).chat.completions.create(**ask, extra_headers=key)
+            with pytest.raises((openai.APIError, httpx.HTTPError)):
+                async for chunk in broken:
+                    if any(ch.delta.content for ch in chunk.choices) and one.proc.poll() is None:
+                        one.kill()  # (SIGKILL: mid-stream, its requests in flight)
+            assert one.proc.returncode == -9
+            retried = await collect(await sdk(two).chat.completions.create(**ask, extra_headers=key))
+            assert texts(retried, chat=True) == texts(whole, chat=True) and len(texts(whole, chat=True)) == 2
+            assert sorted(engine.started.values()) == [1, 1]  # (each keyed request ran once)
+    finally:
+        one.stop()
+        two.stop()
