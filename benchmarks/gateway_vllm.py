@@ -11,7 +11,9 @@ Run in the virtualenv that has vLLM (``.venv-vllm``, made by ``.ci/vllm-env``). 
   engine arguments: dtype float32, ``max_num_seqs``, the KV cache size, ``enforce_eager``, chunked
   prefill off (the worker's CPU defaults), prefix caching on, the same context length.
 
-Then, after a warm-up of each, each run is ``--rounds`` rounds; a round sends ``--calls``
+While one stack is measured the other is stopped (SIGSTOP; ``--no-pause-idle`` leaves it running):
+vLLM's engine processes spin while idle, and on two cores the idle stack's spinning took CPU from
+the measured one, in either direction. Then, after a warm-up of each, each run is ``--rounds`` rounds; a round sends ``--calls``
 completions of ``--max-tokens`` tokens (``ignore_eos``, seeded sampling), ``--concurrency`` at a
 time, through the ``openai`` async client, to one server and then the other, in ABBA order
 (redroll first, then vLLM first, ...), so that a change in the machine's load falls on both. It
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -139,8 +143,31 @@ def _engine_flags(args: argparse.Namespace) -> dict[str, list[str]]:
                     "--vllm-arg", "enforce_eager=true", "--vllm-arg", "enable_chunked_prefill=false"],
         "vllm": ["--dtype", "float32", "--max-model-len", str(args.max_model_len),
                  "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(kv),
-                 "--enforce-eager", "--no-enable-chunked-prefill", "--enable-prefix-caching"],
+                 "--enforce-eager", "--no-enable-chunked-prefill", "--enable-prefix-caching",
+                 "--disable-log-stats"],  # (the worker's engine runs with disable_log_stats too)
     }
+
+
+@contextlib.asynccontextmanager
+async def _paused(stacks: dict[str, list[subprocess.Popen]], measured: str, pause: bool, clients: dict):
+    """While ``measured`` runs, the other stack's processes (each started in a session of its own:
+    its process group holds its engine processes too) are stopped with SIGSTOP: vLLM's engine
+    processes spin while idle (``sched_yield``), and on two cores an idle stack's spinning took
+    CPU from the measured one. Redis stays up (it does not spin). A stack let go again is measured
+    only once it answers a call (the gateway's health check counts a stop as Redis unreachable
+    for a second)."""
+    others = [name for name in stacks if name != measured] if pause else []
+    for name in others:
+        for proc in stacks[name]:
+            os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for name in others:
+            for proc in stacks[name]:
+                os.killpg(proc.pid, signal.SIGCONT)
+        for name in others:
+            await _wait_ready(clients[name], stacks[name], [Path(os.devnull)] * len(stacks[name]), 120)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -182,8 +209,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         pids = {"redroll_worker": (procs["worker"].pid, False), "redroll_engine_core": (procs["worker"].pid, True),
                 "redroll_serve": (procs["serve"].pid, False), "redroll_redis": (server.process.pid, False),
                 "vllm_server": (procs["vllm"].pid, False), "vllm_engine_core": (procs["vllm"].pid, True)}
+        stacks = {"redroll": [procs["worker"], procs["serve"]], "vllm": [procs["vllm"]]}
         for name in ("redroll", "vllm"):  # warm-up: connections, the scheduler, the server's paths
-            await one_pass(clients[name], args, args.concurrency)
+            async with _paused(stacks, name, args.pause_idle, clients):
+                await one_pass(clients[name], args, args.concurrency)
         runs = []
         for run in range(args.runs):
             spent = {"redroll": 0.0, "vllm": 0.0}
@@ -191,14 +220,17 @@ async def main_async(args: argparse.Namespace) -> dict:
             for r in range(args.rounds):  # ABBA: a drift in the machine's load falls on both alike
                 order = ("redroll", "vllm") if (run * args.rounds + r) % 4 in (0, 3) else ("vllm", "redroll")
                 for name in order:
-                    before = {role: _cpu_s(pid, children=c) for role, (pid, c) in pids.items()}
-                    spent[name] += (await one_pass(clients[name], args, args.calls))["wall_s"]
-                    for role, (pid, c) in pids.items():
-                        if role.startswith(name):
-                            cpu[role] += _cpu_s(pid, children=c) - before[role]
+                    async with _paused(stacks, name, args.pause_idle, clients):
+                        before = {role: _cpu_s(pid, children=c) for role, (pid, c) in pids.items()}
+                        spent[name] += (await one_pass(clients[name], args, args.calls))["wall_s"]
+                        for role, (pid, c) in pids.items():
+                            if role.startswith(name):
+                                cpu[role] += _cpu_s(pid, children=c) - before[role]
             tokens = args.rounds * args.calls * args.max_tokens
-            alone = {name: await sequential_p50_ms(clients[name], args, args.latency_calls)
-                     for name in (("redroll", "vllm") if run % 2 == 0 else ("vllm", "redroll"))}
+            alone = {}
+            for name in (("redroll", "vllm") if run % 2 == 0 else ("vllm", "redroll")):
+                async with _paused(stacks, name, args.pause_idle, clients):
+                    alone[name] = await sequential_p50_ms(clients[name], args, args.latency_calls)
             runs.append({"redroll_tokens_per_s": tokens / spent["redroll"], "vllm_tokens_per_s": tokens / spent["vllm"],
                          "ratio": spent["vllm"] / spent["redroll"],
                          "redroll_alone_p50_ms": alone["redroll"], "vllm_alone_p50_ms": alone["vllm"],
@@ -215,7 +247,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                    "max": max(r[k] for r in runs)} for k in keys}
     return {"model": "tiny checkpoint" if args.model_path is None else args.model_path, "calls": args.calls,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "concurrency": args.concurrency, "max_num_seqs": args.max_num_seqs,
-            "kv_cache_gib": args.kv_cache_gib, "logs": str(work), "runs": runs, "summary": summary}
+            "kv_cache_gib": args.kv_cache_gib, "pause_idle": args.pause_idle, "logs": str(work), "runs": runs,
+            "summary": summary}
 
 
 def main() -> None:
@@ -232,6 +265,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-inflight", type=int, default=64, help="the redroll worker's --max-inflight")
+    parser.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                        help="leave the stack not measured running (by default it is stopped with SIGSTOP during "
+                             "the other's passes: its idle engine spins)")
     parser.add_argument("--claim-prefetch", type=int, default=None,
                         help="the redroll worker's --claim-prefetch (default: the worker's)")
     print(json.dumps(asyncio.run(main_async(parser.parse_args())), indent=2))
