@@ -306,7 +306,10 @@ class Producer(ReplyReader):
             futures.append(fut)
         self.admitted += len(prepared)
         came = await self._resolve_held(prepared) if self._tokens_from_ids and self._unclaimed else set()
-        sending = [(item, fut) for item, fut in zip(prepared, futures) if item[0].request_id not in came]
+        # (and under tokens_from_ids, one whose record the reader handed its new waiter meanwhile: its
+        # earlier submit finished, and sending it again would generate it again)
+        sending = [(item, fut) for item, fut in zip(prepared, futures)
+                   if item[0].request_id not in came and not (self._tokens_from_ids and fut.done())]
         try:
             replies = await self._submit_until_accepted([item for item, _ in sending]) if sending else []
         except BaseException:
