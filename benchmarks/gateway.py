@@ -30,11 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _env(url: str, ns: str) -> dict[str, str]:
+def serve_env(url: str, ns: str) -> dict[str, str]:
     return {**os.environ, "REDROLL_REDIS_URL": url, "REDROLL_NAMESPACE": ns, "PYTHONPATH": str(ROOT)}
 
 
-async def _wait_healthy(client, url: str) -> None:
+async def wait_healthy(client, url: str) -> None:
     for _ in range(600):
         try:
             if (await client.get(url + "/health")).status_code == 200:
@@ -45,7 +45,7 @@ async def _wait_healthy(client, url: str) -> None:
     raise TimeoutError("redroll serve did not start")
 
 
-def _p50_ms(samples: list[float]) -> float:
+def p50_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1000.0
 
 
@@ -59,7 +59,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
     from tests.gateway_support import free_port
 
     port = free_port()
-    env = _env(url, ns)
+    env = serve_env(url, ns)
     worker = subprocess.Popen([sys.executable, "-m", "redroll.cli", "worker", "--engine", "synthetic", "--token-ms", "0",
                                "--max-inflight", "256"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -70,7 +70,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
     try:
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.concurrency + 8)) as http, \
                 Producer(Settings(redis_url=url, namespace=ns), block_ms=1000) as producer:
-            await _wait_healthy(http, base)
+            await wait_healthy(http, base)
             sp = {"max_new_tokens": 16}
             for _ in range(50):  # warm-up: the worker, both connections, the scripts
                 await producer.generate(prompt="bench", sampling_params=sp)
@@ -102,8 +102,8 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
                 t = time.perf_counter()
                 await asyncio.gather(*(fn(per) for _ in range(args.concurrency)))
                 rates[name] = per * args.concurrency / (time.perf_counter() - t)
-        return {"api_p50_ms": _p50_ms(api), "gateway_p50_ms": _p50_ms(gw), "keyed_p50_ms": _p50_ms(keyed),
-                "added_p50_ms": _p50_ms(gw) - _p50_ms(api), "keyed_added_p50_ms": _p50_ms(keyed) - _p50_ms(api),
+        return {"api_p50_ms": p50_ms(api), "gateway_p50_ms": p50_ms(gw), "keyed_p50_ms": p50_ms(keyed),
+                "added_p50_ms": p50_ms(gw) - p50_ms(api), "keyed_added_p50_ms": p50_ms(keyed) - p50_ms(api),
                 "gateway_calls_per_s": rates["gateway"], "api_calls_per_s": rates["api"]}
     finally:
         for proc in (serve, worker):

@@ -31,28 +31,8 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _env(url: str, ns: str) -> dict[str, str]:
-    return {**os.environ, "REDROLL_REDIS_URL": url, "REDROLL_NAMESPACE": ns, "PYTHONPATH": str(ROOT)}
-
-
-async def _wait_healthy(client, url: str) -> None:
-    for _ in range(600):
-        try:
-            if (await client.get(url + "/health")).status_code == 200:
-                return
-        except Exception:
-            pass
-        await asyncio.sleep(0.1)
-    raise TimeoutError("redroll serve did not start")
-
-
-def _p50_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000.0
+from benchmarks.gateway import ROOT, p50_ms, serve_env, wait_healthy
 
 
 async def _streamed(http, url: str, body: dict, headers: dict | None = None) -> tuple[float, float]:
@@ -82,7 +62,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
 
     ns = "bench-gws-" + uuid.uuid4().hex[:6]
     port = free_port()
-    env = _env(url, ns)
+    env = serve_env(url, ns)
     worker = subprocess.Popen([sys.executable, "-m", "redroll.cli", "worker", "--engine", "synthetic", "--token-ms",
                                str(args.token_ms), "--max-inflight", "256"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -93,7 +73,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
     body = {"model": "redroll", "prompt": "bench", "max_tokens": args.max_tokens}
     try:
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=args.concurrency + 8)) as http:
-            await _wait_healthy(http, base)
+            await wait_healthy(http, base)
             for _ in range(5):  # warm-up: the worker, the connections, the scripts
                 (await http.post(endpoint, json=body)).raise_for_status()
                 await _streamed(http, endpoint, body)
@@ -136,8 +116,8 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
                 t = time.perf_counter()
                 await asyncio.gather(*(fn() for _ in range(args.concurrency)))
                 rates[name] = args.calls * args.concurrency / (time.perf_counter() - t)
-        return {"whole_p50_ms": _p50_ms(whole), "first_chunk_p50_ms": _p50_ms(first),
-                "stream_p50_ms": _p50_ms(streamed), "keyed_first_chunk_p50_ms": _p50_ms(keyed_first),
+        return {"whole_p50_ms": p50_ms(whole), "first_chunk_p50_ms": p50_ms(first),
+                "stream_p50_ms": p50_ms(streamed), "keyed_first_chunk_p50_ms": p50_ms(keyed_first),
                 "whole_calls_per_s": rates["whole"], "stream_calls_per_s": rates["stream"],
                 "api_whole_calls_per_s": rates["api_whole"], "api_stream_calls_per_s": rates["api_stream"]}
     finally:
