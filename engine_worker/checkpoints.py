@@ -232,7 +232,7 @@ class Saver:
         self.base_ids = list(base.token_ids) if base else []
         self.sent_text = base.text if base else ""
         """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.streaming`)."""
-        self.tokenizer = self.ctx.engine.tokenizer if request.stream and self.ctx.capabilities.tokenizer else None
+        self.tokenizer = self.ctx.tokenizer if request.stream else None
         self.done = 0
         """Tokens of this worker's generation saved so far."""
         self.broken = False

@@ -92,6 +92,12 @@ class WorkerContext:
     def normal_stream(self) -> str:
         return self.keys.requests
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer when it declares one (``tokenizer``), else None (read each time:
+        an engine has it only once started)."""
+        return self.engine.tokenizer if self.capabilities.tokenizer else None  # type: ignore[attr-defined]
+
     def flight_key(self, stream: str, entry_id: str) -> str:
         """Unique over every request stream (the plain normal stream keeps bare entry ids)."""
         return entry_id if stream == self.normal_stream else f"{stream}/{entry_id}"

@@ -229,7 +229,7 @@ class RequestRunner:
                 await saver.flush(output.samples[0])
             return
         if resume is not None:
-            output = stitch_resumed(resume, output, request, ctx.name, self._tokenizer())
+            output = stitch_resumed(resume, output, request, ctx.name, ctx.tokenizer)
         await self.outcomes.finish(flight, request, self._record(flight, request, output, queue_ms, engine_ms))
 
     def _record(self, flight: InFlight, request: GenerationRequest, output: EngineOutput, queue_ms: float,
@@ -265,7 +265,7 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
-        generating = resume_request(request, resume, self._tokenizer()) if resume is not None else request
+        generating = resume_request(request, resume, ctx.tokenizer) if resume is not None else request
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:
             return await ctx.engine.generate(generating, flight.handle)
@@ -274,9 +274,6 @@ class RequestRunner:
                 saver.stop()  # type: ignore[union-attr]
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-
-    def _tokenizer(self) -> object | None:
-        return self.ctx.engine.tokenizer if self.ctx.capabilities.tokenizer else None
 
     def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
         """The record of a request stopped before it reached the engine (aborted, expired)."""
