@@ -21,10 +21,11 @@ from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.shared.control import send_abort
 from redroll.shared.gc import collect_garbage
-from redroll.shared.keys import WORKERS_GROUP, submitted_as
+from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
 from redroll.status import collect_status
 from tests.conftest import ROOT, wait_until
+from tests.support.raw_submit import add_request_entry
 
 
 async def _xlen_is(r, key, n):
@@ -80,8 +81,8 @@ async def test_dead_requeue_fixed_and_still_invalid(settings, r):
     async with Producer(settings) as p:
         bad = {"v": 1, "request_id": "fix-me", "prompt": "x", "submitted_at": time.time(), "reply_to": p.reply_to,
                "sampling_params": {"temperature": -1.0, "max_new_tokens": 4}}
-        entry = await r.xadd(keys.requests, {"rid": "fix-me", "reply_to": p.reply_to, "data": msgpack.packb(bad)})
-        await r.hset(keys.owner(p.name), "fix-me", submitted_as(keys.requests, entry.decode()))  # (as p's own submit would note it)
+        await add_request_entry(r, keys.requests, {"rid": "fix-me", "reply_to": p.reply_to, "data": msgpack.packb(bad)},
+                                owner_key=keys.owner(p.name), rid="fix-me")  # (noted as p's own submit would)
         first = await p.result("fix-me", timeout=10)
         assert first.status is RecordStatus.ERROR and "temperature" in first.error
         entries = await dead.list_dead(r, keys, reason="temperature")

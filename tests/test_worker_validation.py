@@ -14,9 +14,10 @@ import pytest
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
-from redroll.shared.keys import WORKERS_GROUP, submitted_as
+from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import SCHEMA_VERSION, RecordStatus
 from tests.conftest import wait_until
+from tests.support.raw_submit import add_request_entry
 
 _DROP = object()
 
@@ -120,9 +121,9 @@ async def test_malformed_requests_are_dead_lettered_and_waiters_told(settings, r
                 fields: dict[str, Any] = {"rid": case.rid, "reply_to": case.reply_to}
                 if case.name != "no-data-field":
                     fields["data"] = case.data
-                case.entry_id = (await r.xadd(keys.requests, fields)).decode()
-                if isinstance(case.rid, str) and case.reply_to == producer.reply_to:  # (as its submit notes it)
-                    await r.hset(keys.owner(producer.name), case.rid, submitted_as(keys.requests, case.entry_id))
+                ours = isinstance(case.rid, str) and case.reply_to == producer.reply_to
+                case.entry_id = await add_request_entry(r, keys.requests, fields, rid=case.rid,
+                                                        owner_key=keys.owner(producer.name) if ours else None)
                 valid_futures.append(await producer.submit(
                     request_id=f"good-{i}", input_ids=[1, 2, 3 + i], sampling_params={"max_new_tokens": 4 + i}))
             valid_futures.append(await producer.submit(request_id="good-prompt", prompt="a prompt",
