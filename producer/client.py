@@ -109,8 +109,10 @@ class Producer(ReplyReader):
         restarted process) that submits a request still queued or in flight then gets that submit
         back, not a refusal and not a second entry, and its record on the same reply stream; one
         that finished meanwhile gets the record that came to that stream (held for
-        :meth:`unclaimed` until then), and is not sent again. That is how ``redroll submit
-        --resume`` takes over an interrupted run.
+        :meth:`unclaimed` until then), and is not sent again: the finish leaves a mark naming the
+        token until the record is acked, so this holds even when the record comes in between this
+        producer's reads and its submit. That is how ``redroll submit --resume`` takes over an
+        interrupted run.
 
         ``before_ack()`` runs before the reply entries of applied records are acked, after their
         callbacks: where what the callbacks did is made to last (a file flushed), so that a process
@@ -340,7 +342,8 @@ class Producer(ReplyReader):
         (it would be generated again). Returns those request_ids."""
         held = {req.request_id: self._unclaimed.pop(req.request_id) for req, _, _ in prepared
                 if req.request_id in self._unclaimed}
-        applied = [entry_id for entry_id, record in held.values() if await self._resolve(record, entry_id)]
+        applied = [(entry_id, record.request_id) for entry_id, record in held.values()
+                   if await self._resolve(record, entry_id)]
         try:
             await self._ack(applied)
         except BeforeAckError as exc:  # (they stay pending here: the reader reads them again, and acks them)
@@ -386,7 +389,7 @@ class Producer(ReplyReader):
             held = self._unclaimed.pop(request_id, None)
             if held is not None:
                 self._remember(request_id, held[0])
-                await self._ack([held[0]])
+                await self._ack([(held[0], request_id)])
                 return held[1]
             waiter = _Waiter(asyncio.get_running_loop().create_future(), None)
             self._waiters[request_id] = waiter
@@ -404,7 +407,7 @@ class Producer(ReplyReader):
                 rid, (entry_id, rec) = next(iter(self._unclaimed.items()))
                 del self._unclaimed[rid]
                 self._remember(rid, entry_id)
-                await self._ack([entry_id])
+                await self._ack([(entry_id, rid)])
                 yield rec
             self._unclaimed_event.clear()
             await self._unclaimed_event.wait()

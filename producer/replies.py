@@ -161,11 +161,11 @@ class ReplyReader:
         return False
 
     async def _deliver(self, entries: list) -> None:
-        done: list[tuple[str, str]] = []
+        done: list[tuple[tuple[str, str], str]] = []
         for stream, (raw_id, fields) in entries:
             entry_id = (stream, text(raw_id))
             if not fields:
-                done.append(entry_id)
+                done.append((entry_id, ""))
                 continue
             try:
                 record = decode_record(fields)
@@ -173,7 +173,7 @@ class ReplyReader:
                 await self._dead_letter(entry_id, fields, exc.reason)
                 continue
             if await self._resolve(record, entry_id):
-                done.append(entry_id)
+                done.append((entry_id, record.request_id))
         await self._ack(done)
         if done and (self.max_inflight is not None or self.max_staleness is not None):
             await self._notify_room()
@@ -228,21 +228,20 @@ class ReplyReader:
         if len(self._recent) > self.RECENT_LIMIT:
             self._recent.pop(next(iter(self._recent)))
 
-    async def _ack(self, entries: list[tuple[str, str]]) -> None:
-        """Ack and delete (stream, entry id) pairs: one transaction per reply stream."""
+    async def _ack(self, entries: list[tuple[tuple[str, str], str]]) -> None:
+        """Ack and delete the entries of applied records, given as ((stream, entry id), request_id),
+        taking the finished marks they leave in the ownership hash with them: one call per reply
+        stream (``Scripts.ack_replies_in``)."""
         if entries and self._before_ack is not None:
             try:
                 self._before_ack()
             except Exception as exc:
                 raise BeforeAckError(f"before_ack raised {exc!r}: {len(entries)} reply entries left unacked") from exc
-        by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in entries:
-            by_stream.setdefault(stream, []).append(entry_id)
-        for stream, ids in by_stream.items():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.xack(stream, PRODUCER_GROUP, *ids)
-                pipe.xdel(stream, *ids)
-                await pipe.execute()
+        by_stream: dict[str, list[tuple[str, str]]] = {}
+        for (stream, entry_id), request_id in entries:
+            by_stream.setdefault(stream, []).append((entry_id, request_id))
+        for stream, pairs in by_stream.items():
+            await self.scripts.ack_replies_in(self.redis, stream=stream, group=PRODUCER_GROUP, entries=pairs)
 
     async def _dead_letter(self, entry: tuple[str, str], fields: dict, reason: str) -> None:
         stream, entry_id = entry

@@ -130,7 +130,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         return [
             Grant((*conn, "multi", "exec", *scripts),
                   rw(requests, requests_high, lanes, rid, own, owner, dead, events),
-                  "connection upkeep; MULTI/EXEC (acks, abort, weight update); the functions submit_many, "
+                  "connection upkeep; MULTI/EXEC (abort, weight update); the functions submit_many, ack_replies, "
                   "cancel_queued and dead_letter with the keys they are given (FCALL: checked read+write)"),
             Grant(("xadd", "xrange", "xpending", "xinfo|groups", "xdel"), rw(requests, requests_high, lanes),
                   "submit (XADD in submit_many.lua); cancel a queued request on abort (XRANGE, XPENDING, "
@@ -145,10 +145,11 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
                   "records, dead-letter an undecodable one, receive the record of a cancelled request; "
                   "`submit --resume` reads the records that came while nothing read (XRANGE)"),
-            Grant(("type", "hset", "expire", "hdel"), rw(owner),
+            Grant(("type", "hset", "hget", "expire", "hdel"), rw(owner),
                   "its ownership hash: the submit notes each request it queues for its reply stream there "
-                  "(request_id → stream and entry id; the worker publishes to the reply stream only what it names), "
-                  "a cancelled one is taken out"),
+                  "(request_id → stream and entry id; the worker publishes to the reply stream only what it names) "
+                  "and reads a finished one's mark (a retried submit is not queued again), a cancelled one is "
+                  "taken out, and the ack takes out the marks of the records it acks (ack_replies.lua)"),
             Grant(("xread", "xrange"), rd(own_chunks),
                   "streamed requests: read their chunks (only the chunk streams of its own requests when narrowed)"),
             Grant(("xadd",), wr(dead, control),
@@ -187,9 +188,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("type", "xadd", "expire", "del"), rw(chunks),
                   "streamed requests' chunks: each added with its checkpoint part (checkpoint.lua), the chunks "
                   "of an earlier entry of the request_id deleted when its checkpoint starts over"),
-            Grant(("hget", "hdel"), rw(owners),
+            Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
-                  "before an error record): the producer's hash names the entry; its field goes with the finish"),
+                  "before an error record): the producer's hash names the entry; the finish turns its field "
+                  "into a finished mark, which the producer's ack takes out"),
             Grant(("type", "lrange", "rpush", "ltrim", "pexpire"), rw(finished),
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),

@@ -39,6 +39,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "claim_lanes": ("allow-oom",),
     "delete_consumer_if_empty": ("allow-oom",),
     "release_rids": ("allow-oom",),
+    "ack_replies": ("allow-oom",),
 }
 """Each script of ``shared/lua`` (its file is ``<name>.lua``) and its function flags.
 
@@ -46,8 +47,8 @@ Without flags a function that may write is refused as a whole while Redis is out
 read-only replica (the per-item scripts then report that refusal for every item:
 :func:`whole_call_refusal`). Claiming, renewing and dropping an empty consumer call no command
 that out of memory refuses (XREADGROUP, XCLAIM, XGROUP DELCONSUMER free or keep memory), so they
-run then too (``allow-oom``), and workers keep draining the backlog; releasing stale rid keys only
-deletes (``allow-oom`` too)."""
+run then too (``allow-oom``), and workers keep draining the backlog; releasing stale rid keys and
+a producer's acks only delete (``allow-oom`` too)."""
 
 
 def _body(name: str) -> str:

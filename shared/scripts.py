@@ -272,7 +272,8 @@ class Scripts:
         keys: list[Any] = [requests_key]
         args: list[Any] = [rid_ttl_s]
         for rid_key, token, request_id, reply_to, data, *rest in items:
-            keys += [rid_key, (owner_key_for(reply_to) if reply_to else None) or rid_key]
+            owner = owner_key_for(reply_to) if reply_to else None
+            keys += [rid_key, owner or rid_key, reply_to if owner else rid_key]
             args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
         return _run("submit_many", keys, args, client, submit_refused(requests_key, len(items)))
 
@@ -426,6 +427,14 @@ class Scripts:
         f = encode_record(record)
         return _run("cancel_queued", [stream, reply_key],
                     [group, entry_id, f["rid"], f["status"], f["data"]], client, lambda message: message)
+
+    # -- a producer's acks
+    def ack_replies_in(self, client: Any, *, stream: str, group: str, entries: Sequence[tuple[str, str]]) -> Any:
+        """Ack and delete ``entries`` ((entry id, request_id or '') of records applied) on reply
+        stream ``stream``, and take the finished marks they leave out of its producer's ownership
+        hash, in one call (see ``shared/lua/ack_replies.lua``). Returns the number acked."""
+        owner = owner_key_for(stream) or stream
+        return _run("ack_replies", [stream, owner], [group, *(v for pair in entries for v in pair)], client)
 
     # -- housekeeping
     async def release_rids(self, streams: Sequence[str], rid_keys: Sequence[str], *,

@@ -718,6 +718,64 @@ async def test_finish_publishes_to_a_reply_stream_only_what_its_ownership_hash_n
     assert await r.xlen(keys.reply("p")) == 1 and await r.hlen(keys.owner("p")) == 0
 
 
+async def test_a_submit_retried_after_its_request_finished_is_not_queued_again_until_its_record_is_acked(r, settings):
+    # The finish turns the ownership field into a mark naming the record and the submit's token. A
+    # submit of that token while the record waits on the reply stream (a restarted producer with
+    # tokens made from its request_ids; a retry after a lost reply) is told it was taken, and
+    # queues nothing; the ack takes the mark out, and a later submit of the token is a new request.
+    keys, scripts = settings.keys, Scripts(r)
+    reply = keys.reply("p")
+    first = await scripts.submit(keys.requests, keys.rid("m1"), "p:m1", "m1", reply, data_for("m1"), 60)
+    await ensure_group(r, keys.requests, G)
+    await ensure_group(r, reply, "producer")
+    await r.xreadgroup(G, "c1", {keys.requests: ">"})
+    assert await scripts.finish(requests_key=keys.requests, reply_key=reply, rid_key=keys.rid("m1"), group=G,
+                                consumer="c1", entry_id=first.entry_id, record=record("m1", worker="c1")) == 1
+    [(rec_id, _)] = await r.xrange(reply)
+    mark = (await r.hget(keys.owner("p"), "m1")).decode()
+    assert mark == f"done {rec_id.decode()} p:m1 requests {first.entry_id}" and not await r.exists(keys.rid("m1"))
+
+    again = await scripts.submit(keys.requests, keys.rid("m1"), "p:m1", "m1", reply, data_for("m1"), 60)
+    assert again.retried and again.entry_id == first.entry_id
+    assert await r.xlen(keys.requests) == 0 and not await r.exists(keys.rid("m1"))  # (nothing queued or held)
+
+    # Another token (a producer's own new submit of the request_id) is a new request; the record of
+    # the earlier one, acked after, leaves the new field alone.
+    other = await scripts.submit(keys.requests, keys.rid("m1"), "p:rand:0", "m1", reply, data_for("m1"), 60)
+    assert not other.retried and await r.xlen(keys.requests) == 1
+    await r.xreadgroup("producer", "p", {reply: ">"})
+    assert await scripts.ack_replies_in(r, stream=reply, group="producer", entries=[(rec_id.decode(), "m1")]) == 1
+    assert await r.xlen(reply) == 0
+    assert (await r.hget(keys.owner("p"), "m1")).decode() == f"requests {other.entry_id}"
+
+
+async def test_the_ack_takes_out_the_finished_mark_and_a_record_gone_unread_frees_the_token(r, settings):
+    keys, scripts = settings.keys, Scripts(r)
+    reply = keys.reply("p")
+    await ensure_group(r, keys.requests, G)
+    await ensure_group(r, reply, "producer")
+    entries = {}
+    for rid in ("a1", "a2"):
+        entries[rid] = (await scripts.submit(keys.requests, keys.rid(rid), f"p:{rid}", rid, reply, data_for(rid),
+                                             60)).entry_id
+    await r.xreadgroup(G, "c1", {keys.requests: ">"})
+    for rid in ("a1", "a2"):
+        await scripts.finish(requests_key=keys.requests, reply_key=reply, rid_key=keys.rid(rid), group=G,
+                             consumer="c1", entry_id=entries[rid], record=record(rid, worker="c1"))
+    recs = {f[b"rid"].decode(): i.decode() for i, f in await r.xrange(reply)}
+    await r.xreadgroup("producer", "p", {reply: ">"})
+    # a1's record is acked: its mark goes, and the token submits anew
+    assert await scripts.ack_replies_in(r, stream=reply, group="producer", entries=[(recs["a1"], "a1")]) == 1
+    assert not await r.hexists(keys.owner("p"), "a1")
+    assert not (await scripts.submit(keys.requests, keys.rid("a1"), "p:a1", "a1", reply, data_for("a1"), 60)).retried
+    # a2's record is gone without an ack (the reply stream trimmed or expired): the mark is stale,
+    # and the token submits anew too (nothing would ever deliver the record it names)
+    await r.xdel(reply, recs["a2"])
+    assert (await r.hget(keys.owner("p"), "a2")).decode().startswith("done ")
+    assert not (await scripts.submit(keys.requests, keys.rid("a2"), "p:a2", "a2", reply, data_for("a2"), 60)).retried
+    assert await r.xlen(keys.requests) == 2
+
+
 async def test_an_entry_forged_on_another_request_stream_with_the_submitted_id_is_refused(r, settings):
     # Entry ids are per stream: an entry added to the high-priority stream with the id of a genuine
     # submit to the normal stream (an explicit id, or the same millisecond) names the same

@@ -119,12 +119,18 @@ for i = 1, n do
     elseif check ~= 0 then
       out[i] = check
     else
-      if ownkey ~= ridkey then redis.call('HDEL', ownkey, ARGV[a + 2]) end
-      done[#done + 1] = entry
-      -- Release the submit de-duplication key only if it still names this entry.
-      if type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry then
-        redis.call('DEL', ridkey)
+      -- Release the submit de-duplication key only if it still names this entry; its producer's
+      -- ownership field becomes a finished mark, 'done <record id> <what the rid key held>', until
+      -- the producer acks the record (ack_replies.lua): a retry of that submit's token meanwhile is
+      -- told the request was taken, not queued again (submit_many.lua).
+      local ours = type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry
+      if ownkey ~= ridkey and ours then
+        redis.call('HSET', ownkey, ARGV[a + 2], 'done ' .. added .. ' ' .. held)
+      elseif ownkey ~= ridkey then
+        redis.call('HDEL', ownkey, ARGV[a + 2])
       end
+      done[#done + 1] = entry
+      if ours then redis.call('DEL', ridkey) end
       if ARGV[a + 6] == '1' then
         local head = redis.pcall('GETRANGE', partial, 0, 43)
         if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial) end

@@ -1,7 +1,8 @@
 -- De-duplicated submit of many requests to one stream in one call, atomically with each XADD.
--- KEYS[1] request stream, then per item i KEYS[2i] its rid key, KEYS[2i + 1] the ownership hash of
+-- KEYS[1] request stream, then per item i KEYS[3i - 1] its rid key, KEYS[3i] the ownership hash of
 -- the producer whose reply stream reply_to is ({tag}:own:<producer>; the rid key again when reply_to
--- is none or a results stream: then nothing is written there)
+-- is none or a results stream: then nothing is written there), KEYS[3i + 1] that reply stream (the
+-- rid key again likewise)
 -- ARGV[1] the ownership hash's TTL in seconds, then per item 5 values: token, request_id, reply_to
 -- ('' = none), affinity key ('' = none: the plain field ak), data
 -- The rid key holds '<token> <stream> <entry id>' and the ownership field '<stream> <entry id>'
@@ -12,8 +13,12 @@
 -- finish, a dead letter or housekeeping (release_rids) deletes it.
 -- An added request with an ownership hash gets its field request_id = entry id there (the hash's
 -- TTL renewed once per call): the worker publishes to a producer's reply stream only what that hash names.
+-- A request that finished leaves 'done <record id> <what its rid key held>' in its ownership field
+-- until its producer acks the record (finish_many.lua, ack_replies.lua): a submit of the same token
+-- meanwhile, its record still on the reply stream, is that submit's retry (a restarted producer
+-- with tokens made from its request_ids; a retry after a lost reply) and is not queued again.
 -- Returns per item {code, value}: {1, entry_id} added, {2, entry_id} a retry of this token (it was
--- added before), {0, holder_token} refused (another submit holds the request_id), {3, error} the
+-- added before; it may have finished since), {0, holder_token} refused (another submit holds the request_id), {3, error} the
 -- request stream or the rid key refused it (out of memory, a read-only replica, a key of another
 -- type): nothing of that item was written.
 -- All or nothing per item: its reads come first, its first write (the XADD) goes through pcall,
@@ -24,18 +29,35 @@ local ttl = ARGV[1]
 local stream = KEYS[1]
 local sname = string.match(stream, '^{[^}]*}:(.*)$') or stream
 local owners = {}  -- ownership hash -> its type, looked up once per call; 'written' once a field went in
-for i = 1, (#KEYS - 1) / 2 do
+-- The entry a finished mark in ``ownkey`` names when it is this token's and its record is still on
+-- ``replykey`` (not acked yet); else nil.
+local function finished_retry(ownkey, replykey, rid, token)
+  local mark = redis.call('HGET', ownkey, rid)
+  local rec, prior, entry = string.match(mark or '', '^done (%S+) (%S+) %S+ (%S+)$')
+  if not rec or prior ~= token then return nil end
+  local there = redis.pcall('XRANGE', replykey, rec, rec)
+  if type(there) == 'table' and not there.err and #there > 0 then return entry end
+  return nil
+end
+
+for i = 1, (#KEYS - 1) / 3 do
   local a = 1 + (i - 1) * 5
   local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local ridkey, ownkey = KEYS[2 * i], KEYS[2 * i + 1]
+  local ridkey, ownkey, replykey = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
   local held = redis.pcall('GET', ridkey)
   local owntype = 'none'
   if ownkey ~= ridkey then
     owntype = owners[ownkey] or redis.call('TYPE', ownkey)['ok']
     owners[ownkey] = owntype
   end
+  local retried = nil
+  if not held and (owntype == 'hash' or owntype == 'written') and replykey ~= ridkey then
+    retried = finished_retry(ownkey, replykey, rid, token)
+  end
   if owntype ~= 'none' and owntype ~= 'hash' and owntype ~= 'written' then
     out[i] = {3, ownkey .. ': WRONGTYPE Operation against a key holding the wrong kind of value'}
+  elseif retried then
+    out[i] = {2, retried}
   elseif held then
     if type(held) == 'table' and held.err then
       out[i] = {3, ridkey .. ': ' .. held.err}
