@@ -19,6 +19,7 @@ import json
 import statistics
 import time
 import uuid
+from typing import Awaitable, Callable
 
 from redroll.embedded import start_redis_server
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
@@ -81,7 +82,12 @@ def main() -> None:
     p.add_argument("--chunk-ms", type=float, default=50.0)
     p.add_argument("--token-ms", type=float, default=2.0)
     p.add_argument("--runs", type=int, default=3)
-    args = p.parse_args()
+    print_runs(p.parse_args(), one_run)
+
+
+def print_runs(args: argparse.Namespace, one_run: Callable[[str, argparse.Namespace], Awaitable[dict]]) -> None:
+    """``args.runs`` runs of ``one_run(url, args)`` on one private redis-server, printed as JSON
+    with each figure's median and range."""
     server = start_redis_server()
     try:
         runs = [asyncio.run(one_run(server.url, args)) for _ in range(args.runs)]

@@ -145,7 +145,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "its private reply stream: create the group, keep the TTL fresh, read and ack+delete "
                   "records, dead-letter an undecodable one, receive the record of a cancelled request; "
                   "`submit --resume` reads the records that came while nothing read (XRANGE)"),
-            Grant(("type", "hset", "hget", "expire", "hdel"), rw(owner),
+            Grant(("type", "hset", "hget", "hmget", "expire", "hdel"), rw(owner),
                   "its ownership hash: the submit notes each request it queues for its reply stream there "
                   "(request_id → stream and entry id; the worker publishes to the reply stream only what it names) "
                   "and reads a finished one's mark (a retried submit is not queued again), a cancelled one is "

@@ -7,14 +7,21 @@
 -- Returns the number of entries acked.
 -- All or nothing: the reads come first; XACK, XDEL and HDEL free memory and cannot fail on keys of
 -- the types read.
-local ids, marks = {}, {}
+local ids, rids, asked = {}, {}, {}
 local hashed = KEYS[2] ~= KEYS[1] and redis.call('TYPE', KEYS[2])['ok'] == 'hash'
 for j = 2, #ARGV, 2 do
-  local entry, rid = ARGV[j], ARGV[j + 1]
-  ids[#ids + 1] = entry
-  if hashed and rid ~= '' then
-    local mark = redis.call('HGET', KEYS[2], rid)
-    if mark and string.sub(mark, 1, 6 + #entry) == 'done ' .. entry .. ' ' then marks[#marks + 1] = rid end
+  ids[#ids + 1] = ARGV[j]
+  if hashed and ARGV[j + 1] ~= '' then
+    rids[#rids + 1] = ARGV[j + 1]
+    asked[#asked + 1] = ARGV[j]
+  end
+end
+local marks = {}
+for j = 1, #rids, 4000 do
+  local got = redis.call('HMGET', KEYS[2], unpack(rids, j, math.min(j + 3999, #rids)))
+  for k, mark in ipairs(got) do
+    local entry = asked[j + k - 1]
+    if mark and string.sub(mark, 1, 6 + #entry) == 'done ' .. entry .. ' ' then marks[#marks + 1] = rids[j + k - 1] end
   end
 end
 local acked = 0
