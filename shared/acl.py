@@ -190,8 +190,8 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "of an earlier entry of the request_id deleted when its checkpoint starts over"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
-                  "before an error record): the producer's hash names the entry; the finish turns its field "
-                  "into a finished mark, which the producer's ack takes out"),
+                  "before an error record): the producer's hash names the entry; the finish or dead letter turns "
+                  "its field into a finished mark, which the producer's ack takes out"),
             Grant(("type", "lrange", "rpush", "ltrim", "pexpire"), rw(finished),
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),

@@ -386,13 +386,17 @@ class Scripts:
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:
         """Queue or run the dead-letter script; its reply reads with :meth:`DeadLetterOutcome.from_reply`."""
         keys = [letter.stream, dead_key]
-        reply_idx = rid_idx = 0
+        reply_idx = rid_idx = owner_idx = 0
         rec_args: list[Any] = ["", "", "", ""]
         if letter.reply_to and letter.error_record is not None:
             keys.append(letter.reply_to)
             reply_idx = len(keys)
             f = encode_record(letter.error_record)
             rec_args = [f["rid"], f["status"], f["worker"], f["data"]]
+            owner = owner_key_for(letter.reply_to)
+            if owner is not None:
+                keys.append(owner)
+                owner_idx = len(keys)
         if letter.rid_key:
             keys.append(letter.rid_key)
             rid_idx = len(keys)
@@ -410,7 +414,7 @@ class Scripts:
             log_args = script_args(None)
         args = [group, consumer, letter.entry_id, letter.reason, letter.source,
                 "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
-                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs, *log_args]
+                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs, *log_args, owner_idx]
         return _run("dead_letter", keys, args, client, dead_letter_refused)
 
     async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:

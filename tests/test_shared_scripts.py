@@ -472,6 +472,29 @@ async def test_dead_letter_writes_dead_entry_error_record_acks_and_deletes(r, se
     assert await r.exists(keys.rid("req-1")) == 0
 
 
+@pytest.mark.parametrize("record_sent", [True, False], ids=["error-record-sent", "reply-refused"])
+async def test_a_dead_letter_leaves_the_finished_mark_as_a_finish_does(r, settings, record_sent):
+    # An error record to a producer's reply stream is that request's record: its ownership field
+    # becomes the finished mark (a retried submit of the token queues nothing until the record is
+    # acked). Without a record (its reply stream refused it) the field goes.
+    keys, scripts = settings.keys, Scripts(r)
+    reply = keys.reply("p")
+    sub = await scripts.submit(keys.requests, keys.rid("d1"), "p:d1", "d1", reply, data_for("d1"), 60)
+    await ensure_group(r, keys.requests, G)
+    await r.xreadgroup(G, "c1", {keys.requests: ">"})
+    letter = dataclasses.replace(letter_for(keys, sub.entry_id, {b"rid": b"d1"}, rid="d1"), reply_to=reply,
+                                 reply_refused=None if record_sent else "WRONGTYPE (simulated)")
+    assert (await scripts.dead_letter(dead_key=keys.dead, group=G, consumer="c1", letter=letter)).done
+    assert not await r.exists(keys.rid("d1"))
+    if record_sent:
+        [(rec_id, _)] = await r.xrange(reply)
+        assert (await r.hget(keys.owner("p"), "d1")).decode() == f"done {rec_id.decode()} p:d1 requests {sub.entry_id}"
+        assert (await scripts.submit(keys.requests, keys.rid("d1"), "p:d1", "d1", reply, data_for("d1"), 60)).retried
+        assert await r.xlen(keys.requests) == 0
+    else:
+        assert await r.xlen(reply) == 0 and not await r.hexists(keys.owner("p"), "d1")
+
+
 async def test_dead_letter_without_delete_and_without_reply(r, settings):
     keys, scripts = settings.keys, Scripts(r)
     entry = await add_and_claim(r, keys, "c1")

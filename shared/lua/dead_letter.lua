@@ -8,7 +8,9 @@
 -- ARGV[9..12] error record: rid, status, worker, data (used when a reply key is given)
 -- ARGV[13] delivery count   ARGV[14] why the waiter's reply stream cannot be used ('' = it can)
 -- ARGV[15] number of original field pairs, then the pairs, then the event log's cap in bytes
--- ('0' = off) and TTL
+-- ('0' = off) and TTL, then the index in KEYS of the ownership hash of the producer whose reply
+-- stream takes the error record (0 = none): its field for this entry becomes a finished mark, as
+-- finish_many.lua leaves, when the record went out and the rid key named this entry; else it goes
 -- Returns {code, message}: {1, ''} dead-lettered (and the error record sent, when asked);
 -- {1, error} dead-lettered, but the reply stream refused the error record: the dead letter then
 -- carries a field reply_error (a waiting producer learns of its request from it);
@@ -66,8 +68,17 @@ if ARGV[6] == '1' then
   redis.call('XDEL', KEYS[1], ARGV[3])
 end
 local here = (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) .. ' ' .. ARGV[3]  -- (see submit_many.lua)
-if type(held) == 'string' and string.sub(held, -string.len(here) - 1) == ' ' .. here then
+local ours = type(held) == 'string' and string.sub(held, -string.len(here) - 1) == ' ' .. here
+if ours then
   redis.call('DEL', KEYS[rid_idx])
+end
+local own_idx = tonumber(ARGV[18 + 2 * npairs])
+if own_idx > 0 and redis.pcall('HGET', KEYS[own_idx], ARGV[9]) == here then
+  if sent and ours then
+    redis.call('HSET', KEYS[own_idx], ARGV[9], 'done ' .. sent .. ' ' .. held)
+  else
+    redis.call('HDEL', KEYS[own_idx], ARGV[9])
+  end
 end
 if rid_idx > 0 and #KEYS > rid_idx + 1 then
   local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)
