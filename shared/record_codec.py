@@ -90,20 +90,8 @@ def _decode_record(fields: Mapping[Any, Any]) -> CompletionRecord:
     ids = rec.output_token_ids
     if len(rec.finish_reasons) != len(ids):
         raise ValidationError("finish_reasons", "must be a list with one entry per sample")
-    logprobs = rec.output_logprobs
-    if logprobs is not None:
-        if len(logprobs) != len(ids):
-            raise ValidationError("output_logprobs", "must be a list with one entry per sample")
-        for i, (lp, s) in enumerate(zip(logprobs, ids)):
-            if len(lp) != len(s):
-                raise ValidationError(f"output_logprobs[{i}]", "must have the same length as its token ids")
-    versions = rec.weight_versions
-    if versions is not None:
-        if len(versions) != len(ids):
-            raise ValidationError("weight_versions", "must be a list with one entry per sample")
-        for i, (vs, s) in enumerate(zip(versions, ids)):
-            if vs is not None and len(vs) != len(s):
-                raise ValidationError(f"weight_versions[{i}]", "must have the same length as its token ids")
+    _per_sample("output_logprobs", rec.output_logprobs, ids, "must have the same length as its token ids")
+    _per_sample("weight_versions", rec.weight_versions, ids, "must have the same length as its token ids")
     _check_extras(rec)
     return rec
 
@@ -149,22 +137,27 @@ def _worker_pair(worker: str | None) -> bytes:
     return _WORKER_KEY + _ENCODER.encode(worker)
 
 
+def _per_sample(name: str, values: list | None, ids: list[list[int]], per_token: str | None = None) -> None:
+    """``values`` (None: absent) has one entry per sample; with ``per_token`` (the message), each
+    entry that is not None has one per token id of its sample."""
+    if values is None:
+        return
+    if len(values) != len(ids):
+        raise ValidationError(name, "must be a list with one entry per sample")
+    if per_token is not None:
+        for i, (v, s) in enumerate(zip(values, ids)):
+            if v is not None and len(v) != len(s):
+                raise ValidationError(f"{name}[{i}]", per_token)
+
+
 def _check_extras(data: RecordData) -> None:
     """The shapes of the per-request extras: one entry per sample, one per token."""
     ids = data.output_token_ids
-    if data.output_text is not None and len(data.output_text) != len(ids):
-        raise ValidationError("output_text", "must be a list with one entry per sample")
-    top = data.output_top_logprobs
-    if top is not None:
-        if len(top) != len(ids):
-            raise ValidationError("output_top_logprobs", "must be a list with one entry per sample")
-        for i, (t, s) in enumerate(zip(top, ids)):
-            if len(t) != len(s):
-                raise ValidationError(f"output_top_logprobs[{i}]", "must have one entry per token id")
+    _per_sample("output_text", data.output_text, ids)
+    _per_sample("output_top_logprobs", data.output_top_logprobs, ids, "must have one entry per token id")
     routed = data.routed_experts
+    _per_sample("routed_experts", routed, ids)
     if routed is not None:
-        if len(routed) != len(ids):
-            raise ValidationError("routed_experts", "must be a list with one entry per sample")
         for i, experts in enumerate(routed):
             if experts is None:
                 continue
