@@ -149,6 +149,11 @@ class Producer(ReplyReader):
         self._unclaimed_event = asyncio.Event()
         self._recent: dict[str, tuple[tuple[str, str] | None, CompletionRecord | None]] = {}
         """request_id → (the entry its record was applied from, a later record of the same id or None)."""
+        self._submitting: set[str] = set()
+        """request_ids whose submit is on its way: the ack of a record of one waits for that submit's
+        reply (``_acks_after_submit``), so the submit meets the record's finished mark and does not
+        queue it again (a resumed producer's, or a retry after a lost reply)."""
+        self._acks_after_submit: list[tuple[tuple[str, str], str]] = []
         self._readers: list[asyncio.Task] = []
         self._closed = False
         self._last_expire = 0.0
@@ -312,6 +317,8 @@ class Producer(ReplyReader):
         # earlier submit finished, and sending it again would generate it again)
         sending = [(item, fut) for item, fut in zip(prepared, futures)
                    if item[0].request_id not in came and not (self._tokens_from_ids and fut.done())]
+        submitting = {req.request_id for (req, _, _), _fut in sending}
+        self._submitting |= submitting
         try:
             replies = await self._submit_until_accepted([item for item, _ in sending]) if sending else []
         except BaseException:
@@ -319,6 +326,9 @@ class Producer(ReplyReader):
                 self._waiters.pop(req.request_id, None)
             self.admitted -= len(sending)
             raise
+        finally:  # (after a failed submit they stay pending: the reader finds them, and acks them)
+            came_meanwhile = self._after_submit(submitting)
+        await self._ack_now(came_meanwhile)
         failed: Exception | None = None
         for ((req, _, _), fut), reply in zip(sending, replies):
             try:
@@ -342,13 +352,24 @@ class Producer(ReplyReader):
         (it would be generated again). Returns those request_ids."""
         held = {req.request_id: self._unclaimed.pop(req.request_id) for req, _, _ in prepared
                 if req.request_id in self._unclaimed}
-        applied = [(entry_id, record.request_id) for entry_id, record in held.values()
-                   if await self._resolve(record, entry_id)]
+        await self._ack_now([(entry_id, record.request_id) for entry_id, record in held.values()
+                             if await self._resolve(record, entry_id)])
+        return set(held)
+
+    def _after_submit(self, submitted: set[str]) -> list[tuple[tuple[str, str], str]]:
+        """The submit of ``submitted`` request_ids answered: the acks of their records that came
+        meanwhile, to make now."""
+        self._submitting -= submitted
+        now = [a for a in self._acks_after_submit if a[1] in submitted]
+        if now:
+            self._acks_after_submit = [a for a in self._acks_after_submit if a[1] not in submitted]
+        return now
+
+    async def _ack_now(self, entries: list[tuple[tuple[str, str], str]]) -> None:
         try:
-            await self._ack(applied)
+            await self._ack(entries)
         except BeforeAckError as exc:  # (they stay pending here: the reader reads them again, and acks them)
             log.error("%s", exc)
-        return set(held)
 
     async def _submit_until_accepted(self, prepared: list) -> list:
         return await submit_until_accepted(lambda items: self._submit_with_retry(items), prepared,

@@ -174,6 +174,9 @@ class ReplyReader:
                 continue
             if await self._resolve(record, entry_id):
                 done.append((entry_id, record.request_id))
+        if self._submitting:  # (acked once that submit answered: see Producer._submitting)
+            self._acks_after_submit += [d for d in done if d[1] in self._submitting]
+            done = [d for d in done if d[1] not in self._submitting]
         await self._ack(done)
         if done and (self.max_inflight is not None or self.max_staleness is not None):
             await self._notify_room()

@@ -164,6 +164,38 @@ async def test_a_taken_over_request_whose_record_came_before_its_submit_gets_tha
         assert again.outstanding == 0
 
 
+class SubmitAfterItsRecord(Producer):
+    """A producer whose submits reach Redis only once the records of their requests were delivered
+    here: the instant between a resumed producer's reads and its takeover submit, made to last."""
+
+    async def _submit_with_retry(self, prepared: list, attempts: int = 8) -> list:
+        futures = [self._waiters[req.request_id].future for req, _, _ in prepared]
+        await asyncio.wait_for(asyncio.gather(*futures), 10)
+        return await super()._submit_with_retry(prepared, attempts)
+
+
+async def test_a_record_that_comes_while_its_takeover_submit_is_on_its_way_is_not_generated_again(settings, r):
+    """The request finishes and its record is applied here while the takeover submit is on its
+    way: the record's ack waits for that submit, which meets the finished mark and queues nothing;
+    then the ack takes the mark out."""
+    keys = settings.keys
+    async with Producer(settings, name="batch-3", tokens_from_ids=True, block_ms=100) as first:
+        await first.submit(request_id="race-1", prompt="x", sampling_params=SP)  # (no worker yet: queued)
+    async with SubmitAfterItsRecord(settings, name="batch-3", tokens_from_ids=True, block_ms=100) as again:
+        submitting = asyncio.create_task(again.submit(request_id="race-1", prompt="x", sampling_params=SP))
+        async with running_worker(settings) as worker:
+            record = await asyncio.wait_for(await asyncio.wait_for(submitting, 15), 5)
+            assert record.status is RecordStatus.FINISHED
+            assert await r.xlen(keys.requests) == 0  # (the submit queued nothing)
+        assert worker.stats.claimed == 1
+        await wait_until(lambda: _is_zero(r.xlen(keys.reply("batch-3"))), timeout=5)  # (acked after the submit)
+        assert await r.hlen(keys.owner("batch-3")) == 0 and again.outstanding == 0
+
+
+async def _is_zero(count) -> bool:
+    return await count == 0
+
+
 async def test_before_ack_runs_before_the_acks_and_a_failure_leaves_the_records_on_the_reply_stream(settings, r):
     """``before_ack`` runs after the callbacks of a delivered batch and before its acks; while it
     raises, the entries stay on the reply stream (the reader tries again), and the callbacks are
