@@ -179,16 +179,19 @@ async def test_an_abort_or_deadline_while_the_checkpoint_loads_stops_the_request
 
     loading = asyncio.Event()
     load = Checkpoints.load
+    # (the deadline leaves the worker time to claim the request on a busy machine; the load
+    # outlasts it, so it passes while the checkpoint loads)
+    deadline_at = time.time() + 2.0
 
     async def slow_load(self, *args, **kwargs):
         loading.set()
-        await asyncio.sleep(0.3)  # (a large checkpoint's GET)
+        await asyncio.sleep(0.3 if stop == "abort" else max(0.0, deadline_at - time.time()) + 0.2)  # (a large GET)
         return await load(self, *args, **kwargs)
 
     monkeypatch.setattr(Checkpoints, "load", slow_load)
     s = checkpointing(settings)
     worker = Worker(s, SyntheticEngine(token_ms=10), max_inflight=4, block_ms=100)
-    deadline = {"deadline": time.time() + 0.15} if stop == "deadline" else {}
+    deadline = {"deadline": deadline_at} if stop == "deadline" else {}
     async with running(worker), Producer(s) as p:
         future = await p.submit(resumable(f"{stop}-1", 300, **deadline))
         await asyncio.wait_for(loading.wait(), 10)
