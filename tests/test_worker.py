@@ -98,7 +98,8 @@ async def test_deadline(settings):
     worker, task = await start_worker(settings, token_ms=20)
     async with Producer(settings) as p:
         past = await p.submit(prompt="x", deadline=time.time() - 1, sampling_params={"max_new_tokens": 5})
-        mid = await p.submit(prompt="y", deadline=time.time() + 0.5, collect_unfinished=True,
+        # (2 s: time to claim it on a busy machine; its 500 tokens take 10 s, so it expires mid-way)
+        mid = await p.submit(prompt="y", deadline=time.time() + 2.0, collect_unfinished=True,
                              sampling_params={"max_new_tokens": 500})
         r_past, r_mid = await asyncio.wait_for(asyncio.gather(past, mid), 10)
     await stop(worker, task)
