@@ -74,11 +74,7 @@ if ours then
 end
 local own_idx = tonumber(ARGV[18 + 2 * npairs])
 if own_idx > 0 and redis.pcall('HGET', KEYS[own_idx], ARGV[9]) == here then
-  if sent and ours then
-    redis.call('HSET', KEYS[own_idx], ARGV[9], 'done ' .. sent .. ' ' .. held)
-  else
-    redis.call('HDEL', KEYS[own_idx], ARGV[9])
-  end
+  settle_owner_field(KEYS[own_idx], ARGV[9], sent, ours and held)  -- (shared/lua/prelude.lua)
 end
 if rid_idx > 0 and #KEYS > rid_idx + 1 then
   local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)

@@ -29,7 +29,7 @@
 -- to ARGV[4] ms, after the acks (a key of another type found at the start is left alone: no marker
 -- then). An entry this consumer no longer owns is looked up there, so a retry of a finish whose
 -- reply was lost tells its own earlier success from a lost lease.
--- (log_event and now_ms: shared/lua/prelude.lua)
+-- (log_event, now_ms and settle_owner_field: shared/lua/prelude.lua)
 local out = {}
 local done = {}
 local n = (#KEYS - 2) / 5  -- (four keys per item, then one event log per item)
@@ -124,11 +124,7 @@ for i = 1, n do
       -- the producer acks the record (ack_replies.lua): a retry of that submit's token meanwhile is
       -- told the request was taken, not queued again (submit_many.lua).
       local ours = type(held) == 'string' and string.sub(held, -string.len(entry) - 1) == ' ' .. entry
-      if ownkey ~= ridkey and ours then
-        redis.call('HSET', ownkey, ARGV[a + 2], 'done ' .. added .. ' ' .. held)
-      elseif ownkey ~= ridkey then
-        redis.call('HDEL', ownkey, ARGV[a + 2])
-      end
+      if ownkey ~= ridkey then settle_owner_field(ownkey, ARGV[a + 2], added, ours and held) end
       done[#done + 1] = entry
       if ours then redis.call('DEL', ridkey) end
       if ARGV[a + 6] == '1' then

@@ -1,5 +1,6 @@
--- Shared by the functions that write a request's event log (checkpoint, dead_letter, finish_many):
--- placed once at the top of the library by redroll.shared.functions.build_library.
+-- Shared by the functions that write a request's event log (checkpoint, dead_letter, finish_many)
+-- or end a request (dead_letter, finish_many): placed once at the top of the library by
+-- redroll.shared.functions.build_library.
 
 -- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
 -- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
@@ -30,4 +31,16 @@ end
 local function now_ms()
   local t = redis.call('TIME')
   return tostring(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
+
+-- A request ended, its record (``record_id``, or false: none) sent to its producer's reply stream:
+-- the request's field in that producer's ownership hash becomes the finished mark 'done <record
+-- id> <what the rid key held>' (``held``, or false when the rid key did not name this entry),
+-- which submit_many.lua reads and ack_replies.lua takes out; without both, the field goes.
+local function settle_owner_field(ownkey, rid, record_id, held)
+  if record_id and held then
+    redis.call('HSET', ownkey, rid, 'done ' .. record_id .. ' ' .. held)
+  else
+    redis.call('HDEL', ownkey, rid)
+  end
 end
