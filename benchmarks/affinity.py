@@ -213,7 +213,7 @@ async def run_config(args: argparse.Namespace, url: str, lanes: int, log_dir: Pa
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
-    from redroll.embedded import start_redis_server
+    from redroll.testing.embedded import start_redis_server
 
     log_dir = Path(tempfile.mkdtemp(prefix="redroll-affinity-"))
     server = start_redis_server()

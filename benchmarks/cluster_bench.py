@@ -26,8 +26,8 @@ from redis.crc import key_slot
 
 from benchmarks.harness import Procs, machine_info, make_base_dir, new_run_dir, read_json, redroll_env, wait_for
 from benchmarks.runs import CONSUMER_GROUP, consumer_argv, producer_argv, redroll_worker_argv
-from redroll.embedded import RedisCluster, start_redis_cluster
 from redroll.shared.keys import Keys, partition_keys
+from redroll.testing.embedded import RedisCluster, start_redis_cluster
 
 
 def spread_namespace(partitions: int, primaries: int = 3) -> str:

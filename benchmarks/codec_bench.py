@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,9 @@ def load_codec_at(rev: str, workdir: Path) -> ModuleType:
         if shown.returncode != 0 and name in ("record_codec.py", "validation.py"):
             continue  # (not split yet at rev)
         shown.check_returncode()
-        (package / name).write_text(shown.stdout)
+        # (its imports of the modules copied here point at the copies, whether relative or absolute)
+        (package / name).write_text(re.sub(r"\bredroll\.shared\.(codec|types|record_codec|validation)\b",
+                                           r"_codec_before.\1", shown.stdout))
     sys.path.insert(0, str(workdir))
     try:
         return importlib.import_module("_codec_before.codec")

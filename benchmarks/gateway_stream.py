@@ -131,7 +131,7 @@ async def one_run(url: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    from redroll.embedded import start_redis_server
+    from redroll.testing.embedded import start_redis_server
 
     server = start_redis_server()
     try:

@@ -173,7 +173,7 @@ async def _paused(stacks: dict[str, list[subprocess.Popen]], measured: str, paus
 async def main_async(args: argparse.Namespace) -> dict:
     import openai
 
-    from redroll.embedded import start_redis_server
+    from redroll.testing.embedded import start_redis_server
 
     work = Path(tempfile.mkdtemp(prefix="gw-vllm-bench-"))
     model = args.model_path

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import redis
 
-from redroll.embedded import RedisServer, start_redis_server
+from redroll.testing.embedded import RedisServer, start_redis_server
 from tests.support import poll, processes
 from tests.support.processes import Proc, group_cpu_s, stop_processes
 

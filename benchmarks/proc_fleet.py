@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import signal
 
-from redroll.runtime import run as run_async_main
+from redroll.cli.runtime import run as run_async_main
 
 
 async def main(count: int, token_ms: float, max_inflight: int) -> None:

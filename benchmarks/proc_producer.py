@@ -15,8 +15,8 @@ import time
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import INPUT_LEN, MAX_NEW_TOKENS, make_requests
+from redroll.cli.runtime import run as run_async_main
 from redroll.producer.client import send
-from redroll.runtime import run as run_async_main
 from redroll.shared.codec import encode_request
 from redroll.shared.connection import connect
 from redroll.shared.settings import Settings

@@ -18,7 +18,7 @@ consumer's report adds ``samples_ms``: its read time minus ``t`` for each entry.
 consumer also makes one more round trip before its ``XACK``, an ``SMISMEMBER`` of the read's rids on
 a set, as a redroll consumer checks its markers before any callback runs: ``check_ms`` has its time
 for each entry, so ``samples_ms[i] + check_ms[i]`` is the floor of a path that keeps that check.
-Every role runs on the event loop redroll's own processes use (:func:`redroll.runtime.run`).
+Every role runs on the event loop redroll's own processes use (:func:`redroll.cli.runtime.run`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import redis.asyncio
 
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import sample_record_fields, sample_request_fields
-from redroll.runtime import run as run_on_redroll_loop
+from redroll.cli.runtime import run as run_on_redroll_loop
 from redroll.shared.keys import Keys
 
 GROUP_W = "workers"

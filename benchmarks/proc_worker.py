@@ -18,7 +18,7 @@ import time
 from benchmarks.engines import CannedEngine, SlotEngine
 from benchmarks.harness import write_json_atomic
 from benchmarks.payload import make_requests
-from redroll.runtime import run as run_async_main
+from redroll.cli.runtime import run as run_async_main
 
 
 def _engine(a: argparse.Namespace):

@@ -126,7 +126,7 @@ async def cost_run(url: str, args: argparse.Namespace, resumable: bool, log: Pat
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
-    from redroll.embedded import start_redis_server
+    from redroll.testing.embedded import start_redis_server
 
     work = Path(tempfile.mkdtemp(prefix="redroll-resume-"))
     log = work / "workers.log"

@@ -21,10 +21,10 @@ import uuid
 
 from redis.asyncio import Redis
 
-from redroll.embedded import start_redis_server
-from redroll.shared.gc import collect_garbage
+from redroll.ops.gc import collect_garbage
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
+from redroll.testing.embedded import start_redis_server
 
 
 async def fcall_usec(r: Redis) -> float:

@@ -86,8 +86,8 @@ def ceiling(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
         "cpu_us_per_request": run.cpu_us_per_item(),
         "redis_commands_per_request": commands,
         "how": "producer process: producer.client.send, 500 per pipelined round trip; worker: `python -m "
-               "redroll.cli worker --engine synthetic --token-ms 0 --max-inflight 256`; consumer: `python -m "
-               "redroll.cli consume --group bench --handler h=benchmarks.bench_handlers:count` (in-process "
+               "redroll.cli.main worker --engine synthetic --token-ms 0 --max-inflight 256`; consumer: `python -m "
+               "redroll.cli.main consume --group bench --handler h=benchmarks.bench_handlers:count` (in-process "
                "counter, one file write at the last callback); timed from first submit to last callback",
     }
     raw = {}
@@ -275,7 +275,7 @@ def latency(server: Server, cfg: Config, base: Path, res: SectionResult) -> None
         "submit_call_ms": _stats_ms([s["submit_ms"] for s in samples[warm:]]),
         "how": f"{n} requests paced at {rate:g}/s, each `await producer.submit(...)` (in this process, private "
                f"reply stream); added = (callback time - time before submit) - meta_info.engine_ms; first {warm} "
-               f"dropped as warm-up; worker: redroll.cli worker --engine synthetic --token-ms "
+               f"dropped as warm-up; worker: redroll.cli.main worker --engine synthetic --token-ms "
                f"{cfg.latency_token_ms:g}, max_new_tokens 8",
     }
     # (b) the consumer path: producer process (send) -> worker -> consumer-group callback
@@ -551,7 +551,7 @@ def large(server: Server, cfg: Config, base: Path, res: SectionResult) -> None:
                           "how": "worker: benchmarks/proc_worker.py --engine canned (a precomputed n x tokens "
                                  "output, so the run measures moving records, not the synthetic engine's "
                                  "per-token Python RNG, which alone costs the ms shown above), max_inflight 32; "
-                                 "consumer: redroll.cli consume with the counting handler"}
+                                 "consumer: redroll.cli.main consume with the counting handler"}
 
 
 # ====================================================================== 6. memory

@@ -39,11 +39,11 @@ from typing import Any, Sequence
 
 import redis
 
-from redroll.embedded_sentinel import start_sentinel_group
 from redroll.producer.client import make_request, send_each
 from redroll.shared.connection import connect
 from redroll.shared.scripts import DuplicateRequestError
 from redroll.shared.settings import Settings
+from redroll.testing.embedded_sentinel import start_sentinel_group
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLIED_ENV = "REDROLL_CHAOS_APPLIED"  # (the chaos harness's handler: benchmarks.chaos:apply_record)

@@ -21,11 +21,11 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
-from redroll.embedded import start_redis_server
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
 from redroll.shared.settings import Settings
+from redroll.testing.embedded import start_redis_server
 
 
 async def command_usec(r) -> float:

@@ -23,14 +23,16 @@ from typing import Any, Callable
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.backlog import group_backlog, requests_left
+from redroll.consumer.handlers import Handler, HandlerRegistry
+from redroll.observability.tracing import callback_span, traced, tracer
+from redroll.ops.backlog import group_backlog, requests_left
+from redroll.ops.retention import trim_acked
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
-from redroll.shared.durability import Durability
+from redroll.shared.connection.durability import Durability
 from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import is_refusal
-from redroll.shared.retention import trim_acked
 from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import (
@@ -44,10 +46,7 @@ from redroll.shared.streams import (
     text,
     unique_consumer_name,
 )
-from redroll.shared.tracing import callback_span, traced, tracer
 from redroll.shared.types import CompletionRecord
-
-from .handlers import Handler, HandlerRegistry
 
 log = logging.getLogger("redroll.consumer")
 
@@ -140,7 +139,7 @@ class ConsumerRunner:
         self.on_applied = on_applied
         self.stats = ConsumerStats()
         self.metrics: Any = None
-        """A :class:`redroll.shared.metrics.ConsumerMetrics` when metrics are served."""
+        """A :class:`redroll.observability.metrics.ConsumerMetrics` when metrics are served."""
         self._tracer: Any = None
         self._redis = redis_client
         self._owns_redis = redis_client is None
@@ -278,7 +277,7 @@ class ConsumerRunner:
         it met in burst mode: otherwise they count as left), and (consuming the results streams) no
         request is queued or claimed in the request streams: the request streams' lengths (all the
         consumer's ACL user may ask of them), then this group's pending count and lag (see
-        :mod:`redroll.shared.backlog`)."""
+        :mod:`redroll.ops.backlog`)."""
         if self.streams == [part.results for part in self.settings.partition_keys]:
             if await requests_left(self.redis, self.settings.partition_keys):
                 return False
@@ -494,7 +493,7 @@ class ConsumerRunner:
                 pipe.expireat(bucket_key, int(expire_at))
             pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
 
-        # (with wait_replicas, acknowledged once the replicas have it: see redroll.shared.durability)
+        # (with wait_replicas, acknowledged once the replicas have it: see redroll.shared.connection.durability)
         await self.durability.transaction(self.redis, fill)
         self.stats.applied += len(applied)
         for i in applied:

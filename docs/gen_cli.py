@@ -1,4 +1,4 @@
-"""Write the command-line reference (cli.md) from ``redroll.cli.build_parser()`` at build time.
+"""Write the command-line reference (cli.md) from ``redroll.cli.main.build_parser()`` at build time.
 
 Run by mkdocs-gen-files (see mkdocs.yml); ``python docs/gen_cli.py`` prints the page instead.
 """
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from redroll.cli import build_parser  # noqa: E402
+from redroll.cli.main import build_parser  # noqa: E402
 
 
 def _esc(text: str) -> str:

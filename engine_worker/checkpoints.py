@@ -30,17 +30,16 @@ from typing import Any
 import msgspec
 import redis
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+from redroll.engine_worker.engines.text import render_chat, sample_text
+from redroll.engine_worker.flights import DEATHS_SUFFIX
+from redroll.engine_worker.settled_text import settled
 from redroll.shared.chunks import Part, decode_part, encode_part
 from redroll.shared.codec import ValidationError
 from redroll.shared.continuing import continue_after, join_parts
 from redroll.shared.keys import WORKERS_GROUP, Keys, chunks_key_for, owner_key_for
 from redroll.shared.types import GenerationRequest
-
-from .context import WorkerContext
-from .engines.base import EngineOutput, SampleOutput
-from .engines.text import render_chat, sample_text
-from .flights import DEATHS_SUFFIX
-from .streaming import settled
 
 log = logging.getLogger("redroll.worker")
 

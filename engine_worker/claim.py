@@ -25,13 +25,12 @@ from typing import Any, Callable
 
 import redis
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import DEATHS_SUFFIX, Flights, InFlight
+from redroll.engine_worker.outcomes import hand_back_entries
 from redroll.shared.events import Delivery
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import read_group, script_fields, text
-
-from .context import WorkerContext
-from .flights import DEATHS_SUFFIX, Flights, InFlight
-from .outcomes import hand_back_entries
 
 log = logging.getLogger("redroll.worker")
 

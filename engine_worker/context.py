@@ -10,17 +10,16 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from redroll.engine_worker.deliveries import DeliveryLog
+from redroll.engine_worker.engines.base import Engine, EngineCapabilities, capabilities_of
+from redroll.engine_worker.publisher import Publisher
+from redroll.observability.tracing import tracer
 from redroll.shared.batcher import CommandBatcher
-from redroll.shared.durability import Durability
+from redroll.shared.connection.durability import Durability
 from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
-from redroll.shared.tracing import tracer
-
-from .deliveries import DeliveryLog
-from .engines.base import Engine, EngineCapabilities, capabilities_of
-from .publisher import Publisher
 
 
 @dataclass
@@ -63,7 +62,7 @@ class WorkerContext:
     stopping: asyncio.Event
     block_ms: int
     metrics: Any = None
-    """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
+    """A :class:`redroll.observability.metrics.WorkerMetrics` when metrics are served."""
     started_at: float = field(default_factory=time.monotonic)
     """When this run of the worker began (``time.monotonic``): entries delivered to its name before
     were a previous run's (a restart with the same ``--name``)."""
@@ -81,7 +80,7 @@ class WorkerContext:
         self.deliveries = DeliveryLog(self.redis, self.scripts.events, self.name)
         """Each delivery (a claim read, a reclaim) noted in its request's event log."""
         self.tracer = tracer()
-        """OpenTelemetry's tracer when a tracer provider is set (shared/tracing.py), else None."""
+        """OpenTelemetry's tracer when a tracer provider is set (redroll/observability/tracing.py), else None."""
         # Claiming order: every partition's high-priority stream, its lanes, then every normal one.
         self.request_streams = ([k.requests_high for k in self.parts] + [s for k in self.parts for s in k.lane_streams]
                                 + [k.requests for k in self.parts])

@@ -13,8 +13,8 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 
+from redroll.ops.control import ABORTED_RETENTION_S, aborted_member
 from redroll.shared.commands import ENGINE_COMMANDS, SYNC_COMMANDS, Abort, Command, Drain, parse_command
-from redroll.shared.control import ABORTED_RETENTION_S, aborted_member
 from redroll.shared.keys import Keys
 from redroll.shared.streams import text
 from redroll.shared.types import GenerationRequest

@@ -1,7 +1,7 @@
 """The ``delivered`` events of the per-request event log (shared/events.py): what a worker takes
 back (XCLAIM: a dead worker's entries, hand-backs), one pipelined write per reclaim, sent beside
 the work, never waited for by the reclaim loop. (First deliveries, by a claim read, are not
-logged: redroll/trace.py finds their worker from what ended them.)"""
+logged: redroll/ops/trace.py finds their worker from what ended them.)"""
 
 from __future__ import annotations
 

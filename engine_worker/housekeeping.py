@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import random
 
-from redroll.shared.control import live_workers
-from redroll.shared.gc import collect_garbage
-
-from .context import WorkerContext
+from redroll.engine_worker.context import WorkerContext
+from redroll.ops.control import live_workers
+from redroll.ops.gc import collect_garbage
 
 log = logging.getLogger("redroll.worker")
 

@@ -42,12 +42,11 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import Flights
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import stream_backlog
 from redroll.shared.streams import read_group, script_fields, text
-
-from .context import WorkerContext
-from .flights import Flights
 
 log = logging.getLogger("redroll.worker")
 

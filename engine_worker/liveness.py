@@ -13,10 +13,9 @@ from typing import Any, Callable
 
 import redis
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import Flights
 from redroll.shared.keys import WORKERS_GROUP
-
-from .context import WorkerContext
-from .flights import Flights
 
 log = logging.getLogger("redroll.worker")
 

@@ -21,18 +21,17 @@ from typing import Awaitable, Callable, TypeVar
 
 import redis
 
+from redroll.engine_worker.checkpoints import is_resumed
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import DEATHS_SUFFIX, Flights, InFlight
+from redroll.engine_worker.publisher import Finish
+from redroll.observability.tracing import end_span
 from redroll.shared.codec import ValidationError
 from redroll.shared.keys import WORKERS_GROUP, owner_key_for, submitted_as
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DeadLetter, DeadLetterOutcome, OwnershipError, call_or_refused, dead_letter_refused
 from redroll.shared.streams import text
-from redroll.shared.tracing import end_span
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
-
-from .checkpoints import is_resumed
-from .context import WorkerContext
-from .flights import DEATHS_SUFFIX, Flights, InFlight
-from .publisher import Finish
 
 log = logging.getLogger("redroll.worker")
 

@@ -18,11 +18,11 @@ from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
-from redroll.shared.durability import Durability
+from redroll.shared.connection.durability import Durability
+from redroll.shared.connection.sentinel import leave_demoted_primary
 from redroll.shared.events import record_summary
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
-from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -68,7 +68,7 @@ class Publisher(Coalescer[list[_Queued]]):
                  max_call_bytes: int = 1 << 20, durability: Durability = Durability()):
         super().__init__(max_batch)
         self.durability = durability
-        """What a flush waits for after its finishes (replicas: see redroll.shared.durability)."""
+        """What a flush waits for after its finishes (replicas: see redroll.shared.connection.durability)."""
         self.redis = redis_client
         self.scripts = scripts
         self.consumer = consumer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from redroll.engine_worker.engines.base import EngineInfo, EngineOutput
 from redroll.shared.types import (
     FIRST_SCHEMA_VERSION,
     TEXT_SCHEMA_VERSION,
@@ -11,8 +12,6 @@ from redroll.shared.types import (
     GenerationRequest,
     RecordStatus,
 )
-
-from .engines.base import EngineInfo, EngineOutput
 
 
 def _as_list(values: Any) -> list:

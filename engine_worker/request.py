@@ -7,19 +7,26 @@ import logging
 import time
 from typing import Awaitable
 
+from redroll.engine_worker.checkpoints import (
+    Checkpoint,
+    Checkpoints,
+    Saver,
+    is_checkpointed,
+    is_resumed,
+    resume_request,
+    stitch_resumed,
+)
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.control import AbortedSet
+from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+from redroll.engine_worker.flights import Flights, InFlight
+from redroll.engine_worker.outcomes import Outcomes
+from redroll.engine_worker.records import build_record
+from redroll.engine_worker.weights import WeightsGate
+from redroll.observability.tracing import worker_spans
 from redroll.shared.codec import NewerSchemaError, ValidationError, decode_request
 from redroll.shared.keys import Keys, chunks_key_for
-from redroll.shared.tracing import worker_spans
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
-
-from .checkpoints import Checkpoint, Checkpoints, Saver, is_checkpointed, is_resumed, resume_request, stitch_resumed
-from .context import WorkerContext
-from .control import AbortedSet
-from .engines.base import EngineOutput, SampleOutput
-from .flights import Flights, InFlight
-from .outcomes import Outcomes
-from .records import build_record
-from .weights import WeightsGate
 
 log = logging.getLogger("redroll.worker")
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import Flights
+from redroll.engine_worker.weights import WeightsGate
 from redroll.shared.commands import Command, SyncAbort, SyncCommit, SyncWeights
-
-from .context import WorkerContext
-from .flights import Flights
-from .weights import WeightsGate
 
 log = logging.getLogger("redroll.worker")
 

@@ -12,13 +12,12 @@ from typing import Any, Awaitable, Callable
 
 import redis
 
+from redroll.engine_worker.context import WorkerContext
+from redroll.engine_worker.flights import Flights
+from redroll.ops.control import send_command
 from redroll.shared.commands import Command, CommandFailed, ReleaseMemory, ResumeMemory, UpdateMode, UpdateWeights
-from redroll.shared.control import send_command
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
-
-from .context import WorkerContext
-from .flights import Flights
 
 log = logging.getLogger("redroll.worker")
 

@@ -22,26 +22,25 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.backlog import requests_left
+from redroll.engine_worker.claim import Claimer, claim_limit
+from redroll.engine_worker.context import WorkerContext, WorkerStats
+from redroll.engine_worker.control import AbortedSet, ControlListener
+from redroll.engine_worker.engines.base import Engine, capabilities_of
+from redroll.engine_worker.flights import Flights, InFlight
+from redroll.engine_worker.housekeeping import housekeeping_loop
+from redroll.engine_worker.lanes import LaneClaimer, LaneTable
+from redroll.engine_worker.liveness import Liveness
+from redroll.engine_worker.outcomes import PUBLISH_HOLD, Outcomes
+from redroll.engine_worker.request import RequestRunner
+from redroll.engine_worker.weight_sync import STALE_WEIGHTS, SyncReceiver
+from redroll.engine_worker.weights import AWAITING_PUSH, WeightsGate
+from redroll.ops.backlog import requests_left
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
-
-from .claim import Claimer, claim_limit
-from .context import WorkerContext, WorkerStats
-from .control import AbortedSet, ControlListener
-from .engines.base import Engine, capabilities_of
-from .flights import Flights, InFlight
-from .housekeeping import housekeeping_loop
-from .lanes import LaneClaimer, LaneTable
-from .liveness import Liveness
-from .outcomes import PUBLISH_HOLD, Outcomes
-from .request import RequestRunner
-from .weight_sync import STALE_WEIGHTS, SyncReceiver
-from .weights import AWAITING_PUSH, WeightsGate
 
 log = logging.getLogger("redroll.worker")
 
@@ -94,10 +93,10 @@ class Worker:
         self.burst = burst
         """Stop (drain and deregister) once this worker holds nothing and the request streams of its
         partitions hold no entry: nothing queued, nothing claimed by any worker (see
-        :mod:`redroll.shared.backlog`). Entries a dead worker held are reclaimed first."""
+        :mod:`redroll.ops.backlog`). Entries a dead worker held are reclaimed first."""
         self.stats = WorkerStats()
         self.metrics: Any = None
-        """A :class:`redroll.shared.metrics.WorkerMetrics` when metrics are served."""
+        """A :class:`redroll.observability.metrics.WorkerMetrics` when metrics are served."""
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
@@ -295,7 +294,7 @@ class Worker:
 
     async def _stop_when_idle(self, ctx: WorkerContext) -> None:
         """Burst mode: request a stop once the request streams of this worker's partitions hold no
-        entry (nothing queued, nothing claimed by any worker: see :mod:`redroll.shared.backlog`)
+        entry (nothing queued, nothing claimed by any worker: see :mod:`redroll.ops.backlog`)
         and this worker holds nothing."""
         interval = min(max(self.block_ms / 1000.0, 0.05), 1.0)
         while not self._stopping.is_set():

@@ -39,14 +39,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from redroll.embedded import embedded_redis  # noqa: E402
 from redroll.engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model  # noqa: E402
+from redroll.ops.control import live_workers  # noqa: E402
 from redroll.producer import Producer  # noqa: E402
 from redroll.producer.rollout import staleness_report  # noqa: E402
 from redroll.shared.connection import connect  # noqa: E402
-from redroll.shared.control import live_workers  # noqa: E402
 from redroll.shared.settings import Settings  # noqa: E402
 from redroll.shared.types import CompletionRecord, RecordStatus  # noqa: E402
+from redroll.testing.embedded import embedded_redis  # noqa: E402
 
 TARGET = frozenset(b"0123456789")
 """The token ids (bytes) the reward counts."""

@@ -21,7 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from redroll.embedded import embedded_redis  # noqa: E402
 from redroll.engine_worker.engines import create_engine  # noqa: E402
 from redroll.engine_worker.engines.tiny_model import ByteTokenizer  # noqa: E402
 from redroll.engine_worker.worker import Worker  # noqa: E402
@@ -29,6 +28,7 @@ from redroll.producer import Producer  # noqa: E402
 from redroll.producer.rollout import staleness_report  # noqa: E402
 from redroll.shared.settings import Settings  # noqa: E402
 from redroll.shared.types import CompletionRecord  # noqa: E402
+from redroll.testing.embedded import embedded_redis  # noqa: E402
 
 
 def reward(record: CompletionRecord) -> float:

@@ -18,10 +18,17 @@ import msgspec
 import redis
 from redis.asyncio import Redis
 
+from redroll.observability.tracing import end_span, submit_span, tracer
+from redroll.ops.control import abort_requests
+from redroll.ops.control import update_weights as _update_weights
+from redroll.producer import dead_notices
+from redroll.producer.replies import BeforeAckError, Callback, ReplyReader, _Waiter
+from redroll.producer.request import make_request, request_stream
+from redroll.producer.rollout import RolloutGroup, group_members, next_segment, stitch_segments
+from redroll.producer.sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
+from redroll.producer.stream_reader import StreamChunk, stream_chunks
 from redroll.shared.codec import check_request_id, encode_request
 from redroll.shared.connection import connect, open_connections, reach, read_groups
-from redroll.shared.control import abort_requests
-from redroll.shared.control import update_weights as _update_weights
 from redroll.shared.events import EventLog
 from redroll.shared.keys import PRODUCER_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
@@ -29,18 +36,10 @@ from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, unique_consumer_name
-from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
-from . import dead_notices
-from .replies import BeforeAckError, Callback, ReplyReader, _Waiter
-from .request import make_request, request_stream
-from .rollout import RolloutGroup, group_members, next_segment, stitch_segments
-from .sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
-from .streaming import StreamChunk, stream_chunks
-
 if TYPE_CHECKING:
-    from .session import Session
+    from redroll.producer.session import Session
 
 __all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "StreamChunk", "make_request", "request_stream", "send",
            "send_each", "submit_batch", "submit_until_accepted"]
@@ -292,7 +291,7 @@ class Producer(ReplyReader):
                             validated: bool = False) -> list[asyncio.Future]:
         prepared: list[tuple[GenerationRequest, dict[str, bytes], str]] = []
         token_base = f"{self.name}:{secrets.token_hex(8)}"  # (one random part per chunk, then its index)
-        spans = []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
+        spans = []  # (OpenTelemetry, when a tracer provider is set: redroll/observability/tracing.py)
         for i, item in enumerate(requests):
             req = item if isinstance(item, GenerationRequest) else make_request(**dict(item))
             req.reply_to = self.settings.keys_for(req).reply(self.name)
@@ -464,7 +463,7 @@ class Producer(ReplyReader):
     def session(self, key: str | None = None) -> "Session":
         """A multi-turn conversation whose turns share ``key`` as their affinity key (see
         :class:`redroll.producer.session.Session`)."""
-        from .session import Session
+        from redroll.producer.session import Session
 
         return Session(self, key) if key else Session(self)
 
@@ -494,7 +493,7 @@ class Producer(ReplyReader):
                      **fields: Any) -> AsyncIterator[StreamChunk]:
         """Submit one request with ``stream`` and yield its output while it generates:
         ``async for chunk in producer.stream(prompt="Hi", sampling_params={"max_new_tokens": 64})``.
-        Each :class:`~redroll.producer.streaming.StreamChunk` carries the token offset it starts at,
+        Each :class:`~redroll.producer.stream_reader.StreamChunk` carries the token offset it starts at,
         its token ids, text and logprobs; the last has the finish reason and the record. A worker
         that dies mid-stream costs nothing: another continues after what was sent. ``timeout`` (s):
         the whole stream's, raising :class:`TimeoutError` (the request goes on: :meth:`result` or
@@ -555,6 +554,6 @@ class Producer(ReplyReader):
             async with producer.weight_sync(backend="gloo") as sync:
                 await sync.push(model.named_parameters(), version="12")
         """
-        from .weight_sync import WeightSync  # (torch is needed only for this)
+        from redroll.producer.weight_sync import WeightSync  # (torch is needed only for this)
 
         return WeightSync(self, **options)

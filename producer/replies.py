@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import redis
 
-from redroll.errors import RedrollError
 from redroll.shared.codec import ValidationError, decode_record
+from redroll.shared.errors import RedrollError
 from redroll.shared.keys import PRODUCER_GROUP
 from redroll.shared.scripts import DeadLetter
 from redroll.shared.streams import drop_read, ensure_group, is_unblocked, read_count, read_group, text

@@ -11,20 +11,19 @@ from typing import Any, Iterable
 import redis
 from redis.asyncio import Redis
 
+from redroll.observability.tracing import end_span, submit_span, tracer
+from redroll.producer.request import request_stream
 from redroll.shared.codec import ValidationError, encode_request
-from redroll.shared.durability import Durability
+from redroll.shared.connection.durability import Durability
+from redroll.shared.connection.sentinel import leave_demoted_primary
 from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
 from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused
-from redroll.shared.sentinel import leave_demoted_primary
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
-from redroll.shared.tracing import end_span, submit_span, tracer
 from redroll.shared.types import GenerationRequest
-
-from .request import request_stream
 
 log = logging.getLogger("redroll.producer")
 
@@ -56,7 +55,7 @@ async def send_each(
 ) -> list[str | DuplicateRequestError | StreamRefusedError]:
     """:func:`send`, one outcome per request, in order: its entry id, or why it was not queued."""
     scripts = Scripts(redis_client, EventLog.from_settings(settings))
-    tr, spans = tracer(), []  # (OpenTelemetry, when a tracer provider is set: shared/tracing.py)
+    tr, spans = tracer(), []  # (OpenTelemetry, when a tracer provider is set: redroll/observability/tracing.py)
     prepared = []
     for req in requests:
         part = settings.keys_for(req)
@@ -117,7 +116,7 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
     """Submit (request, data, token) items with ``submit_many`` calls (one per request stream, in
     each request's partition) in one round trip; returns one [code, value] reply per item, in order
     (see :meth:`Scripts.submit_outcome`). With ``settings.wait_replicas`` the round trip ends with
-    the replicas' acknowledgement (see :mod:`redroll.shared.durability`)."""
+    the replicas' acknowledgement (see :mod:`redroll.shared.connection.durability`)."""
     groups: dict[tuple[str, Keys], list[int]] = {}
     for i, (req, _, _) in enumerate(items):
         part = settings.keys_for(req)

@@ -8,13 +8,12 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Iterator
 
+from redroll.producer.client import Callback, Producer, warn_renamed
+from redroll.producer.rollout import GroupOutcome, RolloutGroup
+from redroll.producer.session import Session
+from redroll.producer.stream_reader import StreamChunk
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
-
-from .client import Callback, Producer, warn_renamed
-from .rollout import GroupOutcome, RolloutGroup
-from .session import Session
-from .streaming import StreamChunk
 
 
 class SyncProducer:

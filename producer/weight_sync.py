@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from redroll.engine_worker.weight_group import WeightGroup, dtype_name
-from redroll.errors import RedrollError
+from redroll.ops.control import live_workers, send_command
 from redroll.shared.commands import SyncAbort, SyncCommit, SyncWeights, TensorSpec, UpdateMode
-from redroll.shared.control import live_workers, send_command
+from redroll.shared.errors import RedrollError
 from redroll.shared.streams import text
+from redroll.shared.weight_group import WeightGroup, dtype_name
 
 log = logging.getLogger("redroll.producer")
 

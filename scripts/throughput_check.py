@@ -40,11 +40,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from redroll.embedded import start_redis_server  # noqa: E402
 from redroll.engine_worker.engines import create_engine  # noqa: E402
 from redroll.producer.client import Producer, make_request  # noqa: E402
 from redroll.shared.settings import Settings  # noqa: E402
 from redroll.shared.types import GenerationRequest  # noqa: E402
+from redroll.testing.embedded import start_redis_server  # noqa: E402
 
 
 def build_requests(n: int, max_new_tokens: int, vocab: int, seed: int = 0) -> list[GenerationRequest]:

@@ -3,7 +3,7 @@
 Nothing here imports an engine, torch or transformers.
 """
 
-from .codec import (
+from redroll.shared.codec import (
     SCHEMA_VERSION,
     ValidationError,
     decode_record,
@@ -11,9 +11,9 @@ from .codec import (
     encode_record,
     encode_request,
 )
-from .keys import Keys
-from .settings import Settings
-from .types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
+from redroll.shared.keys import Keys
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus, SamplingParams
 
 __all__ = [
     "SCHEMA_VERSION",

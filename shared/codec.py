@@ -25,8 +25,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from .record_codec import decode_record, encode_record, record_to_map
-from .types import (
+from redroll.shared.record_codec import decode_record, encode_record, record_to_map
+from redroll.shared.types import (
     REQUEST_ID_PATTERN,
     REQUEST_ID_RULE,
     SCHEMA_VERSION,
@@ -36,7 +36,7 @@ from .types import (
     SamplingParams,
     request_schema_version,
 )
-from .validation import TOO_DEEP, NewerSchemaError, ValidationError, _data, _field_str, _from_msgspec
+from redroll.shared.validation import TOO_DEEP, NewerSchemaError, ValidationError, _data, _field_str, _from_msgspec
 
 REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 

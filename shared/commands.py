@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import msgspec
 
-from .types import RequestId
+from redroll.shared.types import RequestId
 
 
 class Command(msgspec.Struct, tag_field="kind", kw_only=True):

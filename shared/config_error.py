@@ -3,7 +3,7 @@ durability modules all raise it)."""
 
 from __future__ import annotations
 
-from redroll.errors import RedrollError
+from redroll.shared.errors import RedrollError
 
 
 class RedisConfigError(RedrollError, RuntimeError):

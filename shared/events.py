@@ -4,7 +4,7 @@ One line per event: ``<unix ms>\t<kind>\t<name>=<value>\t...`` (values hold no t
 newline). The Lua scripts of the atomic steps append theirs inside the step (a checkpoint, the
 finish, a dead letter); a worker appends what it takes back (XCLAIM), pipelined. What every
 request goes through anyway is not logged but read from what Redis holds when asked (see
-redroll/trace.py): its submit (the request entry's id is its time; the entry's stream and fields
+redroll/ops/trace.py): its submit (the request entry's id is its time; the entry's stream and fields
 say priority, lane and producer, and the finish event names them once the entry is gone), its
 first delivery (the worker that ended it, or holds it now), and the consumer groups that applied
 its record (their de-duplication sets). So a request that runs once costs the log one SET, in its
@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from .keys import events_key
-from .streams import text
-from .types import CompletionRecord
+from redroll.shared.keys import events_key
+from redroll.shared.streams import text
+from redroll.shared.types import CompletionRecord
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from redis.asyncio.cluster import RedisCluster
 
-from redroll.errors import RedrollError
+from redroll.shared.errors import RedrollError
 
 SCRIPTS: dict[str, tuple[str, ...]] = {
     "submit_many": (),

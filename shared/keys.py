@@ -208,14 +208,14 @@ class Keys:
 
     def chunks(self, producer: str, request_id: str) -> str:
         """Stream: the chunks of a streamed request (``stream``) of ``producer``, each one part of its
-        checkpoint (see engine_worker/streaming.py). The producer's name and the request_id are joined
+        checkpoint (see engine_worker/settled_text.py). The producer's name and the request_id are joined
         by ``}``, which neither may hold, so an ACL pattern ``{tag}:chunks:<producer>}*`` matches that
         producer's chunk streams only. It expires ``stream_chunk_ttl_s`` after its last chunk."""
         return f"{self.tag}:chunks:{producer}}}{request_id}"
 
     def events(self, request_id: str) -> str:
         """Stream: the event log of one request (submitted, deliveries, checkpoints, the finish, dead
-        letters, consumer groups that applied it), capped and expiring (see redroll/trace.py)."""
+        letters, consumer groups that applied it), capped and expiring (see redroll/ops/trace.py)."""
         return f"{self.tag}:events:{request_id}"
 
     def applied(self, group: str, bucket: int) -> str:

@@ -15,10 +15,9 @@ import time
 import redis
 from redis.asyncio import Redis
 
-from redroll.errors import RedrollError
-
-from .keys import WORKERS_GROUP, Keys
-from .streams import text
+from redroll.shared.errors import RedrollError
+from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.streams import text
 
 FIELD = "affinity_lanes"
 

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from .types import RECORD_DATA_FIELDS, CompletionRecord, RecordData, RecordStatus
-from .validation import TOO_DEEP, ValidationError, _data, _field, _field_str, _from_msgspec
+from redroll.shared.types import RECORD_DATA_FIELDS, CompletionRecord, RecordData, RecordStatus
+from redroll.shared.validation import TOO_DEEP, ValidationError, _data, _field, _field_str, _from_msgspec
 
 _ENCODER = msgspec.msgpack.Encoder()
 _RECORD_DECODER = msgspec.msgpack.Decoder(RecordData)

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable, TypeVar
 
 import redis
 
-from redroll.errors import RedrollError
+from redroll.shared.errors import RedrollError
 
 T = TypeVar("T")
 log = logging.getLogger("redroll")

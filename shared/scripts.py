@@ -16,12 +16,11 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
-from redroll.errors import RedrollError
-
-from .codec import encode_record
-from .connection import large_argument
-from .events import EventLog, finish_args, record_summary, script_args
-from .functions import (
+from redroll.shared.codec import encode_record
+from redroll.shared.connection import large_argument
+from redroll.shared.errors import RedrollError
+from redroll.shared.events import EventLog, finish_args, record_summary, script_args
+from redroll.shared.functions import (
     FunctionsMissingError,
     ensure_library,
     function_name,
@@ -29,10 +28,10 @@ from .functions import (
     load_library,
     whole_call_refusal,
 )
-from .keys import events_key, finish_marker_key, owner_key_for, submitted_as
-from .refusals import StreamRefusedError
-from .streams import text
-from .types import CompletionRecord
+from redroll.shared.keys import events_key, finish_marker_key, owner_key_for, submitted_as
+from redroll.shared.refusals import StreamRefusedError
+from redroll.shared.streams import text
+from redroll.shared.types import CompletionRecord
 
 FINISH_MARKER_TTL_MS = 300_000
 """How long a worker's finish marker (``Keys.finished``: the entries it finished lately) lives

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-from .codec import Limits
-from .keys import Keys, partition_index, partition_key_sets, partition_keys
-from .types import GenerationRequest
+from redroll.shared.codec import Limits
+from redroll.shared.keys import Keys, partition_index, partition_key_sets, partition_keys
+from redroll.shared.types import GenerationRequest
 
 ENV_PREFIX = "REDROLL_"
 RECOVERY_SPLITS = ("halving", "alone")

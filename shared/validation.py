@@ -9,9 +9,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from redroll.errors import RedrollError
-
-from .types import REQUEST_ID_RULE, SCHEMA_VERSION_RULE
+from redroll.shared.errors import RedrollError
+from redroll.shared.types import REQUEST_ID_RULE, SCHEMA_VERSION_RULE
 
 
 class ValidationError(RedrollError, ValueError):

@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
-from redroll.embedded import RedisServer, start_redis_server
 from redroll.shared.connection import connect
 from redroll.shared.settings import Settings
+from redroll.testing.embedded import RedisServer, start_redis_server
 from tests.support.poll import wait_until
 from tests.support.processes import redroll_argv, start_process, stop_process
 
@@ -158,7 +158,7 @@ async def running(*roles: Any) -> AsyncIterator[None]:
 
 async def run_until_drained(*roles: Any, timeout: float = 60.0) -> None:
     """Run workers and consumers in this event loop in burst mode until each has stopped on its own:
-    nothing queued or claimed, nothing left for its group (see ``redroll.shared.backlog``). Waits
+    nothing queued or claimed, nothing left for its group (see ``redroll.ops.backlog``). Waits
     on their own decision, not on a clock; fails after ``timeout`` seconds."""
     for role in roles:
         role.burst = True

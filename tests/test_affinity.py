@@ -28,12 +28,12 @@ from redroll.engine_worker.lanes import (
     lane_scores,
 )
 from redroll.engine_worker.worker import Worker
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.shared.keys import Keys, lane_index, partition_index
 from redroll.shared.lanes import LanesMismatchError, lane_report, set_lanes
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_pipeline_status
 from tests.conftest import running, spawn, stop_process, wait_until
 
 SP = {"max_new_tokens": 4}
@@ -317,7 +317,7 @@ async def test_metrics_sum_the_backlog_over_the_lanes(settings, r):
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
 
-    from redroll.shared.metrics import WorkerMetrics
+    from redroll.observability.metrics import WorkerMetrics
 
     s = lanes_settings(settings)
     async with Producer(s) as p:  # queued before any worker: 3 lanes and the shared stream

@@ -20,10 +20,10 @@ from redroll.engine_worker.checkpoints import (
 from redroll.engine_worker.engines.base import EngineCapabilities, EngineOutput, SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.gc import collect_garbage
 from redroll.producer import Producer
 from redroll.producer.client import make_request
 from redroll.shared.codec import ValidationError, encode_request
-from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.streams import ensure_group

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from redroll.cli import build_parser
+from redroll.cli.main import build_parser
 from tests.conftest import ROOT, redroll_env, spawn, wait_until
 
 

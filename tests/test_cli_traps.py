@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from redroll.cli import ENGINES, build_parser, main
+from redroll.cli.main import ENGINES, build_parser, main
 from tests.conftest import ROOT, redroll_env, stop_process
 
 
@@ -53,7 +53,7 @@ def test_a_missing_model_directory_is_named(settings, tmp_path, engine):
 
 
 def test_transformers_keeps_its_built_in_tiny_model_and_synthetic_needs_no_model():
-    from redroll.commands.worker import worker_refusal as _worker_refusal
+    from redroll.cli.worker import worker_refusal as _worker_refusal
 
     parser = build_parser()
     for argv in (["worker", "--engine", "transformers"], ["worker", "--engine", "transformers", "--model-path",
@@ -102,7 +102,7 @@ def test_a_handler_module_in_the_current_directory_is_found(settings, tmp_path, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), os.getcwd())])
     monkeypatch.setenv("REDROLL_REDIS_URL", settings.redis_url)
-    monkeypatch.setattr("redroll.logs.setup_logging", lambda *args: None)  # (the suite's logging stays as it is)
+    monkeypatch.setattr("redroll.observability.logs.setup_logging", lambda *args: None)  # (the suite's logging stays as it is)
     # (a typo in the function's name: refused before connecting, and only once the module was found)
     assert main(["consume", "--group", "g", "--handler", "s=my_handlers_in_cwd:aply"]) == 2
     err = capsys.readouterr().err
@@ -169,8 +169,8 @@ def test_submit_reports_every_bad_line_in_one_run(settings, tmp_path):
 
 
 def test_read_requests_names_at_most_twenty_bad_lines_and_counts_the_rest():
+    from redroll.cli.batch_run import InputError, read_requests
     from redroll.shared.settings import Settings
-    from redroll.submit import InputError, read_requests
 
     lines = [json.dumps({"request_id": f"r{i}", "prompt": "x", "sampling_params": {"n": 0}}) for i in range(25)]
     with pytest.raises(InputError) as caught:
@@ -203,10 +203,10 @@ async def test_dead_list_fits_80_columns_one_line_a_row(settings, r):
 
 
 async def test_submit_wait_without_a_live_worker_says_so_and_keeps_reporting(settings, tmp_path, monkeypatch, capsys):
-    import redroll.submit
-    from redroll.submit import submit_file
+    import redroll.cli.batch_run
+    from redroll.cli.batch_run import submit_file
 
-    monkeypatch.setattr(redroll.submit, "QUIET_CHECK_S", 0.2)
+    monkeypatch.setattr(redroll.cli.batch_run, "QUIET_CHECK_S", 0.2)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"request_id": f"q-{i}", "prompt": "x"}) + "\n" for i in range(2)))
     code = await submit_file(settings, str(src), wait=True, out=str(tmp_path / "out.jsonl"), progress=True,

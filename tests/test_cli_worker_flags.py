@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from redroll.cli import build_parser
-from redroll.commands.worker import worker_settings
+from redroll.cli.main import build_parser
+from redroll.cli.worker import worker_settings
 from redroll.shared.settings import RECOVERY_SPLITS, Settings
 
 

@@ -21,19 +21,19 @@ import redis
 from redis.crc import key_slot
 
 from redroll.consumer.runner import ConsumerRunner
-from redroll.embedded import RedisCluster, start_redis_cluster
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.backlog import group_backlog, requests_left
+from redroll.ops.status import collect_pipeline_status
+from redroll.ops.trace import request_timeline
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
-from redroll.shared.backlog import group_backlog, requests_left
 from redroll.shared.connection import connect, is_cluster
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_pipeline_status
-from redroll.trace import request_timeline
+from redroll.testing.embedded import RedisCluster, start_redis_cluster
 from tests.conftest import (
     ROOT,
     read_jsonl,

@@ -17,8 +17,8 @@ from redroll.consumer import runner as runner_module
 from redroll.consumer.runner import APPLY_BYTES, ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.retention import trim_acked
 from redroll.producer.client import make_request, send
-from redroll.shared.retention import trim_acked
 from redroll.shared.types import RecordStatus
 from tests.conftest import run_until_drained, spawn, wait_until
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer.client import make_request, send
 from redroll.shared.codec import encode_request
-from redroll.status import collect_pipeline_status
 from tests.conftest import spawn, stop_process, wait_until
 from tests.test_security import acl_server, admin  # noqa: F401  (fixtures: a server with ACL users)
 
@@ -38,7 +38,7 @@ def dead_request_fields(request_id: str, reason: str = "delivered 3 times (max_d
 
 
 def client_for(r, settings, **kw):
-    from redroll.dashboard import create_app
+    from redroll.web.dashboard.app import create_app
 
     app = create_app(r, settings, **kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
@@ -69,7 +69,7 @@ async def test_status_endpoint_is_the_status_document(settings, r):
 
 
 async def test_actions_refused_when_disabled_and_without_the_token(settings, r):
-    from redroll.dashboard import Actions
+    from redroll.web.dashboard.app import Actions
 
     keys = settings.keys
     entry_id = await r.xadd(keys.dead, dead_request_fields("dead-2"))
@@ -100,14 +100,14 @@ async def test_actions_refused_when_disabled_and_without_the_token(settings, r):
 
 async def test_request_lookup_metrics_and_host_check(settings, r, monkeypatch):
     pytest.importorskip("prometheus_client")
-    from redroll.dashboard import LOOPBACK_HOSTS
+    from redroll.web.dashboard.app import LOOPBACK_HOSTS
     from tests.test_exporter import parse
 
     await send(settings, r, [make_request(request_id="q-1", prompt="x")])
-    monkeypatch.setitem(sys.modules, "redroll.trace", None)  # (the module missing: import fails)
+    monkeypatch.setitem(sys.modules, "redroll.ops.trace", None)  # (the module missing: import fails)
     async with client_for(r, settings, allowed_hosts=list(LOOPBACK_HOSTS)) as client:
         response = await client.get("/api/request/q-1")
-        assert response.status_code == 501 and "redroll.trace" in one_line_error(response)
+        assert response.status_code == 501 and "redroll.ops.trace" in one_line_error(response)
         metrics = await client.get("/metrics")
         assert metrics.status_code == 200
         assert parse(metrics.text)[("redroll_pipeline_backlog", (("priority", "normal"),))] == 1
@@ -117,8 +117,8 @@ async def test_request_lookup_metrics_and_host_check(settings, r, monkeypatch):
 
 
 async def test_request_lookup_is_redroll_trace_and_redis_down_is_503(settings, r):
-    from redroll.embedded import free_port
     from redroll.shared.connection import connect
+    from redroll.testing.embedded import free_port
 
     (entry_id,) = await send(settings, r, [make_request(request_id="q-2", prompt="x")])
     async with client_for(r, settings) as client:
@@ -145,8 +145,8 @@ async def test_operator_user_reads_everything_and_writes_nothing(acl_server, adm
     pytest.importorskip("prometheus_client")
     from redis.asyncio import Redis
 
-    from redroll.dashboard import Actions
     from redroll.shared.connection import connect
+    from redroll.web.dashboard.app import Actions
     from tests.test_security import ADMIN_PASSWORD, acl_denials, make_user
 
     operator = make_user(admin, acl_server, namespace, "operator")
@@ -282,7 +282,7 @@ async def test_page_in_a_browser_equals_status_and_requeues_a_dead_letter(settin
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from redroll.shared.control import send_abort
+    from redroll.ops.control import send_abort
     from redroll.shared.keys import WORKERS_GROUP
     from tests.test_cli import run_cli
 

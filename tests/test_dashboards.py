@@ -91,8 +91,8 @@ def full_snapshot() -> dict[str, Any]:
 
 def exported_names() -> set[str]:
     """Every series name the project's metric objects expose, from their registries' collect()."""
-    from redroll.exporter import PipelineMetrics
-    from redroll.shared.metrics import ConsumerMetrics, WorkerMetrics
+    from redroll.observability.exporter import PipelineMetrics
+    from redroll.observability.metrics import ConsumerMetrics, WorkerMetrics
 
     pipeline = PipelineMetrics()
     pipeline.snapshot = full_snapshot()

@@ -10,13 +10,13 @@ import shutil
 import pytest
 import redis
 
-from redroll.embedded import start_redis_server
 from redroll.producer.client import make_request, submit_batch
 from redroll.shared.connection import RedisConfigError, connect, reach, redact
-from redroll.shared.durability import Durability, ReplicasBehindError
+from redroll.shared.connection.durability import Durability, ReplicasBehindError
+from redroll.shared.connection.sentinel import parse_sentinel_url, sentinel_connection_kwargs
 from redroll.shared.scripts import Scripts
-from redroll.shared.sentinel import parse_sentinel_url, sentinel_connection_kwargs
 from redroll.shared.settings import Settings
+from redroll.testing.embedded import start_redis_server
 
 from .conftest import start_test_server
 
@@ -169,7 +169,7 @@ async def test_a_gateways_keyed_submit_waits_for_the_replicas_and_its_retry_is_n
     wait_replicas they, too, are done only once a replica has them, and the retry of one that was
     not (the client's, with the same key) submits nothing twice."""
     pytest.importorskip("starlette")
-    from redroll.gateway.idempotency import KeyedCalls
+    from redroll.web.gateway.idempotency import KeyedCalls
 
     primary, replica = primary_and_replica
     await _in_sync(replica.port)

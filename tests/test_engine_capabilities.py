@@ -17,10 +17,10 @@ from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 from redroll.engine_worker.flights import Flights
 from redroll.engine_worker.liveness import Liveness
 from redroll.engine_worker.worker import Worker
+from redroll.ops.control import send_command
 from redroll.producer import Producer
 from redroll.producer.client import make_request
 from redroll.shared.commands import CommandFailed, SyncWeights, TensorSpec, UpdateWeights, parse_command
-from redroll.shared.control import send_command
 from redroll.shared.types import RecordStatus
 from tests.conftest import running, wait_until
 
@@ -265,7 +265,7 @@ async def test_the_heartbeat_reports_the_counters_an_engine_declares(settings, r
 
 
 def test_the_demo_decodes_with_a_tokenizer_only_when_one_is_declared():
-    from redroll.demo import _decode
+    from redroll.cli.demo_run import _decode
 
     class Tokenizer:
         def decode(self, ids, skip_special_tokens=True):

@@ -9,10 +9,10 @@ import urllib.request
 
 import pytest
 
-from redroll.embedded import free_port
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer.client import make_request, send
 from redroll.shared.lanes import set_lanes
-from redroll.status import collect_pipeline_status
+from redroll.testing.embedded import free_port
 from tests.conftest import spawn, stop_process, wait_until
 
 pytest.importorskip("prometheus_client")
@@ -70,7 +70,7 @@ async def test_exporter_reports_backlog_with_no_worker_as_status_does(settings, 
 async def test_exporter_partitions_lanes_groups_and_weight_versions(settings, r):
     from prometheus_client import generate_latest
 
-    from redroll.exporter import PipelineMetrics
+    from redroll.observability.exporter import PipelineMetrics
 
     s = settings.with_(partitions=2, affinity_lanes=2)
     keys, parts = s.keys, s.partition_keys
@@ -111,7 +111,7 @@ async def test_exporter_partitions_lanes_groups_and_weight_versions(settings, r)
 async def test_exporter_says_it_is_down_when_redis_is_unreachable(settings):
     from prometheus_client import generate_latest
 
-    from redroll.exporter import PipelineMetrics
+    from redroll.observability.exporter import PipelineMetrics
     from redroll.shared.connection import connect
 
     s = settings.with_(redis_url=f"redis://127.0.0.1:{free_port()}/0")

@@ -15,11 +15,11 @@ import pytest
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.repair import repair_stream
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer.client import Producer, make_request, send
-from redroll.repair import repair_stream
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_pipeline_status
 from tests.conftest import running, wait_until
 
 LAST_ID = "18446744073709551615-18446744073709551615"

@@ -205,7 +205,7 @@ async def test_session_turns_land_on_one_worker(redis_server, namespace, gateway
                     e.affinity.clear()
             await client.chat.completions.create(model="redroll", messages=CHAT, max_tokens=3, user="dave")
             assert {e.affinity[r] for e in engines for r in e.started} == {
-                __import__("redroll.gateway.translate", fromlist=["session_key"]).session_key("dave")}
+                __import__("redroll.web.gateway.translate", fromlist=["session_key"]).session_key("dave")}
     finally:
         gateway.stop()
 
@@ -283,7 +283,7 @@ async def test_the_gateway_runs_with_only_its_acl_user(gateway_log, sdk):
 
     import redis
 
-    from redroll.shared.acl import setuser_args
+    from redroll.security.acl import setuser_args
     from redroll.shared.functions import LIBRARY_SOURCE
 
     server = start_test_server()

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from redroll.gateway.idempotency import call_name  # noqa: E402
-from redroll.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body  # noqa: E402
-from redroll.gateway.translate import build_requests, redroll_priority, session_key  # noqa: E402
 from redroll.shared.settings import Settings  # noqa: E402
 from redroll.shared.types import ChatMessage  # noqa: E402
+from redroll.web.gateway.idempotency import call_name  # noqa: E402
+from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body  # noqa: E402
+from redroll.web.gateway.translate import build_requests, redroll_priority, session_key  # noqa: E402
 
 SETTINGS = Settings(namespace="t")
 
@@ -61,7 +61,7 @@ def test_a_chat_body_becomes_a_chat_request():
      "max_completion_tokens"),
 ])
 def test_errors_name_the_openai_field(raw, kind, param):
-    from redroll.gateway.protocol import refuse_unsupported
+    from redroll.web.gateway.protocol import refuse_unsupported
 
     with pytest.raises(GatewayError) as err:
         body = decode_body(raw, kind)
@@ -98,9 +98,9 @@ def test_a_streamed_call_is_one_request_per_choice():
 def test_stream_chunks_in_openai_shape():
     """A chat's role chunk first; logprobs and top logprobs per token (a chunk's own, else the
     record's for the last chunk); the usage chunk counts each prompt once."""
-    from redroll.gateway.streaming import EventWriter
-    from redroll.producer.streaming import StreamChunk
+    from redroll.producer.stream_reader import StreamChunk
     from redroll.shared.types import CompletionRecord, RecordStatus
+    from redroll.web.gateway.sse import EventWriter
 
     body = decode_body(b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true, "logprobs": true, '
                        b'"top_logprobs": 1, "stream_options": {"include_usage": true}}', ChatBody)

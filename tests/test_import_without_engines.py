@@ -16,9 +16,9 @@ def test_core_imports_and_demo_runs_without_engine_libraries():
         "import redroll, redroll.shared, redroll.producer, redroll.consumer, redroll.engine_worker.worker\n"
         "import redroll.engine_worker.engines.synthetic, redroll.engine_worker.engines.transformers_engine\n"
         "import redroll.engine_worker.engines.tiny_model\n"
-        "from redroll.demo import _has_torch\n"
+        "from redroll.cli.demo_run import _has_torch\n"
         "assert not _has_torch()\n"
-        "from redroll.cli import main\n"
+        "from redroll.cli.main import main\n"
         "sys.exit(main(['demo']))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDROLL_")}

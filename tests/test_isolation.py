@@ -250,7 +250,7 @@ async def test_a_producer_may_create_rid_keys_but_not_overwrite_expire_or_delete
 async def test_housekeeping_releases_the_rid_key_of_a_request_cancelled_while_queued(acl_server, admin):
     # The producer cancels its queued request (record published, entry deleted) but may not delete
     # the rid key: the request_id stays held until a worker's housekeeping releases it.
-    from redroll.shared.gc import collect_garbage
+    from redroll.ops.gc import collect_garbage
     from redroll.shared.scripts import DuplicateRequestError
 
     ns = "iso" + uuid.uuid4().hex[:8]

@@ -12,18 +12,18 @@ import msgpack
 import pytest
 import yaml
 
-from redroll import dead
-from redroll.embedded import free_port
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
-from redroll.logs import JsonFormatter
+from redroll.observability.logs import JsonFormatter
+from redroll.ops import dead
+from redroll.ops.control import send_abort
+from redroll.ops.gc import collect_garbage
+from redroll.ops.status import collect_status
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
-from redroll.shared.control import send_abort
-from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_status
+from redroll.testing.embedded import free_port
 from tests.conftest import ROOT, wait_until
 from tests.support.raw_submit import add_request_entry
 
@@ -145,7 +145,7 @@ async def test_dead_cli_list_requeue_purge(settings, r):
 async def test_metrics_endpoint_serves_documented_names(settings, r):
     pytest.importorskip("prometheus_client")
     from redroll.consumer.runner import ConsumerRunner
-    from redroll.shared.metrics import ConsumerMetrics, WorkerMetrics, serve
+    from redroll.observability.metrics import ConsumerMetrics, WorkerMetrics, serve
 
     worker = Worker(settings, SyntheticEngine(), block_ms=200)
     worker.metrics = WorkerMetrics(worker)
@@ -255,7 +255,7 @@ def test_keda_and_deployment_yaml_name_the_real_keys():
     assert trig["type"] == "prometheus" and "max(redroll_pipeline_queued" in trig["metadata"]["query"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    from redroll.cli import build_parser
+    from redroll.cli.main import build_parser
 
     build_parser().parse_args(container["command"][1:])
 

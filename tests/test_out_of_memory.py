@@ -12,11 +12,11 @@ import redis
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer.client import Producer, make_request, send
 from redroll.shared.connection import connect
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_pipeline_status
 from tests.conftest import running, start_test_server, wait_until
 
 MAXMEMORY = 64 * 1024 * 1024

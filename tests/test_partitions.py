@@ -7,11 +7,11 @@ from collections import Counter
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.status import collect_pipeline_status
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.shared.keys import Keys
 from redroll.shared.types import RecordStatus
-from redroll.status import collect_pipeline_status
 from tests.conftest import run_until_drained, wait_until, workers_and_consumer
 
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from redroll.errors import ConnectionUnavailableError
 from redroll.producer import SyncProducer
+from redroll.shared.errors import ConnectionUnavailableError
 from redroll.shared.types import RecordStatus
 from tests.test_producer import SP, running_worker
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from redis.exceptions import ResponseError
 
-from redroll.repair import PROBE_SUFFIX, repair_stream
+from redroll.ops.repair import PROBE_SUFFIX, repair_stream
 
 LAST_ID = "18446744073709551615-18446744073709551615"
 

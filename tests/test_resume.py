@@ -1,4 +1,4 @@
-"""``redroll submit --wait --out OUT --resume``: taking over an interrupted run (redroll/resume.py)."""
+"""``redroll submit --wait --out OUT --resume``: taking over an interrupted run (redroll/cli/batch_resume.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 
 import pytest
 
+from redroll.cli.batch_resume import RUN_SUFFIX, ResumeError, RunFile, records_written
+from redroll.cli.batch_run import submit_file
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
-from redroll.resume import RUN_SUFFIX, ResumeError, RunFile, records_written
-from redroll.submit import submit_file
 from tests.conftest import running, wait_until
 
 
@@ -109,7 +109,7 @@ async def test_a_record_that_could_not_be_written_stays_on_its_reply_stream_for_
     """OUT's disk fills up: the run stops with the reason and what to do, and the records it could
     not write were not acked (a batch is written and flushed before its reply entries are acked),
     so ``--resume`` writes them from the reply stream; nothing is generated twice."""
-    import redroll.submit
+    import redroll.cli.batch_run
 
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     ids = [f"d-{i}" for i in range(30)]
@@ -119,7 +119,7 @@ async def test_a_record_that_could_not_be_written_stays_on_its_reply_stream_for_
         def open_out_on_a_full_disk(path, *args, **kw):
             return _FillingFile(open(path, *args, **kw), room=1) if path == str(out) else open(path, *args, **kw)
 
-        monkeypatch.setattr(redroll.submit, "open", open_out_on_a_full_disk, raising=False)
+        monkeypatch.setattr(redroll.cli.batch_run, "open", open_out_on_a_full_disk, raising=False)
         with pytest.raises(OSError, match=r"writing the records to .*out.jsonl failed \(No space left on device\); "
                                           r"those not written stay on the reply stream: --resume writes them"):
             await submit_file(settings, str(src), wait=True, out=str(out), progress=False, timeout=60)

@@ -61,7 +61,7 @@ async def test_queued_abort_is_reported_within_a_second(settings, r):
         assert rec.meta_info["cancelled_in_queue"] is True
     assert await r.xlen(settings.keys.requests) == 0
     # The ids stay held (a producer may not delete rid keys) until housekeeping releases them.
-    from redroll.shared.gc import collect_garbage
+    from redroll.ops.gc import collect_garbage
 
     assert await r.exists(*(settings.keys.rid(f"q-{i}") for i in range(5))) == 5
     report = await collect_garbage(r, settings.keys, reply_ttl_s=3600)

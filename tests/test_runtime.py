@@ -1,10 +1,10 @@
-"""redroll.runtime: entry points run on the fastest loop, with what exists at start frozen."""
+"""redroll.cli.runtime: entry points run on the fastest loop, with what exists at start frozen."""
 
 from __future__ import annotations
 
 import gc
 
-from redroll import runtime
+from redroll.cli import runtime
 
 
 def test_run_returns_the_coroutines_result_and_freezes_what_exists_at_start():

@@ -1,4 +1,4 @@
-"""Security on a real server: least-privilege ACL users per role (shared/acl.py, docs/acl.md),
+"""Security on a real server: least-privilege ACL users per role (redroll/security/acl.py, docs/acl.md),
 authentication errors, password files, TLS with server and client certificates.
 
 Every role runs for real with its own ACL user; the happy path must leave no ACL denial in
@@ -28,23 +28,23 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
+from redroll.cli.batch_run import submit_file
 from redroll.consumer.runner import ConsumerRunner
-from redroll.embedded import RedisServer
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.control import send_abort
+from redroll.ops.gc import collect_garbage
+from redroll.ops.status import collect_status
 from redroll.producer.client import Producer, make_request, send
-from redroll.shared.acl import ROLES, acl_rules, setuser_args
+from redroll.security.acl import ROLES, acl_rules, setuser_args
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import RedisConfigError, connect, connection_kwargs, describe_error
-from redroll.shared.control import send_abort
 from redroll.shared.functions import LIBRARY, LIBRARY_SOURCE, FunctionsNotLoadedError
-from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, RecordStatus
-from redroll.status import collect_status
-from redroll.submit import submit_file
+from redroll.testing.embedded import RedisServer
 from tests.conftest import ROOT, run_until_drained, server_executable, start_test_server, wait_until
 
 ADMIN_PASSWORD = "admin-" + uuid.uuid4().hex
@@ -276,7 +276,7 @@ async def test_partitioned_pipeline_runs_with_role_users_of_its_partitions(acl_s
                 await p.redis.xadd("{other:0}:requests", {"data": b"x"})
         op = connect(users["operator"])
         try:
-            from redroll.status import collect_pipeline_status
+            from redroll.ops.status import collect_pipeline_status
             status = await collect_pipeline_status(op, users["operator"].keys, users["operator"].partition_keys)
         finally:
             await op.aclose()

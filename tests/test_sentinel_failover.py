@@ -13,12 +13,12 @@ from typing import Iterator
 import pytest
 import redis
 
-from redroll.embedded_sentinel import SentinelGroup, start_sentinel_group
 from redroll.producer.client import Producer
 from redroll.shared.connection import connect_sync
 from redroll.shared.functions import LIBRARY
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
+from redroll.testing.embedded_sentinel import SentinelGroup, start_sentinel_group
 
 from .conftest import ROOT, read_jsonl, redroll_env, server_executable, spawn, stop_process, wait_until
 

@@ -13,12 +13,12 @@ import torch
 from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused, SGLangEngine, WeightUpdateError
 from redroll.engine_worker.engines.tiny_model import build_tiny_model
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine
-from redroll.engine_worker.weight_group import WeightGroup, dtype_name
 from redroll.engine_worker.worker import Worker
+from redroll.ops.control import live_workers
 from redroll.producer import Producer
 from redroll.shared.commands import TensorSpec
-from redroll.shared.control import live_workers
 from redroll.shared.types import RecordStatus
+from redroll.shared.weight_group import WeightGroup, dtype_name
 from tests import sglang_standin as sgl
 from tests.conftest import running, wait_until
 from tests.test_sglang_engine import req, scheduler, started

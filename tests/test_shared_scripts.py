@@ -9,11 +9,11 @@ import msgpack
 import pytest
 import redis
 
+from redroll.ops.gc import collect_garbage
 from redroll.producer.client import make_request, send
 from redroll.shared import scripts as scripts_module
 from redroll.shared.codec import decode_record
 from redroll.shared.functions import FunctionsMissingError
-from redroll.shared.gc import collect_garbage
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import (

@@ -12,7 +12,7 @@ from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
 from redroll.producer.request import make_request
-from redroll.producer.streaming import StreamAssembler
+from redroll.producer.stream_reader import StreamAssembler
 from redroll.shared.chunks import Part, chunk_of
 from redroll.shared.codec import ValidationError, decode_request, encode_request
 from redroll.shared.keys import Keys, chunks_key_for
@@ -165,7 +165,7 @@ class _Bytes:
 
 
 def test_a_chunk_ends_only_where_the_text_is_settled():
-    from redroll.engine_worker.streaming import settled
+    from redroll.engine_worker.settled_text import settled
 
     tok = _Bytes()
     req = make_request(request_id="h", prompt="x", stream=True, sampling_params={"stop": ["END"]})

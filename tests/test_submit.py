@@ -13,13 +13,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from redroll.engine_worker.engines.synthetic import SyntheticEngine
-from redroll.engine_worker.worker import Worker
-from redroll.producer import Producer
-from redroll.shared.codec import Limits
-from redroll.shared.settings import Settings
-from redroll.shared.types import CompletionRecord, SamplingParams
-from redroll.submit import (
+from redroll.cli.batch_run import (
     ACCEPTED_FIELDS,
     InputError,
     _progress,
@@ -28,6 +22,12 @@ from redroll.submit import (
     request_from_plain_values,
     submit_file,
 )
+from redroll.engine_worker.engines.synthetic import SyntheticEngine
+from redroll.engine_worker.worker import Worker
+from redroll.producer import Producer
+from redroll.shared.codec import Limits
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, SamplingParams
 from tests.conftest import running
 
 
@@ -154,7 +154,7 @@ def test_the_usual_line_is_decoded_straight_into_the_request(monkeypatch):
     def plain_values(line, limits):
         raise AssertionError(f"took the plain values' path: {line}")
 
-    monkeypatch.setattr("redroll.submit.request_from_plain_values", plain_values)
+    monkeypatch.setattr("redroll.cli.batch_run.request_from_plain_values", plain_values)
     line = json.dumps({"request_id": "a", "input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 2,
                        "sampling_params": {"max_new_tokens": 3, "stop": ["x"], "sampling_seed": None},
                        "meta_info": {"k": [1, None]}, "callback": "h", "group_id": "g", "priority": 1,

@@ -10,8 +10,8 @@ import pytest
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.backlog import Backlog, group_backlog, requests_left
 from redroll.producer.client import make_request, send
-from redroll.shared.backlog import Backlog, group_backlog, requests_left
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.testing import RECORDS_GROUP, JoinTimeout, Pipeline
 from tests.conftest import read_jsonl, run_until_drained, spawn, stop_process

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
+from redroll.cli.batch_run import submit_file
 from redroll.engine_worker.engines.synthetic import SyntheticEngine, SyntheticWords
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
 from redroll.shared.codec import Limits
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
-from redroll.submit import submit_file
 from tests.conftest import running, wait_until
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a queue of requests"}]

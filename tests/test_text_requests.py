@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from redroll.cli.batch_run import InputError, request_from_line
 from redroll.producer.client import make_request
 from redroll.shared.codec import (
     Limits,
@@ -32,7 +33,6 @@ from redroll.shared.types import (
     RecordStatus,
     request_schema_version,
 )
-from redroll.submit import InputError, request_from_line
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]

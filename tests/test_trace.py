@@ -16,16 +16,16 @@ import pytest
 from redroll.engine_worker.checkpoints import parse_checkpoint
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.trace import render_timeline, request_timeline, timeline_rows
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
-from redroll.shared.acl import setuser_args
+from redroll.security.acl import setuser_args
 from redroll.shared.connection import connect
 from redroll.shared.events import EventLog
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DeadLetter, Scripts
 from redroll.shared.streams import ensure_group
 from redroll.shared.types import CompletionRecord, RecordStatus
-from redroll.trace import render_timeline, request_timeline, timeline_rows
 from tests.conftest import ROOT, redroll_env, running, spawn, stop_process, wait_until, workers_and_consumer
 
 PROMPT = list(range(1, 9))

@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine  # noqa: E402
 from redroll.engine_worker.worker import Worker  # noqa: E402
+from redroll.observability import tracing  # noqa: E402
+from redroll.ops.trace import request_timeline  # noqa: E402
 from redroll.producer import Producer  # noqa: E402
 from redroll.producer.client import make_request, send  # noqa: E402
-from redroll.shared import tracing  # noqa: E402
 from redroll.shared.types import RecordStatus  # noqa: E402
-from redroll.trace import request_timeline  # noqa: E402
 from tests.conftest import running, wait_until, workers_and_consumer  # noqa: E402
 
 PROMPT = list(range(1, 9))

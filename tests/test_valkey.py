@@ -11,7 +11,7 @@ import subprocess
 
 import redis
 
-from redroll.embedded import start_redis_server
+from redroll.testing.embedded import start_redis_server
 from tests.conftest import server_executable
 
 

@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from redroll.cli import build_parser
+from redroll.cli.main import build_parser
 from redroll.engine_worker.engines import vllm_contract
 from tests.conftest import ROOT
 

@@ -18,8 +18,8 @@ import torch  # noqa: E402  (CI installs it: .ci/run)
 from redroll.engine_worker.engines.tiny_model import build_tiny_model, teacher_forced_logprobs
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.control import live_workers
 from redroll.producer import Producer
-from redroll.shared.control import live_workers
 from redroll.shared.types import RecordStatus
 from tests.conftest import running, spawn, stop_process, wait_until
 
@@ -222,8 +222,8 @@ def listening_addresses(port: int) -> list[str]:
 
 
 def test_the_trainer_serves_the_rendezvous_on_its_own_address_only():
-    from redroll.engine_worker.weight_group import WeightGroup
     from redroll.producer.weight_sync import free_port
+    from redroll.shared.weight_group import WeightGroup
 
     port = free_port("127.0.0.1")
     group = WeightGroup.open(address="127.0.0.1", port=port, rank=0, world_size=1, name="alone", timeout_s=5)

@@ -10,9 +10,9 @@ import pytest
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
+from redroll.ops.control import live_workers, send_command
 from redroll.producer import Producer
 from redroll.shared.commands import ReleaseMemory, ResumeMemory
-from redroll.shared.control import live_workers, send_command
 from redroll.shared.types import RecordStatus
 from tests.conftest import wait_until
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Engine, EngineInfo, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.base import Engine, EngineInfo, EngineOutput, SampleOutput
 
 ENGINE_NAMES = ("vllm", "sglang", "transformers", "synthetic")
 
@@ -12,19 +12,19 @@ ENGINE_NAMES = ("vllm", "sglang", "transformers", "synthetic")
 def create_engine(name: str, **options: Any) -> Engine:
     """Build an engine by name; options are the engine's own keyword arguments."""
     if name == "synthetic":
-        from .synthetic import SyntheticEngine
+        from redroll.engine_worker.engines.synthetic import SyntheticEngine
 
         return SyntheticEngine(**options)
     if name == "transformers":
-        from .transformers_engine import TransformersEngine
+        from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine(**options)
     if name == "vllm":
-        from .vllm_engine import VLLMEngine
+        from redroll.engine_worker.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(**options)
     if name == "sglang":
-        from .sglang_engine import SGLangEngine
+        from redroll.engine_worker.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(**options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")

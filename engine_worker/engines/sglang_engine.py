@@ -55,15 +55,21 @@ import logging
 import secrets
 from typing import Any, Callable
 
+from redroll.engine_worker.engines.base import (
+    EngineCapabilities,
+    EngineInfo,
+    EngineOutput,
+    SampleOutput,
+    check_token_ids,
+    refuse_text,
+)
+from redroll.engine_worker.engines.sglang_contract import SGLANG_VERSION
+from redroll.engine_worker.engines.sglang_output import EngineRequestError, SGLangOutput, _Job, _request_error, _Sample
+from redroll.engine_worker.engines.sglang_process import SGLangProcess
+from redroll.engine_worker.engines.sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
+from redroll.engine_worker.engines.text import add_text, render_chat
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
-
-from .base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, check_token_ids, refuse_text
-from .sglang_contract import SGLANG_VERSION
-from .sglang_output import EngineRequestError, SGLangOutput, _Job, _request_error, _Sample
-from .sglang_process import SGLangProcess
-from .sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
-from .text import add_text, render_chat
 
 log = logging.getLogger(__name__)
 

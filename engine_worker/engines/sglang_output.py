@@ -11,11 +11,10 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from redroll.errors import RedrollError
+from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.text import trim_stop
+from redroll.shared.errors import RedrollError
 from redroll.shared.types import GenerationRequest
-
-from .base import EngineInfo, EngineOutput, SampleOutput
-from .text import trim_stop
 
 _FINISH_TYPES = ("stop", "length", "abort")
 

@@ -16,10 +16,9 @@ import logging
 import sys
 from typing import Any, Callable, Sequence
 
-from redroll.errors import RedrollError
-
-from .base import EngineInfo
-from .sglang_contract import MEMORY_TAGS
+from redroll.engine_worker.engines.base import EngineInfo
+from redroll.engine_worker.engines.sglang_contract import MEMORY_TAGS
+from redroll.shared.errors import RedrollError
 
 log = logging.getLogger(__name__)
 

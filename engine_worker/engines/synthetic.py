@@ -26,9 +26,7 @@ from array import array
 
 import msgspec
 
-from redroll.shared.types import GenerationRequest, SamplingParams
-
-from .base import (
+from redroll.engine_worker.engines.base import (
     EngineCapabilities,
     EngineInfo,
     EngineOutput,
@@ -37,7 +35,8 @@ from .base import (
     check_token_ids,
     refuse_extras,
 )
-from .text import find_stop, sample_text
+from redroll.engine_worker.engines.text import find_stop, sample_text
+from redroll.shared.types import GenerationRequest, SamplingParams
 
 SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
                    "claim", "batch", "model", "weight", "prompt", "sample", "redis", "done")

@@ -22,10 +22,9 @@ from typing import Any, Sequence
 
 import msgspec
 
+from redroll.engine_worker.engines.base import EngineOutput
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SamplingParams
-
-from .base import EngineOutput
 
 
 def chat_messages(request: GenerationRequest) -> list[dict[str, Any]]:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable, Sequence
 
-from redroll.errors import RedrollError
-
-from ..weight_group import WeightGroup, joined, torch_dtype
+from redroll.shared.errors import RedrollError
+from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
 
 
 class WeightsRefused(RedrollError, ValueError):

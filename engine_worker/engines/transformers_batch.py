@@ -7,10 +7,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from redroll.engine_worker.engines.base import EngineOutput
+from redroll.engine_worker.engines.prefix_cache import KV
 from redroll.shared.types import GenerationRequest, SamplingParams
-
-from .base import EngineOutput
-from .prefix_cache import KV
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

@@ -36,10 +36,7 @@ import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
-from redroll.shared.codec import ValidationError
-from redroll.shared.types import GenerationRequest
-
-from .base import (
+from redroll.engine_worker.engines.base import (
     EngineCapabilities,
     EngineInfo,
     EngineOutput,
@@ -48,13 +45,15 @@ from .base import (
     check_token_ids,
     refuse_extras,
 )
-from .prefix_cache import PrefixCache
-from .text import add_text, find_stop, render_chat
-from .tiny_model import TINY_RANDOM
-from .torch_weights import TorchWeights
-from .transformers_batch import _Job, _Row, _Sampling
-from .transformers_sampling import _row_seed, _top_k
-from .transformers_steps import TransformersSteps, _check_prefix_cache_support
+from redroll.engine_worker.engines.prefix_cache import PrefixCache
+from redroll.engine_worker.engines.text import add_text, find_stop, render_chat
+from redroll.engine_worker.engines.tiny_model import TINY_RANDOM
+from redroll.engine_worker.engines.torch_weights import TorchWeights
+from redroll.engine_worker.engines.transformers_batch import _Job, _Row, _Sampling
+from redroll.engine_worker.engines.transformers_sampling import _row_seed, _top_k
+from redroll.engine_worker.engines.transformers_steps import TransformersSteps, _check_prefix_cache_support
+from redroll.shared.codec import ValidationError
+from redroll.shared.types import GenerationRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -165,7 +164,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             raise ValueError(f"unknown dtype {self.dtype!r}")
         tiny_seed = _tiny_seed(self.model_path, self.seed)
         if tiny_seed is not None:
-            from .tiny_model import ByteTokenizer, build_tiny_model
+            from redroll.engine_worker.engines.tiny_model import ByteTokenizer, build_tiny_model
 
             model = build_tiny_model(tiny_seed).to(device=self.device, dtype=torch_dtype)
             return model, ByteTokenizer()

@@ -6,9 +6,8 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
+from redroll.engine_worker.engines.transformers_batch import _Row, _Sampling
 from redroll.shared.types import SamplingParams
-
-from .transformers_batch import _Row, _Sampling
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from .base import EngineInfo
-from .prefix_cache import KV, PrefixCache
-from .transformers_batch import _Decoder, _Job, _Prefill, _Row, _Sampling
-from .transformers_sampling import _prompt_logprobs, _sample, _top_k
+from redroll.engine_worker.engines.base import EngineInfo
+from redroll.engine_worker.engines.prefix_cache import KV, PrefixCache
+from redroll.engine_worker.engines.transformers_batch import _Decoder, _Job, _Prefill, _Row, _Sampling
+from redroll.engine_worker.engines.transformers_sampling import _prompt_logprobs, _sample, _top_k
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

@@ -43,14 +43,20 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from redroll.engine_worker.engines.base import (
+    EngineCapabilities,
+    EngineOutput,
+    SampleOutput,
+    check_token_ids,
+    refuse_extras,
+    refuse_text,
+)
+from redroll.engine_worker.engines.sglang_engine import EngineRequestError
+from redroll.engine_worker.engines.text import render_chat
+from redroll.engine_worker.engines.vllm_process import VLLMProcess
+from redroll.engine_worker.engines.vllm_weights import VLLMWeights
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
-
-from .base import EngineCapabilities, EngineOutput, SampleOutput, check_token_ids, refuse_extras, refuse_text
-from .sglang_engine import EngineRequestError
-from .text import render_chat
-from .vllm_process import VLLMProcess
-from .vllm_weights import VLLMWeights
 
 log = logging.getLogger(__name__)
 

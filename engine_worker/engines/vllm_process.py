@@ -21,12 +21,11 @@ import logging
 import os
 from typing import Any
 
+from redroll.engine_worker.engines.base import EngineInfo
+from redroll.engine_worker.engines.child_guard import ChildGuard
+from redroll.engine_worker.engines.vllm_contract import SUPPORTED, check_version
+from redroll.engine_worker.engines.vllm_extension import EXTENSION_CLASS
 from redroll.shared.types import MAX_TOP_LOGPROBS, GenerationRequest
-
-from .base import EngineInfo
-from .child_guard import ChildGuard
-from .vllm_contract import SUPPORTED, check_version
-from .vllm_extension import EXTENSION_CLASS
 
 log = logging.getLogger(__name__)
 

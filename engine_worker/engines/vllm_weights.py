@@ -38,12 +38,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..weight_group import WeightGroup, joined, torch_dtype
-from .sglang_engine import EngineCommandRefused, WeightUpdateError
+from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused, WeightUpdateError
+from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .base import EngineInfo
-    from .vllm_process import VLLMProcess
+    from redroll.engine_worker.engines.base import EngineInfo
+    from redroll.engine_worker.engines.vllm_process import VLLMProcess
 
 log = logging.getLogger(__name__)
 

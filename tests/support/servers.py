@@ -1,6 +1,6 @@
 """A redis-server that a test or harness crashes and starts again on the same port and directory
 (AOF on, so what it acknowledged survives). Every server is started by
-:func:`redroll.embedded.start_redis_server`."""
+:func:`redroll.testing.embedded.start_redis_server`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redroll.embedded import RedisServer, start_redis_server
+from redroll.testing.embedded import RedisServer, start_redis_server
 
 
 class RestartableRedis:

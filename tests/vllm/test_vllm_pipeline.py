@@ -249,7 +249,7 @@ async def test_sigterm_drains_the_requests_in_flight_and_leaves_no_engine(settin
 
 
 async def _live(r, settings, name: str) -> bool:
-    from redroll.shared.control import live_workers
+    from redroll.ops.control import live_workers
 
     return name in await live_workers(r, settings.keys)
 

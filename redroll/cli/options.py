@@ -1,0 +1,130 @@
+"""What every ``redroll`` command shares: the connection options, argument types, the help
+formatter, and the settings the options make."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from redroll.cli import sentinel_options
+from redroll.shared.settings import Settings
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (also REDROLL_* environment variables)")
+    g.add_argument("--redis-url", default=argparse.SUPPRESS,
+                   help="redis://, rediss://, unix:// or redis+sentinel://host:port,.../master URL "
+                        "(env REDROLL_REDIS_URL)")
+    g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
+    g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
+                   help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
+    g.add_argument("--affinity-lanes", type=int, default=argparse.SUPPRESS, metavar="L",
+                   help="affinity lanes per partition (env REDROLL_AFFINITY_LANES; default 0 = off); every "
+                        "process of a pipeline must use the pipeline's L (see `redroll lanes`)")
+    g.add_argument("--steal-after-ms", type=int, default=argparse.SUPPRESS, metavar="MS",
+                   help="with affinity lanes: any worker takes an entry that waited this long in a lane "
+                        "(env REDROLL_STEAL_AFTER_MS; default 1000)")
+    g.add_argument("--cluster", dest="redis_cluster", action="store_const", const=True, default=argparse.SUPPRESS,
+                   help="the URL names a node of a Redis Cluster (env REDROLL_REDIS_CLUSTER=1)")
+    g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
+    g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
+                   help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
+    g.add_argument("--tls-ca-file", default=argparse.SUPPRESS,
+                   help="with rediss://: the CA that signed the server's certificate (env REDROLL_TLS_CA_FILE; "
+                        "default: the system's CAs)")
+    g.add_argument("--tls-cert-file", default=argparse.SUPPRESS,
+                   help="with rediss://: this client's certificate, for servers that require one "
+                        "(env REDROLL_TLS_CERT_FILE)")
+    g.add_argument("--tls-key-file", default=argparse.SUPPRESS,
+                   help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")
+    sentinel_options.add_arguments(g)
+    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
+                   help="log level (env REDROLL_LOG_LEVEL; default info)")
+    g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
+                   help="log lines as text or one JSON object each (env REDROLL_LOG_FORMAT; default text)")
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is not positive")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{number} is less than 0")
+    return number
+
+
+def number_of_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if value != value:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds")
+    return value
+
+
+def positive_seconds(raw: str) -> float:
+    value = number_of_seconds(raw)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {raw}")
+    return value
+
+
+def positive_gib(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of GiB") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 GiB, got {raw}")
+    return value
+
+
+def seconds_from_zero(raw: str) -> float:
+    value = number_of_seconds(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {raw}")
+    return value
+
+
+SETTING_DEFAULTS = Settings()
+"""The settings' own defaults, as the help shows them."""
+
+def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
+    keys = ("redis_url", "namespace", "partitions", "affinity_lanes", "steal_after_ms", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
+            "tls_key_file", *sentinel_options.SETTINGS)
+    overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    overrides.update({k: v for k, v in extra.items() if v is not None})
+    return Settings.from_env(**overrides)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, False, [], argparse.SUPPRESS) or "default" in text
+                or not action.option_strings):
+            return text
+        return super()._get_help_string(action)
+
+
+def every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every sub-command's parser, depth first."""
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                out.extend(every_parser(child))
+    return out

@@ -1,0 +1,2 @@
+"""Observability: logs, Prometheus metrics (workers, consumers, the pipeline exporter) and
+OpenTelemetry traces."""

@@ -1,0 +1,1 @@
+"""Security: least-privilege Redis ACL users per role (:mod:`.acl`)."""

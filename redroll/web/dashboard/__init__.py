@@ -1,0 +1,1 @@
+"""``redroll dashboard``: the pipeline on one live web page (the ``dashboard`` extra)."""

@@ -1,0 +1,340 @@
+"""The gateway's HTTP application (Starlette): OpenAI's endpoints over one redroll Producer.
+
+One :class:`Gateway` per process: its producer submits every call (calls without an
+``Idempotency-Key`` await their records on the producer's own reply stream; keyed calls go through
+:class:`~redroll.web.gateway.idempotency.KeyedCalls`, whose records any replica can read). A call is
+parse → requests → records → response; a streamed call (``stream: true``) is parse → requests →
+chunks → events instead (:mod:`redroll.web.gateway.sse`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import msgspec
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from redroll.producer.client import Producer
+from redroll.shared.connection import connect
+from redroll.shared.errors import ConnectionUnavailableError
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, GenerationRequest
+from redroll.web.gateway.idempotency import KeyedCalls, call_name, fingerprint
+from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
+from redroll.web.gateway.sse import EventStream, EventWriter, open_choices, respond
+from redroll.web.gateway.translate import META, build_requests, chat_response, completion_response, prompt_token_ids
+
+log = logging.getLogger("redroll.web.gateway")
+
+UNREACHABLE = (ConnectionUnavailableError, redis.ConnectionError, redis.TimeoutError, OSError)
+"""What a Redis that cannot be reached raises."""
+
+
+@dataclass
+class GatewayConfig:
+    """What ``redroll serve`` was told (see its ``--help``)."""
+
+    model_name: str = "redroll"
+    api_keys: frozenset[str] = frozenset()
+    """Bearer keys; empty: the gateway is open (and binds to localhost unless told otherwise)."""
+    max_backlog: int = 1024
+    """Calls this gateway may have waiting for records; over it, 429 with ``Retry-After``."""
+    max_queued: int | None = None
+    """Requests the pipeline may have queued or in flight (all request streams, sampled with the
+    health ping); over it, 429 with ``Retry-After``. None: no bound."""
+    idempotency_window_s: int = 86_400
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+
+
+class Metrics:
+    """The gateway's Prometheus series, on a registry of its own (no global state)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("redroll_gateway_requests", "HTTP calls by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("redroll_gateway_request_seconds", "HTTP call latency by endpoint", ["endpoint"],
+                                 registry=self.registry)
+        self.waiting = Gauge("redroll_gateway_waiting_calls", "calls waiting for their records", registry=self.registry)
+        self.redis_up = Gauge("redroll_gateway_redis_up", "1 while Redis answers the health ping",
+                              registry=self.registry)
+        self.queued = Gauge("redroll_gateway_pipeline_queued", "the pipeline's queued and in-flight requests "
+                            "(with --max-queued)", registry=self.registry)
+        self.tokens = Counter("redroll_gateway_completion_tokens", "tokens returned", registry=self.registry)
+
+
+class Gateway:
+    """The state of one gateway process: its producer, keyed calls, metrics and Redis health."""
+
+    def __init__(self, settings: Settings, config: GatewayConfig):
+        self.settings = settings
+        self.config = config
+        self.producer = Producer(settings, name=None)
+        self.metrics = Metrics()
+        self.keyed: KeyedCalls | None = None
+        self.redis_ok = False
+        self.waiting = 0
+        self.queued = 0
+        """The pipeline's queued and in-flight requests at the last health ping."""
+        self._health: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the producer, then watch Redis's health. While Redis is unreachable the producer
+        is started again every ``health_interval_s`` and calls get 503; any other error (a bad
+        setting, lanes that disagree) ends the start."""
+        try:
+            await self.producer.start()
+        except UNREACHABLE as exc:
+            log.warning("%s: calls get 503 until Redis answers", exc)
+            self._health = asyncio.create_task(self._start_then_watch(), name="gateway-health")
+            return
+        self._started()
+        self._health = asyncio.create_task(self._watch_health(), name="gateway-health")
+
+    def _started(self) -> None:
+        wait_client = connect(self.settings, max_connections=self.config.max_backlog + 1)
+        self.keyed = KeyedCalls(self.settings, self.producer.redis, wait_client, self.config.idempotency_window_s)
+        self.redis_ok = True
+        self.metrics.redis_up.set(1)
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        await self.producer.close()
+        if self.keyed is not None:
+            await self.keyed.wait_client.aclose()
+
+    async def _start_then_watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.producer.start()
+                break
+            except UNREACHABLE:
+                continue
+        log.warning("Redis is reachable: serving")
+        self._started()
+        await self._watch_health()
+
+    async def _watch_health(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._ping(), self.config.health_interval_s * 2)
+                ok = True
+            except (redis.RedisError, OSError, asyncio.TimeoutError):
+                ok = False
+            if ok != self.redis_ok:
+                log.warning("Redis is %s", "reachable again" if ok else "unreachable: calls get 503")
+            self.redis_ok = ok
+            self.metrics.redis_up.set(int(ok))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _ping(self) -> None:
+        """PING, and with ``max_queued`` the length of every request stream (processed entries are
+        deleted, so a stream's length is what is queued or in flight on it)."""
+        if self.config.max_queued is None:
+            await self.producer.redis.ping()
+            return
+        async with self.producer.redis.pipeline(transaction=False) as pipe:
+            for part in self.settings.partition_keys:
+                for stream in part.request_streams:
+                    pipe.xlen(stream)
+            self.queued = sum(await pipe.execute())
+        self.metrics.queued.set(self.queued)
+
+    # ------------------------------------------------------------------ calls
+
+    def authorize(self, request: Request) -> str:
+        """The caller's scope (a hash of its key; "" when the gateway is open), or 401."""
+        if not self.config.api_keys:
+            return ""
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'", kind="authentication_error",
+                               code="missing_api_key")
+        if not any(hmac.compare_digest(token.strip().encode(), key.encode()) for key in self.config.api_keys):
+            raise GatewayError(401, "incorrect API key", kind="authentication_error", code="invalid_api_key")
+        return hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+
+    def admit(self) -> None:
+        if not self.redis_ok:
+            raise GatewayError(503, "Redis is unreachable; retry later", kind="server_error", code="unavailable",
+                               headers={"Retry-After": "1"})
+        if self.waiting >= self.config.max_backlog:
+            raise GatewayError(429, f"this gateway has {self.waiting} calls waiting (the bound is "
+                                    f"{self.config.max_backlog}); retry later", kind="rate_limit_error",
+                               code="backlog_full", headers={"Retry-After": "1"})
+        if self.config.max_queued is not None and self.queued >= self.config.max_queued:
+            raise GatewayError(429, f"the pipeline has {self.queued} requests queued or in flight (the bound is "
+                                    f"{self.config.max_queued}); retry later", kind="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"})
+
+    async def records(self, requests: list[GenerationRequest], keyed_name: str | None,
+                      body_fingerprint: str) -> list[CompletionRecord]:
+        """The records of a call's requests, in order."""
+        timeout = self.config.request_timeout_s
+        if keyed_name is not None:
+            assert self.keyed is not None
+            return await self.keyed.run(requests, keyed_name, timeout, body_fingerprint)
+        futures = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
+        except asyncio.TimeoutError:
+            raise GatewayError(504, f"no record within {timeout:.0f} s (send an Idempotency-Key to be able to "
+                                    "retry a call without running it twice)", kind="timeout", code="timeout") from None
+
+    async def call(self, request: Request, kind: type[CompletionBody] | type[ChatBody]) -> dict[str, Any] | Response:
+        """A call's response: a JSON object, or (``stream: true``) a stream of events."""
+        scope = self.authorize(request)
+        raw = await request.body()
+        body = decode_body(raw, kind)
+        refuse_unsupported(body)
+        if body.model is not None and body.model != self.config.model_name:
+            raise GatewayError(404, f"the model {body.model!r} does not exist here (this gateway serves "
+                                    f"{self.config.model_name!r})", param="model", code="model_not_found")
+        self.admit()
+        key = request.headers.get("idempotency-key")
+        keyed_name = call_name(key, scope) if key else None
+        call_id = keyed_name or f"g-{uuid.uuid4().hex}"
+        session = request.headers.get("x-session-id") or body.session_id or body.user
+        fp = fingerprint(raw)
+        requests = build_requests(body, base_id=call_id, session=session, settings=self.settings, fingerprint=fp)
+        if body.stream:
+            return await self.stream(body, call_id, requests, keyed_name, fp)
+        self._waiting(+1)
+        try:
+            records = await self.records(requests, keyed_name, fp)
+        finally:
+            self._waiting(-1)
+        prompts = prompt_token_ids(body)
+        build = chat_response if kind is ChatBody else completion_response
+        response = build(call_id, self.config.model_name, records, prompts)
+        self.metrics.tokens.inc(response["usage"]["completion_tokens"])
+        return response
+
+    async def stream(self, body: CompletionBody | ChatBody, call_id: str, requests: list[GenerationRequest],
+                     keyed_name: str | None, body_fingerprint: str) -> EventStream:
+        """A streamed call's response, once its first chunk is here: a keyed call attaches to the
+        requests of its key (submitting what was not), a call without a key submits them."""
+        assert self.keyed is not None  # (admitted: Redis was reachable)
+        wait_client = self.keyed.wait_client
+        self._waiting(+1)
+        try:
+            keyed = None
+            if keyed_name is not None:
+                keyed = await self.keyed.start(requests, keyed_name, body_fingerprint)
+                records: list[Any] = [keyed.record(req.request_id) for req in requests]
+            else:
+                records = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
+            choices = open_choices(requests, records, wait_client, self.config.request_timeout_s, keyed)
+        except BaseException:
+            self._waiting(-1)
+            raise
+        created = requests[0].meta_info[META]["created"]
+        writer = EventWriter(body, call_id, self.config.model_name, created, prompt_token_ids(body))
+
+        def ended(tokens: int) -> None:
+            self._waiting(-1)
+            self.metrics.tokens.inc(tokens)
+        return await respond(writer, choices, ended)
+
+    def _waiting(self, change: int) -> None:
+        self.waiting += change
+        self.metrics.waiting.set(self.waiting)
+
+
+class FastJSON(JSONResponse):
+    """JSON encoded with msgspec (several times json.dumps's speed on long token lists)."""
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def _error(exc: GatewayError) -> JSONResponse:
+    return FastJSON(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
+    """The ASGI application of one gateway process."""
+    gateway = Gateway(settings, config)
+
+    def endpoint(name: str, kind: type[CompletionBody] | type[ChatBody]):
+        async def handle(request: Request) -> Response:
+            started = time.perf_counter()
+            try:
+                answer = await gateway.call(request, kind)
+                response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
+            except GatewayError as exc:
+                response = _error(exc)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("%s: Redis unreachable: %s", name, exc)
+                response = _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
+                                               code="unavailable", headers={"Retry-After": "1"}))
+            except Exception as exc:  # (a bug: still answered in OpenAI's shape, and logged)
+                log.exception("%s failed", name)
+                response = _error(GatewayError(500, f"internal error: {exc}", kind="server_error", code="internal"))
+            gateway.metrics.requests.labels(name, str(response.status_code)).inc()
+            gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            return response
+        return handle
+
+    async def models(request: Request) -> Response:
+        try:
+            gateway.authorize(request)
+        except GatewayError as exc:
+            return _error(exc)
+        return JSONResponse({"object": "list", "data": [
+            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "redroll"}]})
+
+    async def health(request: Request) -> Response:
+        if not gateway.redis_ok:
+            return JSONResponse({"status": "redis unreachable"}, status_code=503)
+        return JSONResponse({"status": "ok", "waiting": gateway.waiting, "queued": gateway.queued})
+
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return _error(GatewayError(status, f"{request.method} {request.url.path}: no such endpoint",
+                                   code="not_found" if status == 404 else "method_not_allowed"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = Starlette(routes=[
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", endpoint("completions", CompletionBody), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("chat.completions", ChatBody), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app.state.gateway = gateway
+    return app
+
+
+__all__ = ["Gateway", "GatewayConfig", "build_app"]

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible request bodies the gateway accepts (msgspec Structs) and its error shape.
+
+Field names follow OpenAI's API; the RL extensions are named as vLLM's OpenAI server names them
+(``return_token_ids``, ``priority``, ``session_id``, ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``), plus redroll's own
+``min_weight_version``. Unknown fields are ignored, as OpenAI-compatible servers do; the ones
+redroll cannot honour (``echo``, ``suffix``, ``best_of`` other than ``n``, a ``response_format``
+other than text, ``stream_options`` without ``stream``) are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+from msgspec import Meta
+
+from redroll.shared.errors import RedrollError
+
+TokenIds = list[Annotated[int, Meta(ge=0)]]
+Stop = Union[str, list[str], None]
+
+
+class GatewayError(RedrollError):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, rule: str) -> GatewayError:
+    """A 400 naming ``param`` in its one-line message."""
+    return GatewayError(400, f"invalid {param}: {rule}", param=param, code="invalid_value")
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's ``stream_options``."""
+
+    include_usage: bool = False
+    """A last chunk with ``choices: []`` and the call's ``usage`` (the others carry ``usage: null``)."""
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """What both endpoints share."""
+
+    model: Optional[str] = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Optional[Annotated[float, Meta(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Meta(gt=0.0, le=1.0)]] = None
+    stop: Stop = None
+    seed: Optional[Annotated[int, Meta(ge=0, le=2**63 - 1)]] = None
+    frequency_penalty: Optional[Annotated[float, Meta(ge=-2.0, le=2.0)]] = None
+    presence_penalty: Optional[Annotated[float, Meta(ge=-2.0, le=2.0)]] = None
+    user: Optional[str] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    # vLLM's extensions
+    top_k: Optional[int] = None
+    min_p: Optional[Annotated[float, Meta(ge=0.0, le=1.0)]] = None
+    repetition_penalty: Optional[Annotated[float, Meta(gt=0.0, le=2.0)]] = None
+    stop_token_ids: Optional[TokenIds] = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    skip_special_tokens: bool = True
+    priority: int = 0
+    """vLLM's: lower runs earlier, 0 by default. Below 0 is redroll's high priority (1), else normal (0)."""
+    return_token_ids: Optional[bool] = None
+    session_id: Optional[Annotated[str, Meta(min_length=1, max_length=4096)]] = None
+    # redroll's
+    min_weight_version: Optional[Annotated[int, Meta(ge=0)]] = None
+
+
+class CompletionBody(_Sampling, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is text, a list of texts, token ids or a list of them."""
+
+    prompt: Union[str, list[Any]]
+    """Checked by :func:`redroll.web.gateway.translate.build_requests` (msgspec takes one list type in a union)."""
+    max_tokens: Optional[Annotated[int, Meta(ge=0)]] = 16
+    logprobs: Optional[Annotated[int, Meta(ge=0, le=20)]] = None
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ChatBody(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Any = None
+    max_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
+    max_completion_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Meta(ge=0, le=20)]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+    """``raw`` JSON as ``kind``; a body that breaks a rule is a 400 naming the field."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _PATH.search(text)
+        param = found.group(1) if found else None
+        rule = _PATH.sub("", text).strip(" -")
+        if param is None and "missing required field" in text:
+            param = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else None
+        raise GatewayError(400, f"invalid {param or 'body'}: {rule}", param=param, code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise GatewayError(400, f"invalid body: not JSON ({exc})", param=None, code="invalid_json") from None
+
+
+def refuse_unsupported(body: CompletionBody | ChatBody) -> None:
+    """The OpenAI fields this gateway cannot honour, each refused naming it."""
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "only allowed with stream=true")
+    if isinstance(body, CompletionBody):
+        if body.echo:
+            raise invalid("echo", "echo is not supported")
+        if body.suffix:
+            raise invalid("suffix", "suffix is not supported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise invalid("best_of", "best_of must equal n (every sample is returned)")
+    else:
+        fmt = (body.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise invalid("response_format", f"type {fmt!r} is not supported (only 'text')")
+        if body.tool_choice not in (None, "auto", "none"):
+            raise invalid("tool_choice", "only 'auto' and 'none' are supported")
+    if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
+        raise invalid("top_k", "must be -1 (off) or a positive integer")

@@ -1,0 +1,240 @@
+"""OpenAI bodies to redroll requests, and records back to OpenAI responses.
+
+One HTTP call is one request per prompt (``n`` samples each: ``sampling_params.n``); a streamed
+call (``stream: true``) is one request per choice instead, each one sample (a streamed request
+makes one), seeded ``seed + i`` for choice ``i`` when the call gives a seed. A call of several
+requests is one group (``group_id``), so its requests share a partition. Responses are built
+from the records alone (their ``meta_info`` carries what the call needs), so any replica that holds
+the records of a call answers it the same way: a retried call gets the very response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from redroll.producer.request import make_request
+from redroll.shared.codec import ValidationError, encode_request
+from redroll.shared.settings import Settings
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid
+
+FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages", "tools": "tools",
+               "sampling_params.max_new_tokens": "max_tokens", "sampling_params.n": "n",
+               "sampling_params.temperature": "temperature", "sampling_params.top_p": "top_p",
+               "sampling_params.top_k": "top_k", "sampling_params.min_p": "min_p",
+               "sampling_params.stop": "stop", "sampling_params.stop_token_ids": "stop_token_ids",
+               "sampling_params.sampling_seed": "seed", "sampling_params.min_new_tokens": "min_tokens",
+               "top_logprobs_num": "top_logprobs", "affinity_key": "session_id", "stream": "stream"}
+"""redroll's field names (in a ValidationError) as the OpenAI body names them."""
+
+META = "gateway"
+"""The ``meta_info`` key the gateway's facts travel under (echoed back in the record)."""
+
+
+def session_key(session: str | None) -> str | None:
+    """A session id (any text) as an affinity key (a request_id-shaped name): a stable hash."""
+    if not session:
+        return None
+    return "s-" + hashlib.sha256(session.encode()).hexdigest()[:32]
+
+
+def redroll_priority(priority: int) -> int:
+    """vLLM's priority (lower runs earlier, 0 by default) as redroll's: below 0 is high (1), else 0."""
+    return 1 if priority < 0 else 0
+
+
+def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
+                   settings: Settings, fingerprint: str) -> list[GenerationRequest]:
+    """The requests of one call (checked against the wire contract; a break is a 400 naming the
+    OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
+    prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order."""
+    sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
+                                "skip_special_tokens": body.skip_special_tokens}
+    for ours, theirs in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", body.top_k),
+                         ("min_p", body.min_p), ("repetition_penalty", body.repetition_penalty),
+                         ("frequency_penalty", body.frequency_penalty), ("presence_penalty", body.presence_penalty),
+                         ("sampling_seed", body.seed)):
+        if theirs is not None:
+            sampling[ours] = theirs
+    if body.stop:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.stop_token_ids:
+        sampling["stop_token_ids"] = list(body.stop_token_ids)
+    if isinstance(body, ChatBody):
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise invalid("top_logprobs", "needs logprobs=true")
+        want_logprobs = bool(body.logprobs)
+        inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools}]
+    else:
+        max_tokens = body.max_tokens
+        top = body.logprobs or 0
+        want_logprobs = body.logprobs is not None
+        inputs = [{"prompt": p} if isinstance(p, str) else {"input_ids": p} for p in _prompts(body.prompt)]
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    meta = {META: {"created": int(time.time()), "model": body.model, "fp": fingerprint,
+                   "ids": bool(body.return_token_ids)}}
+    streamed = bool(body.stream)
+    samples = body.n if streamed else 1
+    group_id = base_id if len(inputs) * samples > 1 else None
+    requests = []
+    try:
+        for prompt in inputs:
+            for _ in range(samples):
+                i = len(requests)
+                params = sampling
+                extra: dict[str, Any] = {}
+                if streamed:
+                    params = {**sampling, "n": 1}
+                    if body.seed is not None:
+                        params["sampling_seed"] = body.seed + i
+                    extra["stream"] = True
+                req = make_request(request_id=f"{base_id}-{i}", sampling_params=params, return_text=True,
+                                   return_logprob=want_logprobs, top_logprobs_num=top, meta_info=meta,
+                                   affinity_key=session_key(session), group_id=group_id,
+                                   priority=redroll_priority(body.priority),
+                                   min_weight_version=body.min_weight_version, **prompt, **extra)
+                req.reply_to = settings.keys_for(req).results  # (checked here; the sender sets its own)
+                encode_request(req, settings.limits)
+                requests.append(req)
+    except ValidationError as exc:
+        param = FIELD_NAMES.get(exc.field, exc.field)
+        if param == "max_tokens" and isinstance(body, ChatBody) and body.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        raise GatewayError(400, f"invalid {param}: {exc.rule}", param=param, code="invalid_value") from None
+    return requests
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """The call's prompts: a text, a list of texts, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt", "must not be empty")
+    if _is_ids(prompt):
+        return [prompt]
+    for i, p in enumerate(prompt):
+        if not (isinstance(p, str) or _is_ids(p)):
+            raise invalid(f"prompt[{i}]", "a prompt is a text, or a non-empty list of token ids (integers >= 0)")
+    return list(prompt)
+
+
+# ---------------------------------------------------------------- responses
+
+def check_records(records: list[CompletionRecord]) -> None:
+    """A call whose records are not all finished answers with the first failure, in OpenAI's shape:
+    a request a worker refused (``invalid <field>: ...``) is a 400 naming the field."""
+    for rec in records:
+        if rec.status is RecordStatus.FINISHED:
+            continue
+        message = rec.error or f"the request ended {rec.status.value}"
+        if rec.status is RecordStatus.ERROR and message.startswith("invalid "):
+            field, _, rule = message[len("invalid "):].partition(":")
+            param = FIELD_NAMES.get(field, field)
+            raise GatewayError(400, f"invalid {param}:{rule}", param=param, code="invalid_value")
+        raise GatewayError(500 if rec.status is RecordStatus.ERROR else 503, message, kind="server_error",
+                           code=rec.status.value)
+
+
+def token_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _usage(records: list[CompletionRecord]) -> dict[str, int]:
+    prompt = sum(int(rec.meta_info.get("prompt_tokens") or 0) for rec in records)
+    completion = sum(len(ids) for rec in records for ids in rec.output_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _samples(records: list[CompletionRecord]):
+    """(choice index, prompt index, record, sample index) over a call's records, in order."""
+    index = 0
+    for k, rec in enumerate(records):
+        for j in range(len(rec.output_token_ids)):
+            yield index, k, rec, j
+            index += 1
+
+
+def choice_extensions(rec: CompletionRecord, j: int, with_ids: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"weight_version": rec.meta_info.get("weight_version")}
+    if rec.weight_versions and rec.weight_versions[j] is not None:
+        out["weight_versions"] = rec.weight_versions[j]
+    if with_ids:
+        out["token_ids"] = rec.output_token_ids[j]
+    return out
+
+
+def gateway_meta(rec: CompletionRecord) -> dict[str, Any]:
+    return rec.meta_info.get(META) or {}
+
+
+def prompt_token_ids(body: CompletionBody | ChatBody) -> list[list[int] | None]:
+    """Each prompt's token ids where the call sent ids (text and chats are tokenized by the worker,
+    and records do not carry the prompt: there they are null)."""
+    if isinstance(body, ChatBody):
+        return [None]
+    return [p if not isinstance(p, str) else None for p in _prompts(body.prompt)]
+
+
+def completion_response(call_id: str, model: str, records: list[CompletionRecord],
+                        prompts: list[list[int] | None]) -> dict[str, Any]:
+    """A ``text_completion`` object from a call's records (one per prompt, in order)."""
+    check_records(records)
+    meta = gateway_meta(records[0])
+    with_ids = bool(meta.get("ids"))
+    choices = []
+    for index, k, rec, j in _samples(records):
+        choice: dict[str, Any] = {"index": index, "text": (rec.output_text or [""] * (j + 1))[j],
+                                  "finish_reason": rec.finish_reasons[j], "stop_reason": None,
+                                  "logprobs": None}
+        if rec.output_logprobs is not None:
+            ids = rec.output_token_ids[j]
+            tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else None
+            choice["logprobs"] = {
+                "tokens": [token_name(t) for t in ids], "token_logprobs": rec.output_logprobs[j],
+                "text_offset": [], "top_logprobs": [{token_name(t): lp for t, lp in top} for top in tops] if tops else None}
+        choice.update(choice_extensions(rec, j, with_ids))
+        if with_ids:
+            choice["prompt_token_ids"] = prompts[k]
+        choices.append(choice)
+    return {"id": f"cmpl-{call_id}", "object": "text_completion", "created": meta.get("created", int(time.time())),
+            "model": meta.get("model") or model, "choices": choices, "usage": _usage(records),
+            "weight_version": records[0].meta_info.get("weight_version")}
+
+
+def chat_response(call_id: str, model: str, records: list[CompletionRecord],
+                  prompts: list[list[int] | None]) -> dict[str, Any]:
+    """A ``chat.completion`` object from a call's record."""
+    check_records(records)
+    meta = gateway_meta(records[0])
+    with_ids = bool(meta.get("ids"))
+    choices = []
+    for index, k, rec, j in _samples(records):
+        choice: dict[str, Any] = {
+            "index": index, "message": {"role": "assistant", "content": (rec.output_text or [""] * (j + 1))[j]},
+            "finish_reason": rec.finish_reasons[j], "stop_reason": None, "logprobs": None}
+        if rec.output_logprobs is not None:
+            ids = rec.output_token_ids[j]
+            tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else [[] for _ in ids]
+            choice["logprobs"] = {"content": [
+                {"token": token_name(t), "logprob": lp, "bytes": None,
+                 "top_logprobs": [{"token": token_name(tt), "logprob": tlp, "bytes": None} for tt, tlp in top]}
+                for t, lp, top in zip(ids, rec.output_logprobs[j], tops)]}
+        choice.update(choice_extensions(rec, j, with_ids))
+        choices.append(choice)
+    response = {"id": f"chatcmpl-{call_id}", "object": "chat.completion",
+                "created": meta.get("created", int(time.time())), "model": meta.get("model") or model,
+                "choices": choices, "usage": _usage(records),
+                "weight_version": records[0].meta_info.get("weight_version")}
+    if with_ids:
+        response["prompt_token_ids"] = prompts[0]
+    return response
