@@ -20,13 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from redroll.engine_worker.engines.base import (
-    EngineCapabilities,
-    EngineInfo,
-    EngineOutput,
-    SampleOutput,
-    check_token_ids,
-)
+from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.checks import check_token_ids
 from redroll.shared.types import GenerationRequest
 
 

@@ -112,30 +112,33 @@ def is_resumed(request: GenerationRequest) -> bool:
     return request.resumable or request.stream
 
 
-def prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int] | None:
+def prompt_ids(request: GenerationRequest, tokenizer: Any, engine: str = "this") -> list[int]:
     """The prompt's token ids as the engine makes them: ``input_ids``, a chat rendered by the chat
-    template, a text prompt encoded by the tokenizer; None when the engine has no tokenizer that can."""
+    template, a text prompt encoded by the tokenizer (the engine's :class:`~.engines.base.Tokenizer`).
+    A text or chat prompt on an engine without a tokenizer is refused, naming the field: its
+    continuation cannot be rendered (never continued from an empty prompt)."""
     if request.input_ids is not None:
         return list(request.input_ids)
-    try:
-        if request.messages is not None:
-            return render_chat(tokenizer, request, "this")
-        return list(tokenizer.encode(request.prompt))
-    except (AttributeError, TypeError, ValidationError):
-        return None
+    field = "messages" if request.messages is not None else "prompt"
+    if tokenizer is None:
+        raise ValidationError(field, f"the {engine} engine has no tokenizer to continue it after a checkpoint: "
+                                     "send input_ids")
+    if request.messages is not None:
+        return render_chat(tokenizer, request, engine)
+    return [int(t) for t in tokenizer.encode(request.prompt or "")]
 
 
-def resume_request(request: GenerationRequest, cp: Checkpoint, tokenizer: Any = None) -> GenerationRequest:
+def resume_request(request: GenerationRequest, cp: Checkpoint, tokenizer: Any = None,
+                   engine: str = "this") -> GenerationRequest:
     """``request`` continued after the checkpoint's tokens (see :func:`~redroll.shared.continuing.continue_after`):
     the prompt grows by them and the budget shrinks by as much; a seeded request continues with
     ``sampling_seed + tokens saved``. A text or chat prompt becomes its token ids first (``tokenizer``:
-    the engine's; the synthetic engine, which has none that encodes, continues from the saved tokens
-    alone), the record's text still wanted as before."""
+    the engine's, see :func:`prompt_ids`), the record's text still wanted as before."""
     seed = request.sampling_params.sampling_seed
     fields: dict[str, Any] = {}
     if request.input_ids is None:
         fields = {"prompt": None, "messages": None, "tools": None, "return_text": request.wants_text}
-        request = msgspec.structs.replace(request, input_ids=prompt_ids(request, tokenizer) or [])
+        request = msgspec.structs.replace(request, input_ids=prompt_ids(request, tokenizer, engine))
     return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens, **fields)
 
 

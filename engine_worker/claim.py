@@ -34,10 +34,6 @@ from redroll.shared.streams import read_group, script_fields, text
 
 log = logging.getLogger("redroll.worker")
 
-_CAPACITY_ARGS = ("max_running_requests", "max_num_seqs")
-"""Engine arguments that bound how many requests run at once (SGLang, vLLM)."""
-
-
 def deaths_field(flight_key: str) -> str:
     return flight_key + DEATHS_SUFFIX
 
@@ -69,45 +65,34 @@ class _Plan:
     """The consumer that died holding it."""
 
 
-def _positive_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+DEFAULT_MAX_INFLIGHT = 32
+"""``max_inflight`` when the engine declares no capacity (None: it runs whatever it is given)."""
 
 
 def engine_capacity(engine: Any) -> int | None:
-    """How many requests ``engine`` runs at once, when it says so; None when it does not.
-
-    Looked up in this order: a ``capacity`` attribute (an engine may declare it), the synthetic
-    engine's ``slots``, the transformers engine's ``max_batch_size``, SGLang's resolved
-    ``server_args.max_running_requests`` (once started), then the engine arguments it was given
-    (``engine_kwargs()``: SGLang's ``max_running_requests``, vLLM's ``max_num_seqs``). An engine
-    left to pick its own (vLLM, SGLang without the argument) says nothing here."""
-    for attr in ("capacity", "slots", "max_batch_size"):
-        found = _positive_int(getattr(engine, attr, None))
-        if found is not None:
-            return found
-    found = _positive_int(getattr(getattr(engine, "server_args", None), "max_running_requests", None))
-    if found is not None:
-        return found
-    kwargs_of = getattr(engine, "engine_kwargs", None)
-    if callable(kwargs_of):
-        try:
-            kwargs = kwargs_of()
-        except Exception:  # (an engine that cannot say yet: treated as saying nothing)
-            kwargs = None
-        if isinstance(kwargs, dict):
-            for name in _CAPACITY_ARGS:
-                found = _positive_int(kwargs.get(name))
-                if found is not None:
-                    return found
-    return None
+    """The engine's declared ``capacity`` (:class:`~redroll.engine_worker.engines.base.Engine`):
+    requests it runs at once, read once it started; None for an engine that runs whatever it is
+    given. Anything else is a defect of the engine, said at start."""
+    if not hasattr(engine, "capacity"):
+        raise TypeError(f"{type(engine).__name__} declares no capacity (the Engine contract: an int, or None "
+                        "for an engine that runs whatever it is given)")
+    capacity = engine.capacity
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+        raise TypeError(f"{type(engine).__name__}.capacity is {capacity!r}: a positive int, or None")
+    return capacity
 
 
-def claim_limit(engine: Any, max_inflight: int, prefetch: int) -> int:
+def default_max_inflight(capacity: int | None, prefetch: int) -> int:
+    """``--max-inflight`` when not given: what the engine runs at once plus the claim prefetch
+    (:data:`DEFAULT_MAX_INFLIGHT` for an engine that declares no capacity)."""
+    return DEFAULT_MAX_INFLIGHT if capacity is None else capacity + max(0, int(prefetch))
+
+
+def claim_limit(capacity: int | None, max_inflight: int, prefetch: int) -> int:
     """The most entries a worker holds that take or wait for an engine slot: what the engine can
     run at once plus ``prefetch`` (the ``claim_prefetch`` setting), at most ``max_inflight``;
-    ``max_inflight`` when the engine does not say its capacity (:func:`engine_capacity`)."""
+    ``max_inflight`` when the engine declares no capacity."""
     max_inflight = max(1, int(max_inflight))
-    capacity = engine_capacity(engine)
     if capacity is None:
         return max_inflight
     return max(1, min(max_inflight, capacity + max(0, int(prefetch))))

@@ -11,7 +11,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from redroll.engine_worker.deliveries import DeliveryLog
-from redroll.engine_worker.engines.base import Engine, EngineCapabilities, capabilities_of
+from redroll.engine_worker.engines.base import Engine, EngineCapabilities
+from redroll.engine_worker.engines.declaration import capabilities_of
 from redroll.engine_worker.publisher import Publisher
 from redroll.observability.tracing import tracer
 from redroll.shared.batcher import CommandBatcher
@@ -66,6 +67,9 @@ class WorkerContext:
     started_at: float = field(default_factory=time.monotonic)
     """When this run of the worker began (``time.monotonic``): entries delivered to its name before
     were a previous run's (a restart with the same ``--name``)."""
+    engine_failure: str | None = None
+    """Why the engine can serve nothing any more (it raised :class:`~.engines.base.EngineDeadError`):
+    the worker then stops at once, hands everything back and exits with status 1."""
 
     def __post_init__(self) -> None:
         self.capabilities: EngineCapabilities = capabilities_of(self.engine)
@@ -100,6 +104,13 @@ class WorkerContext:
     def flight_key(self, stream: str, entry_id: str) -> str:
         """Unique over every request stream (the plain normal stream keeps bare entry ids)."""
         return entry_id if stream == self.normal_stream else f"{stream}/{entry_id}"
+
+    def engine_died(self, reason: str) -> None:
+        """The engine raised :class:`~.engines.base.EngineDeadError`: stop the worker now (no drain:
+        nothing more finishes here), once, keeping the first reason."""
+        if self.engine_failure is None:
+            self.engine_failure = reason
+        self.stopping.set()
 
     async def pause(self, seconds: float) -> None:
         """Sleep, but wake at once when a stop is requested."""

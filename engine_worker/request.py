@@ -18,7 +18,7 @@ from redroll.engine_worker.checkpoints import (
 )
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.control import AbortedSet
-from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
+from redroll.engine_worker.engines.base import EngineDeadError, EngineOutput, SampleOutput
 from redroll.engine_worker.flights import Flights, InFlight
 from redroll.engine_worker.outcomes import Outcomes
 from redroll.engine_worker.records import build_record
@@ -61,6 +61,10 @@ class RequestRunner:
             self.flights.park(flight, fields)  # leased, not running: it starts again on new weights
         except asyncio.CancelledError:
             raise
+        except ValidationError as exc:  # (the engine refused it while generating: served nowhere)
+            await self.outcomes.dead_letter(flight, fields, exc.reason, error=exc, request=flight.request)
+        except EngineDeadError as exc:
+            await self._engine_died(flight, exc)
         except Exception as exc:
             await self._failed(flight, exc)
         finally:
@@ -148,6 +152,16 @@ class RequestRunner:
         if flight.handed_back:
             return None
         return self._record(flight, request, output, queue_ms, engine_ms)
+
+    async def _engine_died(self, flight: InFlight, exc: EngineDeadError) -> None:
+        """The engine can serve nothing any more: the worker stops at once and hands every entry it
+        holds back, this one first, each marked as handed back on purpose (not a suspect of
+        killing a worker, no error against the request)."""
+        log.critical("engine died during request %s: %s; handing everything back and exiting",
+                     flight.request.request_id if flight.request else "?", exc, extra=flight.context())
+        self.ctx.engine_died(f"{type(exc).__name__}: {exc}")
+        flight.handed_back = True
+        await self.outcomes.hand_back_all([flight], f"handed back by {self.ctx.name} (its engine died)")
 
     async def _failed(self, flight: InFlight, exc: Exception) -> None:
         """An engine or Redis failure: the entry goes back to the fleet to be retried elsewhere
@@ -272,7 +286,8 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
-        generating = resume_request(request, resume, ctx.tokenizer) if resume is not None else request
+        generating = (resume_request(request, resume, ctx.tokenizer, ctx.engine.info.name) if resume is not None
+                      else request)
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:
             return await ctx.engine.generate(generating, flight.handle)
@@ -315,6 +330,9 @@ class RequestRunner:
             self._reply_keys_ok.add((part.tag, reply_to))
         if request.stream and (reply_to is None or chunks_key_for(reply_to, request.request_id) is None):
             raise ValidationError("stream", f"a streamed request replies to a producer's reply stream, not {reply_to!r}")
+        if request.stream and not self.ctx.capabilities.partial_output:
+            raise ValidationError("stream", f"the {self.ctx.engine.info.name} engine shows no partial output "
+                                            "(the partial_output capability): it cannot stream")
         model = self.ctx.engine.info.model
         if request.model is not None and request.model != model:
             raise ValidationError("model", f"{request.model!r} is not served here (this pipeline serves {model!r})")

@@ -22,10 +22,11 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
-from redroll.engine_worker.claim import Claimer, claim_limit
+from redroll.engine_worker.claim import Claimer, claim_limit, default_max_inflight, engine_capacity
 from redroll.engine_worker.context import WorkerContext, WorkerStats
 from redroll.engine_worker.control import AbortedSet, ControlListener
-from redroll.engine_worker.engines.base import Engine, capabilities_of
+from redroll.engine_worker.engines.base import Engine
+from redroll.engine_worker.engines.declaration import capabilities_of
 from redroll.engine_worker.flights import Flights, InFlight
 from redroll.engine_worker.housekeeping import housekeeping_loop
 from redroll.engine_worker.lanes import LaneClaimer, LaneTable
@@ -66,7 +67,7 @@ class Worker:
         engine: Engine,
         *,
         redis_client: Redis | None = None,
-        max_inflight: int = 32,
+        max_inflight: int | None = None,
         name: str | None = None,
         block_ms: int = 1000,
         reclaim_interval_s: float | None = None,
@@ -108,7 +109,9 @@ class Worker:
         """What the engine declares beyond the Engine protocol (its ``capabilities``; none without)."""
         # An engine that makes an output at once (the synthetic one without per-token time) runs
         # each claim's entries in one task; any other engine runs a task per request.
-        self.flights = Flights(max_inflight, self._run_request, self._stopping,
+        self._max_inflight_given = max_inflight
+        """``max_inflight`` as given; None: the engine's capacity plus the claim prefetch, once it started."""
+        self.flights = Flights(max_inflight or 1, self._run_request, self._stopping,
                                run_batch=self._run_batch if self.capabilities.instant else None)
         self._requests: RequestRunner | None = None
         self._weights: WeightsGate | None = None
@@ -118,6 +121,14 @@ class Worker:
         """This worker's view of the affinity lanes (None when they are off)."""
         self._lane_claimer: LaneClaimer | None = None
         self._control_tasks: set[asyncio.Task] = set()
+        self.engine_failure: str | None = None
+        """Why the engine died (:class:`~.engines.base.EngineDeadError`), when it did: the worker then
+        stopped without a drain and :attr:`exit_status` is 1."""
+
+    @property
+    def exit_status(self) -> int:
+        """What ``redroll worker`` exits with: 0 after a stop, 1 when the engine died."""
+        return 1 if self.engine_failure is not None else 0
 
     # ------------------------------------------------------------ state
 
@@ -226,15 +237,19 @@ class Worker:
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
         # Fair claiming: what the engine can start at once plus the prefetch (known once started).
-        self.flights.claim_limit = claim_limit(self.engine, self.max_inflight, self.settings.claim_prefetch)
+        capacity = engine_capacity(self.engine)
+        prefetch = self.settings.claim_prefetch
+        if self._max_inflight_given is None:
+            self.flights.max_inflight = default_max_inflight(capacity, prefetch)
+        self.flights.claim_limit = claim_limit(capacity, self.max_inflight, prefetch)
         await self._ensure_groups(ctx)
         await open_connections(self.redis, WORKER_CONNECTIONS)
         await control.start()
         assert self._weights is not None
         await self._weights.load_desired()
         await liveness.heartbeat()
-        log.info("worker %s started: engine=%s model=%s max_inflight=%d claim_limit=%d", self.name,
-                 self.engine.info.name, self.engine.info.model, self.max_inflight, self.flights.claim_limit)
+        log.info("worker %s started: engine=%s model=%s capacity=%s max_inflight=%d claim_limit=%d", self.name,
+                 self.engine.info.name, self.engine.info.model, capacity, self.max_inflight, self.flights.claim_limit)
         self.started.set()
         groups = read_groups(self.redis, self.parts)  # one claim loop per group
         loops = [
@@ -262,6 +277,7 @@ class Worker:
             background.append(asyncio.create_task(self._guard(ctx, burst_loop), name="burst"))
         try:
             await self._stopping.wait()
+            self.engine_failure = ctx.engine_failure
             limit = self.settings.drain_timeout_s + 10
             try:
                 await asyncio.wait_for(self._shutdown(loops, outcomes), limit)
@@ -322,9 +338,10 @@ class Worker:
             await ensure_group(self.redis, stream, WORKERS_GROUP)
 
     async def _drain(self, outcomes: Outcomes) -> None:
-        """Finish in-flight work up to the drain timeout, then hand the rest back at once."""
+        """Finish in-flight work up to the drain timeout, then hand the rest back at once (at once
+        when the engine died: nothing more finishes here)."""
         flights = self.flights
-        if len(flights):
+        if len(flights) and self.engine_failure is None:
             log.info("draining %d in-flight request(s) for up to %.1fs", len(flights),
                      self.settings.drain_timeout_s)
             tasks = [f.task for f in flights if f.task is not None]
@@ -337,5 +354,6 @@ class Worker:
             f.handed_back = True
             self.engine.abort(f.handle)
         await asyncio.gather(*(f.task for f in rest if f.task is not None), return_exceptions=True)
-        handed = await outcomes.hand_back_all(rest, f"handed back by {self.name} (drain)")
+        why = "its engine died" if self.engine_failure is not None else "drain"
+        handed = await outcomes.hand_back_all(rest, f"handed back by {self.name} ({why})")
         log.info("handed back %d request(s) to the fleet", handed)

@@ -11,14 +11,14 @@ Installed, the repository's folders are one namespace: ``redroll.shared`` (the w
 package. The names below are imported on first use, so ``import redroll.shared.codec`` loads
 only the wire contract.
 
-Every error redroll raises on purpose is a :class:`RedrollError` (see :mod:`redroll.shared.errors`), and
+Every error redroll raises on purpose is a :class:`RedrollError` (see :mod:`redroll.errors`), and
 each is exported here.
 """
 
 from __future__ import annotations
 
-from redroll.shared.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
-from redroll.shared.errors import lazy_names
+from redroll.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
+from redroll.errors import lazy_names
 
 __version__ = "0.2.0"
 
@@ -38,8 +38,7 @@ _EXPORTS = {
     "send": "redroll.producer.client",
 }
 
-# Every error of the family (redroll.shared.errors), each from where it is defined.
-_EXPORTS.update({"RedrollError": "redroll.shared.errors", "ConnectionUnavailableError": "redroll.shared.errors"})
+# Every error of the family (redroll.errors), each from where it is defined.
 _EXPORTS.update(_ERRORS_DEFINED_IN)
 
 __all__ = sorted(_EXPORTS)

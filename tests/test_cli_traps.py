@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from redroll.cli.main import ENGINES, build_parser, main
+from redroll.cli.main import build_parser, main
+from redroll.engine_worker.engines.registry import ENGINES
 from tests.conftest import ROOT, redroll_env, stop_process
 
 
@@ -52,16 +53,82 @@ def test_a_missing_model_directory_is_named(settings, tmp_path, engine):
     assert one_line(proc) == f"redroll worker: no such model directory: {missing}"
 
 
-def test_transformers_keeps_its_built_in_tiny_model_and_synthetic_needs_no_model():
-    from redroll.cli.worker import worker_refusal as _worker_refusal
+def test_a_model_is_named_by_every_engine_that_loads_one_and_not_by_the_synthetic_one():
+    """``--model-path`` had one default for every engine (tiny-random): ``--engine vllm`` without it
+    failed naming a directory the user never gave."""
+    from redroll.cli.worker import worker_refusal
 
     parser = build_parser()
-    for argv in (["worker", "--engine", "transformers"], ["worker", "--engine", "transformers", "--model-path",
-                                                          "tiny-random:7"],
+    for argv in (["worker", "--engine", "transformers", "--model-path", "tiny-random"],
+                 ["worker", "--engine", "transformers", "--model-path", "tiny-random:7"],
                  ["worker", "--engine", "synthetic", "--model-path", "/nowhere"],
+                 ["worker", "--engine", "synthetic"],
                  ["worker", "--engine", "sglang", "--model-path", "Qwen/Qwen2.5-0.5B-Instruct"]):
-        assert _worker_refusal(parser.parse_args(argv)) is None, argv
-    assert _worker_refusal(parser.parse_args(["worker", "--engine", "sglang"])) is not None  # (tiny-random)
+        assert worker_refusal(parser.parse_args(argv)) is None, argv
+    for engine in ("vllm", "sglang", "transformers"):
+        said = worker_refusal(parser.parse_args(["worker", "--engine", engine]))
+        assert said is not None and said.startswith(f"the {engine} engine needs --model-path"), said
+        assert "tiny-random" not in said or engine == "transformers", said
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--engine", "transformers", "--model-path", "tiny-random", "--kv-cache-gib", "2"],
+     "the transformers engine does not take --kv-cache-gib (vllm only)"),
+    (["--engine", "vllm", "--model-path", "m/m", "--skip-tokenizer-init"],
+     "the vllm engine does not take --skip-tokenizer-init (sglang only)"),
+    (["--engine", "vllm", "--model-path", "m/m", "--dp-size", "2", "--sglang-arg", "a=1"],
+     "the vllm engine does not take --dp-size (sglang only), --sglang-arg (sglang only)"),
+    (["--engine", "synthetic", "--device", "cuda"], "the synthetic engine does not take --device (transformers only)"),
+    (["--engine", "transformers", "--model-path", "tiny-random", "--engine-arg", "a=1"],
+     "the transformers engine does not take --engine-arg (engines given as package.module:Class only)"),
+])
+def test_a_flag_given_to_an_engine_that_ignores_it_is_refused_naming_it(argv, said):
+    """SGLang-only flags configured nothing on vLLM, silently (--skip-tokenizer-init, --dp-size, --sglang-arg)."""
+    from redroll.cli.worker import worker_refusal
+
+    assert worker_refusal(build_parser().parse_args(["worker", *argv])) == said
+
+
+def test_generic_names_for_generic_settings_with_the_engines_own_spellings_kept():
+    """--mem-fraction-static (SGLang's name) configured vLLM's gpu_memory_utilization."""
+    from redroll.cli.engine_flags import engine_options
+    from redroll.engine_worker.engines.registry import ENGINES
+    from redroll.shared.settings import Settings
+
+    parser = build_parser()
+    settings = Settings()
+    for flag in ("--memory-fraction", "--mem-fraction-static", "--gpu-memory-utilization"):
+        args = parser.parse_args(["worker", "--engine", "vllm", "--model-path", "m/m", flag, "0.5",
+                                  "--context-length", "2048", "--max-running-requests", "64"])
+        options = engine_options(args, ENGINES["vllm"], settings)
+        assert (options["gpu_memory_utilization"], options["max_model_len"], options["max_num_seqs"]) == (0.5, 2048, 64)
+    args = parser.parse_args(["worker", "--engine", "sglang", "--model-path", "m/m", "--memory-fraction", "0.7",
+                              "--context-length", "4096"])
+    options = engine_options(args, ENGINES["sglang"], settings)
+    assert (options["mem_fraction_static"], options["context_length"]) == (0.7, 4096)
+    args = parser.parse_args(["worker", "--engine", "vllm", "--model-path", "m/m", "--no-prefix-caching"])
+    assert engine_options(args, ENGINES["vllm"], settings)["enable_prefix_caching"] is False
+    args = parser.parse_args(["worker", "--engine", "vllm", "--model-path", "m/m"])
+    assert engine_options(args, ENGINES["vllm"], settings)["enable_prefix_caching"] is True
+
+
+def test_fault_injection_flags_are_out_of_the_help_and_still_work():
+    from redroll.cli.engine_flags import engine_options
+    from redroll.shared.settings import Settings
+
+    parser = build_parser()
+    help_text = next(child for name, child in _parsers(parser) if name == "redroll worker").format_help()
+    assert "--raise-marker" not in help_text and "--exit-marker" not in help_text
+    assert "--max-running-requests" in help_text and "--memory-fraction" in help_text
+    args = parser.parse_args(["worker", "--engine", "synthetic", "--raise-marker", "BOOM"])
+    assert engine_options(args, ENGINES["synthetic"], Settings())["raise_marker"] == "BOOM"
+
+
+def test_max_inflight_follows_the_engine_unless_given():
+    """--max-inflight defaulted to 32 for every engine and capped the engine's declared capacity."""
+    parser = build_parser()
+    assert parser.parse_args(["worker", "--engine", "synthetic"]).max_inflight is None
+    assert parser.parse_args(["worker", "--engine", "synthetic", "--max-inflight", "7"]).max_inflight == 7
 
 
 # ---------------------------------------------------------------- drain
@@ -127,7 +194,8 @@ def test_every_flag_has_help_and_shows_its_default():
     assert not missing, missing
     worker = dict(_parsers(build_parser()))["redroll worker"]
     text = worker.format_help()
-    assert "--max-inflight" in text and "(default: 32)" in " ".join(text.split())
+    said = " ".join(text.split())
+    assert "--max-inflight" in text and "default: the engine's capacity" in said, said
     name = next(a for a in worker._actions if "--name" in a.option_strings)
     assert "worker's name" in name.help and "consumer" not in name.help
 

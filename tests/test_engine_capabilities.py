@@ -10,7 +10,8 @@ import json
 import pytest
 
 from redroll.engine_worker.context import WorkerContext, WorkerStats
-from redroll.engine_worker.engines.base import NO_CAPABILITIES, EngineCapabilities, capabilities_of, check_declaration
+from redroll.engine_worker.engines.base import EngineCapabilities
+from redroll.engine_worker.engines.declaration import NO_CAPABILITIES, capabilities_of, check_declaration
 from redroll.engine_worker.engines.sglang_engine import SGLangEngine
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine
@@ -66,10 +67,12 @@ def test_check_declaration_names_each_mismatch():
     assert ("Liar declares memory_release: its resume_memory_occupation has no parameter tags" in problems)
     assert "Liar declares partial_output but has no partial" in problems
     assert "Liar declares weights_in_place without weights_from_disk" in problems
-    assert len(problems) == 4, problems
+    assert "Liar declares no capacity (None: it runs whatever it is given at once)" in problems
+    assert len(problems) == 5, problems
 
     class Modest:
         capabilities = EngineCapabilities(weights_from_disk=True)
+        capacity = None
 
         def partial(self, handle):
             return None
@@ -84,6 +87,7 @@ def test_check_declaration_names_each_mismatch():
 
     class SyncUpdate:
         capabilities = EngineCapabilities(weights_from_disk=True)
+        capacity = None
 
         def update_weights_from_disk(self, model_path, weight_version=None):
             return None

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import redroll
-import redroll.shared.errors
+import redroll.errors
 from redroll import Producer, RedrollError
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines import create_engine
@@ -18,16 +18,16 @@ from redroll.shared.settings import Settings
 
 
 def _documented() -> list[str]:
-    return re.findall(r"^``(\w+)`` +``", redroll.shared.errors.__doc__, re.M)
+    return re.findall(r"^``(\w+)`` +``", redroll.errors.__doc__, re.M)
 
 
 def test_every_documented_error_is_exported_and_in_the_family():
     documented = _documented()
     assert len(documented) >= 16
-    assert set(documented) == set(redroll.shared.errors.__all__)
+    assert set(documented) == set(redroll.errors.__all__)
     for name in documented:
         cls = getattr(redroll, name)
-        assert cls is getattr(redroll.shared.errors, name)
+        assert cls is getattr(redroll.errors, name)
         assert name in redroll.__all__
         assert issubclass(cls, RedrollError), name
         # each is caught by except RedrollError (and keeps its former base)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from redroll.engine_worker.claim import claim_limit, engine_capacity
+import pytest
+
+from redroll.engine_worker.claim import claim_limit, default_max_inflight, engine_capacity
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import make_request, send
@@ -103,25 +105,32 @@ async def test_one_worker_under_steady_load_keeps_its_engine_full(settings, r):
 def test_the_claim_limit_rule():
     prefetch = Settings().claim_prefetch
     assert prefetch == 2
-    # The engine's capacity plus the prefetch, never above max_inflight.
-    assert claim_limit(SyntheticEngine(token_ms=1, slots=16), 32, prefetch) == 18
-    assert claim_limit(SyntheticEngine(token_ms=1, slots=16), 32, 0) == 16
-    assert claim_limit(SyntheticEngine(token_ms=1, slots=64), 32, prefetch) == 32
-    # An engine that says nothing of its capacity: max_inflight, as before.
+    # The engine's declared capacity plus the prefetch, never above max_inflight.
+    assert claim_limit(engine_capacity(SyntheticEngine(token_ms=1, slots=16)), 32, prefetch) == 18
+    assert claim_limit(16, 32, 0) == 16
+    assert claim_limit(64, 32, prefetch) == 32
+    # An engine that runs whatever it is given (capacity None): max_inflight, 32 unless given.
     assert engine_capacity(SyntheticEngine(token_ms=1)) is None
-    assert claim_limit(SyntheticEngine(token_ms=1), 32, prefetch) == 32
-    assert claim_limit(object(), 7, prefetch) == 7
+    assert claim_limit(None, 7, prefetch) == 7
+    assert default_max_inflight(None, prefetch) == 32
+    # Unless given, max_inflight follows the engine: a vLLM engine batching 256 holds 256 + the prefetch.
+    assert default_max_inflight(256, prefetch) == 258
 
     class Declared:
         capacity = 10
 
-    class Kwargs:
-        def engine_kwargs(self):
+    class Undeclared:
+        def engine_kwargs(self):  # (no longer probed: capacity is declared, or the engine is refused)
             return {"max_num_seqs": 12}
 
-    assert engine_capacity(Declared()) == 10
-    assert engine_capacity(Kwargs()) == 12
+    class Wrong:
+        capacity = 0
 
+    assert engine_capacity(Declared()) == 10
+    with pytest.raises(TypeError, match="Undeclared declares no capacity"):
+        engine_capacity(Undeclared())
+    with pytest.raises(TypeError, match="Wrong.capacity is 0"):
+        engine_capacity(Wrong())
 
 def test_claim_prefetch_setting():
     assert Settings.from_env({"REDROLL_CLAIM_PREFETCH": "5"}).claim_prefetch == 5

@@ -16,13 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from redroll.engine_worker.engines.base import EngineOutput
-from redroll.engine_worker.engines.sglang_engine import (
-    EngineCommandRefused,
-    EngineRequestError,
-    SGLangEngine,
-    WeightUpdateError,
-)
+from redroll.engine_worker.engines.base import EngineCommandRefused, EngineOutput, EngineRequestError, WeightUpdateError
+from redroll.engine_worker.engines.sglang_engine import SGLangEngine
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, RecordStatus, SamplingParams
 from tests import sglang_standin as sgl

@@ -10,7 +10,8 @@ import socket
 import pytest
 import torch
 
-from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused, SGLangEngine, WeightUpdateError
+from redroll.engine_worker.engines.base import EngineCommandRefused, WeightUpdateError
+from redroll.engine_worker.engines.sglang_engine import SGLangEngine
 from redroll.engine_worker.engines.tiny_model import build_tiny_model
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 from redroll.engine_worker.worker import Worker

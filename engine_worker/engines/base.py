@@ -1,14 +1,35 @@
-"""The small protocol every engine adapter implements, and the optional capabilities it declares."""
+"""The engine contract: everything an engine adapter implements or may declare, in one file.
+
+A new engine is this file and :mod:`.example` (a complete engine in about 150 lines) to read:
+
+* the :class:`Engine` protocol: ``info``, ``capabilities``, ``capacity``, ``start``, ``validate``,
+  ``generate``, ``abort``, ``close``;
+* what ``generate`` returns: an :class:`EngineOutput` of :class:`SampleOutput` (each ending with a
+  :data:`FinishReason`);
+* the optional capabilities, declared in :class:`EngineCapabilities` and promised by the
+  protocols below it (streaming and checkpoints: :class:`PartialOutput`; text: :class:`Tokenizer`;
+  weights and memory);
+* the errors an engine raises and what the worker does with each (:class:`EngineError`);
+* how the command line finds it: an :class:`EngineSpec` in :mod:`.registry` (its flags, whether it
+  loads a model), or ``redroll worker --engine package.module:Class`` for an engine outside redroll.
+
+Checking a declaration against an engine's members: :mod:`.declaration`. The checks engines share
+(vocabulary, context window, extras they cannot make): :mod:`.checks`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
-from redroll.shared.codec import ValidationError
+from redroll.shared.errors import RedrollError
 from redroll.shared.types import GenerationRequest
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a sample ended: a stop token or string (``stop``), ``max_new_tokens`` (``length``), or an
+abort the worker asked for (``abort``). A sample that never started has None."""
 
 
 @dataclass
@@ -18,8 +39,8 @@ class SampleOutput:
 
     token_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: str | None
-    """"stop", "length", "abort", or None when it never started."""
+    """Per token, with ``return_logprob`` (else None): under the distribution ``info.logprob_mode`` names."""
+    finish_reason: FinishReason | None
     weight_versions: list[str] | None = None
     """The weight version of each token, when they were not all made by one (an in-place update)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -59,13 +80,74 @@ class EngineInfo:
     """Ranks this engine takes in a trainer's weight-update group (SGLang: one per tensor-parallel GPU)."""
 
 
+# ---------------------------------------------------------------- errors
+
+
+class EngineError(RedrollError):
+    """The root of the errors an engine raises on purpose. What the worker does with each:
+
+    ========================  =====================================================================
+    raised from ``generate``  the worker
+    ========================  =====================================================================
+    ``ValidationError``       refuses the request: dead letter, ``error`` record naming the field
+                              (:class:`redroll.shared.codec.ValidationError`: the request cannot be
+                              served anywhere; better raised from ``validate``)
+    :class:`EngineRequestError`  notes the error and hands the entry back: another attempt, on any
+                              worker, until ``max_deliveries`` dead-letters it with this error
+    :class:`EngineDeadError`  stops: claims nothing more, hands every entry it holds back to the
+                              fleet at once and exits with status 1 (its supervisor restarts it)
+    anything else             a defect in the adapter: as :class:`EngineRequestError`, logged with
+                              its traceback
+    ========================  =====================================================================
+    """
+
+
+class EngineRequestError(EngineError, RuntimeError):
+    """The engine failed this request and still serves others (vLLM's ``EngineGenerateError``, an
+    SGLang output that does not line up). ``status_code``: the HTTP status the engine attached, if any."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, rid: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.rid = rid
+
+
+class EngineDeadError(EngineError, RuntimeError):
+    """The engine cannot serve anything any more (vLLM's ``EngineDeadError``, a crashed scheduler
+    process): the worker hands its entries back and exits."""
+
+
+class EngineCommandRefused(EngineError, RuntimeError):
+    """A weight or memory command the engine refuses, because it would crash or do nothing (the
+    message says which and what to change)."""
+
+
+class WeightUpdateError(EngineError, RuntimeError):
+    """Loading new weights failed; the engine still serves the weights it had."""
+
+
+class WeightsRefused(EngineError, ValueError):
+    """Pushed tensors do not fit the model (unknown name, shape or dtype): nothing was staged."""
+
+
+# ---------------------------------------------------------------- capabilities
+
+
 @dataclass(frozen=True)
 class EngineCapabilities:
     """What an engine can do beyond the :class:`Engine` protocol, declared by the engine (a class
     attribute ``capabilities``, or set in ``__init__`` when it depends on the engine's options).
     The worker asks this declaration, never the engine's methods; each true field promises the
-    members of the protocol named beside it (:func:`check_declaration` checks the promise)."""
+    members of the protocol named beside it (:func:`.declaration.check_declaration` checks the promise)."""
 
+    partial_output: bool = False
+    """:class:`PartialOutput`: what a running request has made so far. Streamed requests need it
+    (the worker refuses ``stream`` on an engine without it, naming the field), and so do the
+    checkpoints that let another worker continue a request after this one dies."""
+    tokenizer: bool = False
+    """:class:`HasTokenizer`: a complete :class:`Tokenizer` (text prompts and chats continued after
+    a checkpoint are rendered with it; streamed chunks' text is decoded with it)."""
     weights_from_disk: bool = False
     """:class:`DiskWeights`: load new weights from a checkpoint (the ``update_weights`` command)."""
     weights_in_place: bool = False
@@ -79,8 +161,6 @@ class EngineCapabilities:
     memory_release: bool = False
     """:class:`MemoryRelease`: free engine memory for a colocated trainer and take it back (the
     ``release_memory`` / ``resume_memory`` commands; without it they only pause claiming)."""
-    partial_output: bool = False
-    """:class:`PartialOutput`: what a running request has made so far (checkpoints of resumable requests)."""
     instant: bool = False
     """:class:`InstantGeneration`: an output without waiting (no model time); the worker then runs a
     claim's entries in one pass, without a task and a future per request."""
@@ -89,68 +169,33 @@ class EngineCapabilities:
     prefill_counters: bool = False
     """:class:`PrefillCounters`: counts its prefill, computed and served from a prefix cache
     (``prefill_tokens`` in the heartbeat, the ``redroll_worker_prefill_tokens`` metric)."""
-    tokenizer: bool = False
-    """:class:`HasTokenizer`: a ``tokenizer`` attribute that decodes ids to text (the demo prints
-    text); it may still be None (not started, or SGLang with ``skip_tokenizer_init``)."""
 
     def names(self) -> list[str]:
         """The declared capabilities, by field name."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
 
 
-NO_CAPABILITIES = EngineCapabilities()
-"""What an engine that declares nothing can do beyond :class:`Engine`: nothing."""
-
-
-def capabilities_of(engine: Any) -> EngineCapabilities:
-    """An engine's declaration; :data:`NO_CAPABILITIES` for an engine object that has none (a
-    stand-in written before declarations). The worker reads it once, when it is built."""
-    declared = getattr(engine, "capabilities", NO_CAPABILITIES)
-    if not isinstance(declared, EngineCapabilities):
-        raise TypeError(f"{type(engine).__name__}.capabilities is a {type(declared).__name__}, "
-                        "not an EngineCapabilities")
-    return declared
-
-
 @runtime_checkable
 class Engine(Protocol):
-    """What the worker needs from an engine: a new engine is one file to read (this one).
+    """What the worker needs from an engine.
 
-    ``generate`` is called concurrently for up to ``max_inflight`` requests; the engine batches
-    them as it sees fit. ``abort(handle)`` stops one generation (queued inside the engine or
-    running): its ``generate`` then returns what was produced so far with finish reason "abort".
-    Unknown handles are ignored.
+    ``capacity`` is how many requests the engine runs at once (its batch: vLLM's ``max_num_seqs``,
+    SGLang's ``max_running_requests``), read by the worker after :meth:`start`; None declares an
+    engine that runs whatever it is given at once (the synthetic one). The worker claims the
+    capacity plus its prefetch (fair claiming: a worker never holds queued work it cannot start),
+    and ``--max-inflight`` defaults to that.
 
-    Anything more is optional and declared, not discovered: ``capabilities`` is an
-    :class:`EngineCapabilities` whose true fields promise the members of the protocols below, and
-    the worker calls only what is declared (an engine object without ``capabilities`` has none):
+    ``generate`` is called concurrently for up to that many requests; the engine batches them as
+    it sees fit. ``abort(handle)`` stops one generation (queued inside the engine or running): its
+    ``generate`` then returns what was produced so far with finish reason ``abort``. Unknown
+    handles are ignored. Errors: see :class:`EngineError`.
 
-    * ``weights_from_disk`` (:class:`DiskWeights`), ``weights_in_place`` (that method honours
-      ``in_place=True``): the ``update_weights`` command;
-    * ``weights_from_push`` (:class:`PushedWeights`): a trainer's broadcast, ``sync_weights``;
-    * ``weights_from_tensor`` (:class:`TensorWeights`): a trainer in the same process;
-    * ``memory_release`` (:class:`MemoryRelease`): ``release_memory`` / ``resume_memory``;
-    * ``partial_output`` (:class:`PartialOutput`): checkpoints of resumable requests;
-    * ``instant`` (:class:`InstantGeneration`): an engine that makes an output without waiting (no
-      model time: the synthetic engine without per-token time) has a synchronous
-      ``generate_now(request) -> EngineOutput``; the worker then runs the entries of a claim in one
-      pass, without a task and a future per request;
-    * ``progress_counters`` (:class:`ProgressCounters`), ``prefill_counters``
-      (:class:`PrefillCounters`): counters the heartbeat and the metrics report;
-    * ``tokenizer`` (:class:`HasTokenizer`): ids decoded to text (the demo).
-
-    An engine declares them as a class attribute, ``capabilities = EngineCapabilities(
-    weights_from_disk=True, partial_output=True)``, or in ``__init__`` where they depend on its
-    options (the synthetic engine's ``instant``).
-
-    A declared capability the engine cannot serve in its present configuration (SGLang's memory
-    release without the memory saver) stays declared; its method refuses with a message that says
-    what to change. ``check_declaration(engine)`` lists where a declaration and the engine's
-    members disagree: every engine's tests assert it is empty.
+    Anything more is declared in ``capabilities`` (:class:`EngineCapabilities`), never discovered.
     """
 
     info: EngineInfo
     capabilities: EngineCapabilities
+    capacity: int | None
 
     async def start(self) -> None: ...
 
@@ -165,6 +210,39 @@ class Engine(Protocol):
 
 
 # ---------------------------------------------------------------- the optional capabilities
+
+
+class PartialOutput(Protocol):
+    """``partial_output``: streaming and checkpoints. The worker calls :meth:`partial` every 20 ms
+    at most for each streamed or checkpointed request and sends or saves what is new."""
+
+    def partial(self, handle: str) -> SampleOutput | None:
+        """What the first sample of ``handle`` has made so far (lists the engine no longer
+        changes; ``text`` too when the request wants text); None when it is not running or shows
+        nothing yet."""
+
+
+class Tokenizer(Protocol):
+    """The text half of a model, as Hugging Face tokenizers have it."""
+
+    chat_template: str | None
+    """The chat template; None when the model has none (chats are then refused, naming ``messages``)."""
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids, as the engine feeds them to the model."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
+        """Rendered with ``add_generation_prompt=True, tokenize=True`` (and ``tools``): the ids,
+        or a mapping with ``input_ids``."""
+
+
+class HasTokenizer(Protocol):
+    """``tokenizer``."""
+
+    tokenizer: Tokenizer | None
+    """None while there is none (before :meth:`Engine.start`, or SGLang with ``skip_tokenizer_init``)."""
 
 
 class DiskWeights(Protocol):
@@ -219,14 +297,6 @@ class MemoryRelease(Protocol):
         """The memory tags released and not resumed yet."""
 
 
-class PartialOutput(Protocol):
-    """``partial_output``."""
-
-    def partial(self, handle: str) -> SampleOutput | None:
-        """What the first sample of ``handle`` has made so far (lists the engine no longer
-        changes); None when it is not running or shows nothing yet."""
-
-
 class InstantGeneration(Protocol):
     """``instant``."""
 
@@ -250,163 +320,87 @@ class PrefillCounters(Protocol):
     """Prompt tokens whose KV came from a prefix cache instead."""
 
 
-class HasTokenizer(Protocol):
-    """``tokenizer``."""
-
-    tokenizer: Any
-    """Has ``decode(ids, skip_special_tokens=True) -> str``; None while there is none."""
-
-
 CAPABILITY_PROTOCOLS: dict[str, type] = {
+    "partial_output": PartialOutput,
+    "tokenizer": HasTokenizer,
     "weights_from_disk": DiskWeights,
     "weights_from_push": PushedWeights,
     "weights_from_tensor": TensorWeights,
     "memory_release": MemoryRelease,
-    "partial_output": PartialOutput,
     "instant": InstantGeneration,
     "progress_counters": ProgressCounters,
     "prefill_counters": PrefillCounters,
-    "tokenizer": HasTokenizer,
 }
 """Each capability field → the protocol its engine promises (``weights_in_place`` is a promise
 about :class:`DiskWeights`' method, checked there)."""
 
 
-def _members(protocol: type) -> dict[str, Any]:
-    """A protocol's own members: name → its function (a method), its property, or None (an attribute)."""
-    out: dict[str, Any] = {name: None for name in vars(protocol).get("__annotations__", {})}
-    for name, value in vars(protocol).items():
-        if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property)):
-            out[name] = value
-    return out
+# ---------------------------------------------------------------- how the command line finds an engine
 
 
-def _signature_mismatch(wanted: Any, method: Any, optional: frozenset[str] = frozenset()) -> str | None:
-    """Why ``method`` cannot be called as the protocol's ``wanted`` is called (None: it can);
-    ``optional``: parameters the worker passes only when another capability is declared."""
-    if inspect.iscoroutinefunction(wanted) != inspect.iscoroutinefunction(method):
-        return "must be async" if inspect.iscoroutinefunction(wanted) else "must not be async"
-    try:
-        have = inspect.signature(method).parameters
-    except (TypeError, ValueError):  # (a builtin without a signature: taken on trust)
-        return None
-    want = [p for p in inspect.signature(wanted).parameters.values() if p.name != "self"]
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in have.values())
-    missing = [p.name for p in want if p.name not in have and p.name not in optional and not takes_any]
-    if missing:
-        return f"has no parameter {', '.join(missing)}"
-    wanted_names = {p.name for p in want}
-    extra = [name for name, p in have.items() if name not in wanted_names and p.default is inspect.Parameter.empty
-             and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-    if extra:
-        return f"requires parameter {', '.join(extra)} the worker does not pass"
-    return None
+@dataclass(frozen=True)
+class EngineOption:
+    """One ``redroll worker`` flag an engine honours, and the keyword of its constructor it sets.
+
+    Several engines may honour one flag (``--context-length`` is vLLM's ``max_model_len`` and
+    SGLang's ``context_length``): each names its own keyword. A flag given to an engine that does
+    not list it is refused, naming both."""
+
+    flag: str
+    """``--context-length``; its ``REDROLL_*`` variable is derived (``REDROLL_CONTEXT_LENGTH``) unless ``env``."""
+    kwarg: str
+    """The engine constructor's keyword this flag sets."""
+    help: str
+    type: Callable[[str], Any] | None = str
+    """The value's parser; None for an on/off flag (``store_true``)."""
+    default: Any = None
+    """This engine's value when the flag and its variable are absent (None: the constructor's default)."""
+    aliases: tuple[str, ...] = ()
+    """Other spellings (an engine's own name for a generic setting: ``--mem-fraction-static``)."""
+    negates: bool = False
+    """An on/off flag whose presence sets the keyword to False (``--no-prefix-caching``)."""
+    repeatable: bool = False
+    """``KEY=VALUE`` pairs, repeatable, collected into one dict (``--vllm-arg``)."""
+    choices: tuple[str, ...] | None = None
+    env: str | None = None
+    hidden: bool = False
+    """Left out of ``--help`` (fault injection for tests)."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env_name(self) -> str:
+        return self.env or "REDROLL_" + self.dest.upper()
 
 
-def _accepts(method: Any, parameter: str) -> bool:
-    try:
-        parameters = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    return parameter in parameters
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine as the command line, ``worker_refusal`` and the docs' engine table see it."""
 
+    name: str
+    factory: str
+    """``package.module:Class``, imported only when a worker starts this engine (an engine's
+    libraries — torch, vllm, sglang — stay out of every other import)."""
+    summary: str
+    """One line: what it runs, where (the docs' table and ``redroll worker --help``)."""
+    loads_model: bool
+    """Needs ``--model-path`` (no default: a worker names the model it serves)."""
+    options: tuple[EngineOption, ...] = ()
+    accepts_hub_ids: bool = False
+    """``--model-path`` may be a Hugging Face Hub id, ``ORG/NAME`` (the engine downloads it)."""
+    builtin_models: tuple[str, ...] = ()
+    """``--model-path`` values that are not directories (the transformers engine's ``tiny-random``)."""
+    from_settings: tuple[tuple[str, str], ...] = ()
+    """Constructor keywords taken from the worker's settings: (keyword, :class:`~redroll.shared.settings.Settings` field)."""
 
-def check_declaration(engine: Any, *, undeclared: bool = True) -> list[str]:
-    """Where ``engine``'s declaration and its members disagree (empty when they agree):
+    def option(self, flag: str) -> EngineOption | None:
+        return next((o for o in self.options if o.flag == flag or flag in o.aliases), None)
 
-    * a declared capability with a member missing, or not callable as the worker calls it (a sync
-      method for an async one, a parameter missing, a required parameter the worker does not pass);
-    * ``weights_in_place`` without ``weights_from_disk``, or without an ``in_place`` parameter;
-    * with ``undeclared``: a capability whose members are all there but which is not declared (an
-      engine that declares less than it has on purpose, as the synthetic engine's ``instant``
-      with per-token time, is checked with ``undeclared=False``).
-    """
-    declared = capabilities_of(engine)
-    name = type(engine).__name__
-    problems: list[str] = []
-    for capability, protocol in CAPABILITY_PROTOCOLS.items():
-        on = getattr(declared, capability)
-        optional = frozenset() if declared.weights_in_place else frozenset({"in_place"})
-        members = _members(protocol)
-        missing: list[str] = []
-        unfit: list[str] = []
-        for member, wanted in members.items():
-            if wanted is None or isinstance(wanted, property):
-                if not hasattr(engine, member):
-                    missing.append(member)
-                continue
-            method = getattr(engine, member, None)
-            if not callable(method):
-                missing.append(member)
-                continue
-            why = _signature_mismatch(wanted, method, optional if capability == "weights_from_disk" else frozenset())
-            if why is not None:
-                unfit.append(f"{name} declares {capability}: its {member} {why}")
-        if on:
-            problems.extend(unfit)
-            if missing:
-                problems.append(f"{name} declares {capability} but has no {', '.join(missing)}")
-        elif undeclared and not missing and not unfit:
-            problems.append(f"{name} has {', '.join(members)} but does not declare {capability}")
-    update = getattr(engine, "update_weights_from_disk", None)
-    if declared.weights_in_place and not declared.weights_from_disk:
-        problems.append(f"{name} declares weights_in_place without weights_from_disk")
-    elif (undeclared and declared.weights_from_disk and not declared.weights_in_place and update is not None
-          and _accepts(update, "in_place")):
-        problems.append(f"{name}'s update_weights_from_disk takes in_place but it does not declare weights_in_place")
-    return problems
+    def engine_class(self) -> type:
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
-
-def refuse_extras(request: GenerationRequest, engine: str, *, top_logprobs: bool = False,
-                  prompt_logprobs: bool = False, routed_experts: bool = False) -> None:
-    """Refuse the per-request extras this engine cannot produce (the flags: what it can)."""
-    if request.top_logprobs_num and not top_logprobs:
-        raise ValidationError("top_logprobs_num", f"the {engine} engine does not return top logprobs")
-    if request.logprob_start_len is not None and not prompt_logprobs:
-        raise ValidationError("logprob_start_len", f"the {engine} engine does not return prompt logprobs")
-    if request.return_routed_experts and not routed_experts:
-        raise ValidationError("return_routed_experts",
-                              f"the {engine} engine has no MoE routing to return (SGLang with "
-                              "enable_return_routed_experts has)")
-
-
-def refuse_text(request: GenerationRequest, engine: str, tokenizer: Any) -> None:
-    """Refuse a chat request or one that asks for text when this engine has no tokenizer."""
-    if tokenizer is not None:
-        return
-    if request.messages is not None:
-        raise ValidationError("messages", f"the {engine} engine has no tokenizer to render a chat: send input_ids")
-    if request.return_text:
-        raise ValidationError("return_text", f"the {engine} engine has no tokenizer to decode text")
-
-
-def check_token_ids(request: GenerationRequest, vocab_size: int | None, max_context: int | None) -> None:
-    """Common engine-side checks: ids inside the vocabulary and the context window."""
-    if vocab_size is not None:
-        for field_name, ids in (("input_ids", request.input_ids or []),
-                                ("sampling_params.stop_token_ids", request.sampling_params.stop_token_ids)):
-            if not ids or max(ids) < vocab_size:
-                continue  # the common case, checked in C
-            for i, t in enumerate(ids):
-                if t >= vocab_size:
-                    raise ValidationError(f"{field_name}[{i}]", f"token id {t} is outside the vocabulary of {vocab_size}")
-    if request.input_ids is not None:
-        check_context(request, len(request.input_ids), max_context)
-
-
-def check_context(request: GenerationRequest, prompt_tokens: int, max_context: int | None) -> None:
-    """The prompt (``prompt_tokens`` long: token ids, or the text as this engine tokenizes it) and
-    ``max_new_tokens`` fit the context window. Over it, the prompt field is named when the prompt
-    alone fills the window, else ``sampling_params.max_new_tokens``, with the numbers either way."""
-    if max_context is None:
-        return
-    max_new = request.sampling_params.max_new_tokens
-    if prompt_tokens >= max_context:
-        raise ValidationError("input_ids" if request.input_ids is not None
-                              else "messages" if getattr(request, "messages", None) is not None else "prompt",
-                              f"the prompt ({prompt_tokens} tokens) leaves no room in the model context of "
-                              f"{max_context}")
-    if prompt_tokens + max_new > max_context:
-        raise ValidationError("sampling_params.max_new_tokens",
-                              f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the model "
-                              f"context of {max_context}: at most {max_context - prompt_tokens} new tokens fit")
+    def create(self, **kwargs: Any) -> Engine:
+        return self.engine_class()(**kwargs)

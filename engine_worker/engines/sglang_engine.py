@@ -57,16 +57,18 @@ from typing import Any, Callable
 
 from redroll.engine_worker.engines.base import (
     EngineCapabilities,
+    EngineCommandRefused,
     EngineInfo,
     EngineOutput,
+    EngineRequestError,
     SampleOutput,
-    check_token_ids,
-    refuse_text,
+    WeightUpdateError,
 )
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_text
 from redroll.engine_worker.engines.sglang_contract import SGLANG_VERSION
-from redroll.engine_worker.engines.sglang_output import EngineRequestError, SGLangOutput, _Job, _request_error, _Sample
+from redroll.engine_worker.engines.sglang_output import SGLangOutput, _Job, _request_error, _Sample
 from redroll.engine_worker.engines.sglang_process import SGLangProcess
-from redroll.engine_worker.engines.sglang_weights import EngineCommandRefused, SGLangWeights, WeightUpdateError
+from redroll.engine_worker.engines.sglang_weights import SGLangWeights
 from redroll.engine_worker.engines.text import add_text, render_chat
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
@@ -178,6 +180,16 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
         self.cache_flushes = 0
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests SGLang runs at once: ``max_running_requests`` as SGLang resolved it once started
+        (its ServerArgs), else as given; None when neither says (SGLang sizes it from memory)."""
+        for value in (getattr(self.server_args, "max_running_requests", None),
+                      self._engine_kwargs.get("max_running_requests")):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments ``start()`` passes to ``sglang.Engine`` (ServerArgs names)."""

@@ -11,26 +11,12 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, EngineRequestError, SampleOutput
 from redroll.engine_worker.engines.text import trim_stop
-from redroll.shared.errors import RedrollError
 from redroll.shared.types import GenerationRequest
 
 _FINISH_TYPES = ("stop", "length", "abort")
 
-
-class EngineRequestError(RedrollError, RuntimeError):
-    """SGLang refused or failed one request for a reason other than an abort we asked for.
-
-    ``status_code`` is the HTTP status SGLang attached (400 for bad input, 503 for a full queue,
-    500 for internal errors), or None when the error carried none.
-    """
-
-    def __init__(self, message: str, *, status_code: int | None = None, rid: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.rid = rid
 
 
 @dataclass(eq=False)

@@ -16,20 +16,12 @@ import logging
 import sys
 from typing import Any, Callable, Sequence
 
-from redroll.engine_worker.engines.base import EngineInfo
+from redroll.engine_worker.engines.base import EngineCommandRefused, EngineInfo, WeightUpdateError
 from redroll.engine_worker.engines.sglang_contract import MEMORY_TAGS
-from redroll.shared.errors import RedrollError
 
 log = logging.getLogger(__name__)
 
 
-class WeightUpdateError(RedrollError, RuntimeError):
-    """``update_weights_from_disk`` reported failure (SGLang keeps, or rolls back to, the old weights)."""
-
-
-class EngineCommandRefused(RedrollError, RuntimeError):
-    """A weight or memory command the adapter refuses because SGLang would crash on it, or it would
-    do nothing (the message says which and what to do)."""
 
 
 class SGLangWeights:

@@ -26,15 +26,8 @@ from array import array
 
 import msgspec
 
-from redroll.engine_worker.engines.base import (
-    EngineCapabilities,
-    EngineInfo,
-    EngineOutput,
-    SampleOutput,
-    check_context,
-    check_token_ids,
-    refuse_extras,
-)
+from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.checks import check_context, check_token_ids, refuse_extras
 from redroll.engine_worker.engines.text import find_stop, sample_text
 from redroll.shared.types import GenerationRequest, SamplingParams
 
@@ -47,10 +40,20 @@ _SPACED = tuple(" " + word for word in SYNTHETIC_WORDS)
 
 
 class SyntheticWords:
-    """The synthetic engine's detokenizer: ``decode([1, 18])`` is ``" queue worker"``."""
+    """The synthetic engine's tokenizer: ``decode([1, 18])`` is ``" queue worker"``; a text prompt
+    encodes as its UTF-8 bytes (one token each, as its context check counts them), and a chat as
+    the bytes of its messages (no template: its tokens derive from them as they are)."""
+
+    chat_template = "(the messages' own bytes)"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join([_SPACED[t & 15] for t in ids])  # (ids are never negative: t & 15 is t % 16)
+
+    def apply_chat_template(self, conversation: list[dict], tools: list | None = None, **_: object) -> list[int]:
+        return list(msgspec.msgpack.encode([conversation, tools]))
 
 
 _WORDS = SyntheticWords()
@@ -60,8 +63,8 @@ class SyntheticEngine:
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, partial_output=True,
                                       progress_counters=True, tokenizer=True)
     tokenizer = _WORDS
-    """Decodes ids as the records' text spells them (streamed chunks' text); it encodes nothing."""
-    """Plus ``instant`` when it makes outputs without waiting (no ``token_ms``, no ``slots``: set in ``__init__``)."""
+    """Decodes ids as the records' text spells them (streamed chunks' text)."""
+    # (plus ``instant`` when it makes outputs without waiting: no ``token_ms``, no ``slots``; set in ``__init__``)
 
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
@@ -69,6 +72,8 @@ class SyntheticEngine:
         self.token_ms = float(token_ms)
         self.slots = slots
         """Continuous-batching capacity: at most this many requests generate at once (None: no limit)."""
+        self.capacity = slots
+        """The engine contract's capacity: ``slots`` (None: it runs whatever it is given at once)."""
         self._slots = asyncio.Semaphore(slots) if slots else None
         self.jitter = float(jitter)
         """Per-request token time varies by ±jitter (a fraction), derived from the request_id."""

@@ -52,8 +52,14 @@ class ByteTokenizer:
     def all_special_ids(self) -> list[int]:
         return [self.bos_token_id, self.eos_token_id, self.pad_token_id]
 
+    chat_template = None
+    """No chat template: chats are refused on the built-in tiny model (naming ``messages``)."""
+
     def __len__(self) -> int:
         return self.vocab_size
+
+    def apply_chat_template(self, conversation: list, **kwargs: object) -> list[int]:
+        raise ValueError("the built-in tiny model has no chat template")
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """The UTF-8 bytes of ``text``, preceded by bos when ``add_bos``."""

@@ -14,12 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable, Sequence
 
-from redroll.shared.errors import RedrollError
+from redroll.engine_worker.engines.base import WeightsRefused
 from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
-
-
-class WeightsRefused(RedrollError, ValueError):
-    """The pushed tensors do not fit the model (unknown name, shape or dtype): nothing was staged."""
 
 
 class TorchWeights:

@@ -34,17 +34,10 @@ import collections
 import contextlib
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any
 
-from redroll.engine_worker.engines.base import (
-    EngineCapabilities,
-    EngineInfo,
-    EngineOutput,
-    SampleOutput,
-    check_context,
-    check_token_ids,
-    refuse_extras,
-)
+from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, Tokenizer
+from redroll.engine_worker.engines.checks import check_context, check_token_ids, refuse_extras
 from redroll.engine_worker.engines.prefix_cache import PrefixCache
 from redroll.engine_worker.engines.text import add_text, find_stop, render_chat
 from redroll.engine_worker.engines.tiny_model import TINY_RANDOM
@@ -65,12 +58,6 @@ ENGINE_NAME = "transformers"
 # Sampling features this engine does not implement: refused by validate() rather than ignored.
 _UNSUPPORTED_DEFAULTS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 _UNSUPPORTED_EXTRAS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias")
-
-
-class _Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 # ---------------------------------------------------------------- the engine
@@ -102,10 +89,12 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         self.device = device
         self.dtype = dtype
         self.max_batch_size = max_batch_size
+        self.capacity = max_batch_size
+        """The engine contract's capacity: rows decoded together (a request takes one row per sample)."""
         self.seed = seed
         self.info = EngineInfo(name=ENGINE_NAME, model=model_path, weight_version=weight_version or "0")
         self._model: Any = None
-        self._tokenizer: _Tokenizer | None = None
+        self._tokenizer: Tokenizer | None = None
         self._eos_ids: frozenset[int] = frozenset()
         self._pad_id = 0
         self._cache_kwarg = "past_key_values"
@@ -156,7 +145,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def _load(self) -> tuple[Any, _Tokenizer]:
+    def _load(self) -> tuple[Any, Tokenizer]:
         import torch
 
         torch_dtype = getattr(torch, self.dtype, None)
@@ -249,11 +238,11 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         return ids
 
     @property
-    def tokenizer(self) -> _Tokenizer | None:
+    def tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (None before :meth:`start`)."""
         return self._tokenizer
 
-    def _require_started(self) -> _Tokenizer:
+    def _require_started(self) -> Tokenizer:
         if self._tokenizer is None:
             raise RuntimeError("TransformersEngine.start() has not been called")
         return self._tokenizer

@@ -48,6 +48,7 @@ SOURCES = {
     "CompletionOutput": "outputs.py",  # :50-51
     "Logprob": "logprobs.py",  # :12-13
     "PauseMode": "v1/engine/__init__.py",  # :32
+    "EngineDeadError": "v1/engine/exceptions.py",  # :12 (the EngineCore died: the adapter raises its own)
     "FinishReason": "v1/engine/__init__.py",  # :48
     "FINISH_REASON_STRINGS": "v1/engine/__init__.py",  # :36
     "LogprobsMode": "config/model.py",  # :100

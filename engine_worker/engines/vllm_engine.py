@@ -45,13 +45,12 @@ from typing import Any, Sequence
 
 from redroll.engine_worker.engines.base import (
     EngineCapabilities,
+    EngineDeadError,
     EngineOutput,
+    EngineRequestError,
     SampleOutput,
-    check_token_ids,
-    refuse_extras,
-    refuse_text,
 )
-from redroll.engine_worker.engines.sglang_engine import EngineRequestError
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text
 from redroll.engine_worker.engines.text import render_chat
 from redroll.engine_worker.engines.vllm_process import VLLMProcess
 from redroll.engine_worker.engines.vllm_weights import VLLMWeights
@@ -271,6 +270,8 @@ class VLLMEngine(VLLMWeights):
                 log.debug("sample %s raised after our abort (%s): reported aborted", sample.rid, exc)
                 sample.finish_reason = "abort" if sample.token_ids else None
                 return
+            if type(exc).__name__ == "EngineDeadError":  # (vLLM's EngineCore died: nothing runs here any more)
+                raise EngineDeadError(f"vLLM's engine core died: {exc}") from exc
             raise _request_error(exc, sample.rid) from exc
         finally:
             sample.finished = True

@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused, WeightUpdateError
+from redroll.engine_worker.engines.base import EngineCommandRefused, WeightUpdateError
 from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -14,7 +14,7 @@ from typing import Any
 from redroll.cli.runtime import run as run_async_main
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines import create_engine
-from redroll.engine_worker.engines.base import capabilities_of
+from redroll.engine_worker.engines.declaration import capabilities_of
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer, make_request, send
 from redroll.shared.connection import connect

@@ -29,12 +29,11 @@ from redroll.cli import (
 )
 from redroll.cli.options import HelpFormatter, every_parser
 from redroll.cli.runtime import run as run_async_main
-from redroll.cli.worker import ENGINES
 from redroll.shared.connection import RedisConfigError, describe_error
 from redroll.shared.lanes import LanesMismatchError
 from redroll.shared.settings import Settings
 
-__all__ = ["COMMAND_GROUPS", "ENGINES", "build_parser", "main"]
+__all__ = ["COMMAND_GROUPS", "build_parser", "main"]
 
 COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, trace, operations, functions,
                   bench)

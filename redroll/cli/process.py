@@ -66,4 +66,4 @@ async def serve(process: Any, metrics_class: Any, metrics_port: int | None, sett
         waiter.cancel()
         install()
     await task
-    return 0
+    return getattr(process, "exit_status", 0)

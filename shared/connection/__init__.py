@@ -22,7 +22,6 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
-from redroll.shared.config_error import RedisConfigError
 from redroll.shared.connection.durability import Durability
 from redroll.shared.connection.sentinel import (
     SENTINEL_SCHEMES,
@@ -32,6 +31,7 @@ from redroll.shared.connection.sentinel import (
     parse_sentinel_url,
     redact_sentinel_url,
 )
+from redroll.shared.errors import RedisConfigError
 from redroll.shared.settings import Settings
 
 T = TypeVar("T")

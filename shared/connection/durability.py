@@ -23,9 +23,8 @@ from typing import Any, Callable
 
 import redis
 
-from redroll.shared.config_error import RedisConfigError
 from redroll.shared.connection.sentinel import leave_demoted_primary
-from redroll.shared.errors import RedrollError
+from redroll.shared.errors import RedisConfigError, RedrollError
 from redroll.shared.settings import Settings
 
 

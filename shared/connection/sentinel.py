@@ -36,7 +36,7 @@ from redis.asyncio.sentinel import (
 )
 from redis.sentinel import Sentinel as SyncSentinel
 
-from redroll.shared.config_error import RedisConfigError
+from redroll.shared.errors import RedisConfigError
 from redroll.shared.settings import Settings
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from redroll.engine_worker.engines.base import EngineCapabilities, check_declaration
-from redroll.engine_worker.engines.sglang_engine import EngineCommandRefused
+from redroll.engine_worker.engines.base import EngineCapabilities, EngineCommandRefused
+from redroll.engine_worker.engines.declaration import check_declaration
 from redroll.engine_worker.engines.tiny_checkpoint import load_tiny_checkpoint
 from redroll.engine_worker.engines.tiny_model import teacher_forced_logprobs
 from redroll.engine_worker.engines.vllm_engine import VLLMEngine

