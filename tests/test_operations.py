@@ -168,7 +168,7 @@ async def test_metrics_endpoint_serves_documented_names(settings, r):
         await asyncio.gather(*tasks)
         wserver.shutdown()
         cserver.shutdown()
-    documented = (ROOT / "shared" / "metrics.py").read_text()
+    documented = (ROOT / "redroll" / "observability" / "metrics.py").read_text()
     for name in ("redroll_worker_requests_total", "redroll_worker_inflight", "redroll_worker_queue_wait_seconds",
                  "redroll_worker_engine_seconds", "redroll_worker_tokens_generated_total",
                  "redroll_worker_claims_total", "redroll_worker_lease_losses_total",
