@@ -57,6 +57,7 @@ class SlotEngine:
     def __init__(self, *, slots: int = 32, token_ms: float = 10.0, vocab_size: int = 32000,
                  model: str = "synthetic", weight_version: str = "0"):
         self.slots = int(slots)
+        self.capacity = self.slots
         self.token_s = float(token_ms) / 1000.0
         self.info = EngineInfo(name="slots", model=model, vocab_size=vocab_size, eos_token_id=None,
                                pad_token_id=None, weight_version=weight_version)
@@ -173,6 +174,7 @@ class CannedEngine:
     """Returns a precomputed output of the requested shape (``n`` × ``max_new_tokens``) at once."""
 
     capabilities = EngineCapabilities()  # (nothing beyond the Engine protocol)
+    capacity = None  # (it runs whatever it is given at once)
 
     def __init__(self, *, vocab_size: int = 32000, model: str = "synthetic", weight_version: str = "0"):
         self.info = EngineInfo(name="canned", model=model, vocab_size=vocab_size, eos_token_id=None,

@@ -13,7 +13,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import redis
 from redis.asyncio import Redis
 
 from redroll.shared.batcher import Coalescer
@@ -22,7 +21,7 @@ from redroll.shared.connection.durability import Durability
 from redroll.shared.connection.sentinel import leave_demoted_primary
 from redroll.shared.events import record_summary
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal
+from redroll.shared.scripts import Scripts, call_replies, finish_refused, ownership_refusal, refusal, with_library
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.worker")
@@ -141,7 +140,7 @@ class Publisher(Coalescer[list[_Queued]]):
 
     async def _execute(self, calls: list[list[_Queued]]) -> list:
         """All of ``calls`` in one round trip (Redis serves other clients between them)."""
-        for attempt in (1, 2):
+        async def attempt() -> list:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for items in calls:
                     self.scripts.finish_many_in(pipe, requests_key=items[0].finish.stream, group=WORKERS_GROUP,
@@ -149,11 +148,7 @@ class Publisher(Coalescer[list[_Queued]]):
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
                                                         i.encoded, i.finish.cap, i.finish.partial_key, i.summary)
                                                        for i in items])
-                try:
-                    return call_replies(await self.durability.execute(pipe),
-                                        [finish_refused(len(items)) for items in calls])
-                except redis.exceptions.NoScriptError:
-                    if attempt == 2:
-                        raise
-                    await self.scripts.load_all()  # the server restarted and lost its script cache
-        raise AssertionError("unreachable")
+                return call_replies(await self.durability.execute(pipe),
+                                    [finish_refused(len(items)) for items in calls])
+
+        return await with_library(self.redis, attempt)

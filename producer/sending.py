@@ -8,7 +8,6 @@ import logging
 import secrets
 from typing import Any, Iterable
 
-import redis
 from redis.asyncio import Redis
 
 from redroll.observability.tracing import end_span, submit_span, tracer
@@ -20,7 +19,7 @@ from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError, is_transient
-from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused
+from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused, with_library
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
 from redroll.shared.types import GenerationRequest
@@ -124,20 +123,17 @@ async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
     calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
              for j in range(0, len(idx), SUBMIT_CHUNK)]
     durability = Durability.of(settings)
-    for attempt in (1, 2):
+
+    async def attempt() -> list:
         async with r.pipeline(transaction=False) as pipe:
             for stream, part, idx in calls:
                 scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
                     (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
                      items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
-            try:
-                replies = call_replies(await durability.execute(pipe),
-                                       [submit_refused(stream, len(idx)) for stream, _, idx in calls])
-                break
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                await scripts.load_all()  # the server restarted and lost its script cache
+            return call_replies(await durability.execute(pipe),
+                                [submit_refused(stream, len(idx)) for stream, _, idx in calls])
+
+    replies = await with_library(r, attempt)
     out: list = [None] * len(items)
     for (_, _, idx), reply in zip(calls, replies):
         for i, rep in zip(idx, reply):

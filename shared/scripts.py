@@ -9,7 +9,7 @@ loop reads one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import redis
 from redis.asyncio import Redis
@@ -178,21 +178,39 @@ def dead_letter_refused(message: str) -> list:
     return [-1, message]
 
 
+T = TypeVar("T")
+
+
+async def with_library(client: Any, attempt: Callable[[], Awaitable[T]]) -> T:
+    """The one gate every function call goes through: ``await attempt()`` (a call now, or a
+    pipeline of calls whose replies :func:`call_replies` reads); when the server lacks the library
+    (:class:`~.functions.FunctionsMissingError`: a fresh, flushed or failed-over server) it is
+    loaded (:func:`~.functions.load_library`, when this user may: else
+    :class:`~.functions.FunctionsNotLoadedError`) and ``attempt()`` runs once more."""
+    try:
+        return await attempt()
+    except FunctionsMissingError:
+        await load_library(client)
+        return await attempt()
+
+
 async def call_or_refused(call: Callable[[], Awaitable[Any]], scripts: "Scripts",
                           refused: Callable[[str], Any]) -> Any:
-    """``await call()``, a function call queued on a pipeline elsewhere (a batcher): a missing
-    library is loaded (:meth:`Scripts.load_all`) and the call made once more; a call refused as a
-    whole (out of memory, a read-only replica) returns ``refused(message)``."""
-    try:
-        return await call()
-    except redis.ResponseError as exc:
-        if is_missing(exc):
-            await scripts.load_all()
+    """``await call()``, a function call queued on a pipeline elsewhere (a batcher), through
+    :func:`with_library`; a call refused as a whole (out of memory, a read-only replica) returns
+    ``refused(message)``."""
+    async def attempt() -> Any:
+        try:
             return await call()
-        message = whole_call_refusal(exc)
-        if message is None:
-            raise
-        return refused(message)
+        except redis.ResponseError as exc:
+            if is_missing(exc):
+                raise FunctionsMissingError(str(exc)) from exc
+            message = whole_call_refusal(exc)
+            if message is None:
+                raise
+            return refused(message)
+
+    return await with_library(scripts.redis, attempt)
 
 
 def _s(value: Any) -> str:
@@ -216,18 +234,18 @@ def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[st
 
 
 async def _call(client: Any, name: str, keys: list, args: list, refused: Callable[[str], Any] | None) -> Any:
-    for attempt in (1, 2):
+    async def attempt() -> Any:
         try:
             return await client.execute_command("FCALL", name, len(keys), *keys, *args)
         except redis.ResponseError as exc:
-            if is_missing(exc) and attempt == 1:
-                await load_library(client)  # (a fresh or flushed server; raises when this user may not)
-                continue
+            if is_missing(exc):
+                raise FunctionsMissingError(str(exc)) from exc
             message = whole_call_refusal(exc)
             if message is None or refused is None:
                 raise
             return refused(message)
-    raise AssertionError("unreachable")
+
+    return await with_library(client, attempt)
 
 
 class Scripts:

@@ -25,10 +25,9 @@ from redis.asyncio import Redis
 from redroll.producer.request import request_stream
 from redroll.shared.codec import ValidationError, decode_record, encode_request
 from redroll.shared.connection.durability import Durability
-from redroll.shared.functions import is_missing
 from redroll.shared.keys import Keys
 from redroll.shared.refusals import StreamRefusedError
-from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused
+from redroll.shared.scripts import DuplicateRequestError, Scripts, call_replies, submit_refused, with_library
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord, GenerationRequest
@@ -82,7 +81,8 @@ class KeyedCalls:
         for req in requests:
             req.reply_to = stream
         datas = {req.request_id: encode_request(req, self.settings.limits)["data"] for req in requests}
-        found, last_id = await self._submit_missing(stream, part, requests, datas, body_fingerprint)
+        found, last_id = await with_library(
+            self.redis, lambda: self._submit_missing(stream, part, requests, datas, body_fingerprint))
         return KeyedCall(self.wait_client, stream, [req.request_id for req in requests], found, last_id)
 
     async def _submit_missing(self, stream: str, part: Keys, requests: list[GenerationRequest],
@@ -122,10 +122,8 @@ class KeyedCalls:
                     replies = await pipe.execute(raise_on_error=False)
                 except redis.WatchError:
                     continue  # (a record landed: read again)
-            if any(isinstance(r, Exception) and is_missing(r) for r in replies[head:]):
-                await self.scripts.load_all()  # (the server lacks the function library: load it, try again)
-                continue
             calls = list(by_stream)
+            # (a missing library raises here, nothing submitted: with_library loads it and this runs again)
             replies = [*replies[:head], *call_replies(replies[head:], [submit_refused(key, len(by_stream[key]))
                                                                        for key in calls])]
             for req, reply in zip([r for reqs in by_stream.values() for r in reqs],
