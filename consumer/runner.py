@@ -83,14 +83,15 @@ class ConsumerRunner:
     callback) to each record of ``stream`` (default: the results streams), in consumer group ``group``.
 
     A record whose callback this consumer has no handler for (a name it was not given, or no
-    callback while it has no ``default_handler``) is neither applied, acked nor dead-lettered:
-    it is left pending in the group, for a consumer of the group that has the handler (which
-    takes it over after ``claim_idle``), or for this one once it is restarted with it. Retention
+    callback while it has no ``default_handler``) is neither applied nor acked: it is left
+    pending in the group, for a consumer of the group that has the handler (which takes it over
+    after ``claim_idle``), or for this one once it is restarted with it. Retention
     (``trim_acked``) keeps it, since this group has not acked it. Each such name is logged once
-    (a warning) and every delivery is counted in ``stats.unhandled``; a record is never lost to
-    a missing handler. (Each time a consumer takes such a record over, its delivery count grows:
-    one that finally has the handler dead-letters it if that count is past ``max_deliveries``,
-    where ``redroll dead requeue`` brings it back.)
+    (a warning) and every delivery is counted in ``stats.unhandled``. Each take-over raises its
+    delivery count: past ``max_deliveries`` it is dead-lettered (the reason names the callback),
+    where it stays visible (``redroll dead list``) until ``redroll dead requeue`` brings it back
+    once the handler is deployed. A record is never lost to a missing handler, and never
+    re-delivered forever.
     """
 
     def __init__(
@@ -339,16 +340,14 @@ class ConsumerRunner:
             except ValidationError as exc:
                 await self._dead_letter(item, exc.reason, stream)
                 continue
-            if self.registry.resolve(item.record) is None:
+            handler = self.registry.resolve(item.record)
+            if item.deliveries > self.settings.max_deliveries:
+                await self._dead_letter(item, self._out_of_deliveries(item, stream, handler is None), stream)
+                continue
+            if handler is None:
                 if self.burst:  # (only a burst stop asks: a long-running consumer keeps no list)
                     self._unhandled_entries[stream].add(item.entry_id)
                 self._leave_unhandled(item.record)
-                continue
-            if item.deliveries > self.settings.max_deliveries:
-                last = self._last_errors.pop(f"{stream}/{item.entry_id}", None)
-                reason = f"callback failed: delivered {item.deliveries} times (max_deliveries=" \
-                         f"{self.settings.max_deliveries})" + (f"; last error: {last}" if last else "")
-                await self._dead_letter(item, reason, stream)
                 continue
             runnable.append(item)
         if not runnable:
@@ -381,6 +380,17 @@ class ConsumerRunner:
             # Hand back at once: the next reclaim pass retries it (and counts the delivery).
             await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i, _ in failed],
                                      idle_ms=self.settings.claim_idle_ms)
+
+    def _out_of_deliveries(self, item: _Item, stream: str, unhandled: bool) -> str:
+        """The dead letter's reason for a record delivered more than ``max_deliveries`` times."""
+        passes = f"delivered {item.deliveries} times (max_deliveries={self.settings.max_deliveries})"
+        if unhandled:
+            name = item.record.callback  # type: ignore[union-attr]
+            what = f"no handler registered under {name!r}" if name is not None else "no callback and no default handler"
+            return (f"{what} in group {self.group}: {passes}; start a consumer with the handler, then "
+                    "'redroll dead requeue' it")
+        last = self._last_errors.pop(f"{stream}/{item.entry_id}", None)
+        return f"callback failed: {passes}" + (f"; last error: {last}" if last else "")
 
     def _leave_unhandled(self, record: CompletionRecord) -> None:
         """Leave a record this consumer has no handler for pending in the group (see the class)."""

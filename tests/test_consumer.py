@@ -113,8 +113,9 @@ async def consume_until(settings, r, *, dead: int, applied: list[str]) -> Consum
 
 async def test_records_without_a_handler_stay_pending_for_one_that_has_it(settings, r, caplog):
     """A record naming a callback this consumer has no handler for, or none while it has no
-    default handler, is never dead-lettered or trimmed: it stays pending in the group (counted,
-    its name logged once) until a consumer with the handler takes it over. Nothing is imported."""
+    default handler, is neither applied nor trimmed: it stays pending in the group (counted, its
+    name logged once) until a consumer with the handler takes it over (within ``max_deliveries``
+    passes: see the next test). Nothing is imported."""
     mod = "tests_never_imported_mod"
     assert mod not in sys.modules
     await produce(settings, r, ["evil-1"], callback="os:system")
@@ -142,8 +143,35 @@ async def test_records_without_a_handler_stay_pending_for_one_that_has_it(settin
                            default_handler=lambda rec: later.append(rec.request_id), block_ms=100)
     async with running(fixed):
         await wait_until(lambda: sorted(later) == ["nocb-1", "nope-1", "nope-2"], timeout=10)
+    assert {d["rid"] for d in await dead_entries(r, settings)} <= {b"evil-1", b"mod-1"}  # (nobody's)
+
+
+async def test_a_record_no_consumer_handles_is_dead_lettered_after_max_deliveries_then_requeued(settings, r):
+    """It used to be re-delivered forever (its delivery count passed 27 in 40 s with claim_idle
+    1.5 s and max_deliveries 5): now each take-over counts, and past max_deliveries it is
+    dead-lettered naming the callback, visible, and requeued once the handler is deployed."""
+    from redroll.ops.dead import requeue
+
+    settings = fast(settings)
+    await produce(settings, r, ["evil-1"], callback="os:system")
+    runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: None}, block_ms=100)
+    async with running(runner):
+        await wait_until(lambda: _xlen_at_least(r, settings.keys.dead, 1), timeout=20)
+    (letter,) = await dead_entries(r, settings)
+    assert letter["rid"] == b"evil-1" and letter["source"].startswith(b"consumer:")
+    assert int(letter["deliveries"]) == settings.max_deliveries + 1
+    assert letter["reason"].decode().startswith("no handler registered under 'os:system' in group g: delivered 4 "
+                                                "times (max_deliveries=3)"), letter["reason"]
+    assert await group_pending(r, settings.keys.results, "g") == 0
+    # Deployed: a consumer with the handler, then the dead letter requeued: applied once.
+    applied: list[str] = []
+    fixed = ConsumerRunner(settings, group="g", handlers={"os:system": lambda rec: applied.append(rec.request_id)},
+                           block_ms=100)
+    async with running(fixed):
+        done, refused = await requeue(r, settings, None)
+        assert len(done) == 1 and not refused
+        await wait_until(lambda: applied == ["evil-1"], timeout=10)
     assert await r.xlen(settings.keys.dead) == 0
-    assert await group_pending(r, settings.keys.results, "g") == 2  # (evil-1, mod-1: still nobody's)
 
 
 async def test_undecodable_records_are_dead_lettered_and_the_rest_applied(settings, r):
