@@ -14,6 +14,7 @@ from typing import Sequence
 import redis
 
 from redroll.cli import (
+    acl,
     bench,
     consume,
     dashboard,
@@ -36,7 +37,7 @@ from redroll.shared.settings import Settings
 __all__ = ["COMMAND_GROUPS", "build_parser", "main"]
 
 COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, trace, operations, functions,
-                  bench)
+                  acl, bench)
 """The modules that add the commands (each has ``add_parser(sub)``), in the order the help lists them."""
 
 
