@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from redroll.cli.main import build_parser
 from redroll.producer.client import Producer
+from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
 from tests.conftest import start_test_server
@@ -128,9 +130,20 @@ def test_the_grace_period_covers_the_drain_and_keda_watches_the_workers_stream()
     drain = float(env["REDROLL_DRAIN_TIMEOUT_S"])
     assert pod["terminationGracePeriodSeconds"] >= drain + 5  # (drain, then the hand-back, before SIGKILL)
     assert "--max-inflight" not in worker["command"]  # (the engine's batch decides)
+    build_parser().parse_args(worker["command"][1:])  # (every flag exists)
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    keys = Keys(env["REDROLL_NAMESPACE"])
     scaled = docs["ScaledObject/redroll-engine-worker"]
     assert scaled["spec"]["scaleTargetRef"]["name"] == "redroll-engine-worker"
+    kinds = set()
     for trigger in scaled["spec"]["triggers"]:
-        if trigger["type"] == "redis-streams":
-            assert trigger["metadata"]["stream"] == f"{{{env['REDROLL_NAMESPACE']}}}:requests"
-            assert trigger["metadata"]["consumerGroup"] == "workers"
+        assert trigger["type"] == "redis-streams"
+        assert trigger["metadata"]["stream"] == keys.requests
+        assert trigger["metadata"]["consumerGroup"] == WORKERS_GROUP
+        kinds |= {k for k in ("pendingEntriesCount", "streamLength") if k in trigger["metadata"]}
+    assert kinds == {"pendingEntriesCount", "streamLength"}
+    # With affinity lanes: the summed gauge the workers export, through Prometheus.
+    lanes = docs["ScaledObject/redroll-engine-worker-lanes"]
+    assert lanes["spec"]["scaleTargetRef"]["name"] == "redroll-engine-worker"
+    (trigger,) = lanes["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and "max(redroll_pipeline_queued" in trigger["metadata"]["query"]

@@ -10,7 +10,6 @@ import urllib.request
 
 import msgpack
 import pytest
-import yaml
 
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
@@ -234,30 +233,6 @@ async def test_gc_removes_orphans_and_keeps_live_state(settings, r):
         assert not await r.exists(keys.reply("gone-producer"))
         names = {c["name"] for c in await r.xinfo_consumers(keys.requests, WORKERS_GROUP)}
         assert names == {b"holding-consumer"}
-
-
-def test_keda_and_deployment_yaml_name_the_real_keys():
-    scaled, with_lanes = yaml.safe_load_all((ROOT / "deploy" / "keda-scaledobject.yaml").read_text())
-    deploy = yaml.safe_load((ROOT / "deploy" / "worker-deployment.yaml").read_text())
-    assert scaled["kind"] == "ScaledObject" and scaled["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
-    from redroll.shared.keys import Keys
-
-    kinds = set()
-    for trig in scaled["spec"]["triggers"]:
-        assert trig["type"] == "redis-streams"
-        meta = trig["metadata"]
-        assert meta["stream"] == Keys("redroll").requests and meta["consumerGroup"] == WORKERS_GROUP
-        kinds |= {k for k in ("pendingEntriesCount", "streamLength") if k in meta}
-    assert kinds == {"pendingEntriesCount", "streamLength"}
-    # With affinity lanes: the summed gauge the workers export, through Prometheus.
-    assert with_lanes["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
-    (trig,) = with_lanes["spec"]["triggers"]
-    assert trig["type"] == "prometheus" and "max(redroll_pipeline_queued" in trig["metadata"]["query"]
-    container = deploy["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    from redroll.cli.main import build_parser
-
-    build_parser().parse_args(container["command"][1:])
 
 
 def test_json_logs_name_the_request():

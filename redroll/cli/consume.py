@@ -8,7 +8,13 @@ import sys
 from typing import Any
 
 from redroll.cli.burst import add_burst_flag
-from redroll.cli.options import SETTING_DEFAULTS, add_connection_options, positive_int, settings_from_args
+from redroll.cli.options import (
+    SETTING_DEFAULTS,
+    add_connection_options,
+    add_metrics_flags,
+    positive_int,
+    settings_from_args,
+)
 from redroll.cli.process import serve
 
 
@@ -32,7 +38,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-bytes", type=positive_int, default=1 << 20,
                    help="record data per read and per applied chunk (default 1 MiB, at least one record): "
                         "async handlers run concurrently within a chunk")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_metrics_flags(p)
     add_burst_flag(p, "consume")
     p.set_defaults(run=run)
 
@@ -55,4 +61,4 @@ async def run(args: argparse.Namespace) -> int:
                             burst=args.burst)
     from redroll.observability.metrics import ConsumerMetrics
 
-    return await serve(runner, ConsumerMetrics, args.metrics_port, settings)
+    return await serve(runner, ConsumerMetrics, args.metrics_port, settings, args.metrics_host)

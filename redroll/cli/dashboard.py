@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from redroll.cli.options import add_connection_options, settings_from_args
+from redroll.cli.options import BIND_HELP, LOCALHOST, add_connection_options, settings_from_args
 
 log = logging.getLogger("redroll.web.dashboard.app")
 
@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("dashboard", help="serve a live web page of the pipeline: queues, workers, weight versions, "
                                          "dead letters (requeue and purge with --allow-actions)")
     add_connection_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    p.add_argument("--host", default=LOCALHOST, help=BIND_HELP)
     p.add_argument("--port", type=int, default=8470, help="the port (0 = any free port; the URL is printed)")
     p.add_argument("--interval", type=_interval, default=1.0, help="seconds between the page's refreshes")
     g = p.add_argument_group("actions that change state (requeue and purge dead letters)")

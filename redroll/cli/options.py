@@ -44,6 +44,20 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
                    help="log lines as text or one JSON object each (env REDROLL_LOG_FORMAT; default text)")
 
 
+LOCALHOST = "127.0.0.1"
+"""Where every socket redroll listens on is bound unless told otherwise (``--host``,
+``--metrics-host``): the gateway, the dashboard, the exporter and the workers' and consumers'
+metrics. Open one up on purpose, e.g. ``--host 0.0.0.0`` in a container."""
+
+BIND_HELP = "the address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface)"
+
+
+def add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host`` of a long-running worker or consumer."""
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", default=LOCALHOST, help="with --metrics-port: " + BIND_HELP)
+
+
 def positive_int(value: str) -> int:
     try:
         number = int(value)

@@ -47,13 +47,14 @@ def install_signals(stop: Any, grace_s: float) -> Any:
     return install
 
 
-async def serve(process: Any, metrics_class: Any, metrics_port: int | None, settings: Settings) -> int:
+async def serve(process: Any, metrics_class: Any, metrics_port: int | None, settings: Settings,
+                metrics_host: str = "127.0.0.1") -> int:
     """Run a long-lived worker or consumer: metrics if asked, signals, GC tuning, until stopped."""
     if metrics_port is not None:
         from redroll.observability.metrics import serve
 
         process.metrics = metrics_class(process)
-        serve(process.metrics, metrics_port)
+        serve(process.metrics, metrics_port, metrics_host)
     install = install_signals(process.request_stop, settings.drain_timeout_s + 10)
     tune_gc()
     task = asyncio.create_task(process.run())

@@ -7,11 +7,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from redroll.cli.options import add_connection_options, positive_int, positive_seconds, settings_from_args
+from redroll.cli.options import (
+    BIND_HELP,
+    LOCALHOST,
+    add_connection_options,
+    positive_int,
+    positive_seconds,
+    settings_from_args,
+)
 
 log = logging.getLogger("redroll.web.gateway")
 
-LOCALHOST = "127.0.0.1"
 
 KEEP_ALIVE_S = 75
 """Idle keep-alive connections are closed after this: longer than load balancers' idle timeouts
@@ -21,9 +27,7 @@ KEEP_ALIVE_S = 75
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve OpenAI's completions and chat API over the pipeline (a producer)")
     add_connection_options(p)
-    p.add_argument("--host", default=None,
-                   help="address to bind (default: 0.0.0.0 with --api-key-file, else 127.0.0.1: an open gateway "
-                        "stays on localhost unless told otherwise)")
+    p.add_argument("--host", default=LOCALHOST, help=BIND_HELP)
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--model-name", default="redroll", help="the model name /v1/models lists and calls must name")
     p.add_argument("--api-key-file", default=None,
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise ImportError(f"redroll serve needs the serve extra (pip install 'redroll[serve]'): {exc}") from None
     settings = settings_from_args(args)
     keys = read_api_keys(args.api_key_file)
-    host = args.host or ("0.0.0.0" if keys else LOCALHOST)
+    host = args.host
     if not keys and host not in (LOCALHOST, "localhost", "::1"):
         log.warning("serving on %s with no --api-key-file: anyone who reaches it may generate", host)
     config = GatewayConfig(model_name=args.model_name, api_keys=keys, max_backlog=args.max_backlog,

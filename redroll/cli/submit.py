@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from redroll.cli.options import add_connection_options, positive_seconds, settings_from_args
+from redroll.cli.options import BIND_HELP, LOCALHOST, add_connection_options, positive_seconds, settings_from_args
 from redroll.cli.runtime import run as run_async_main
 from redroll.shared.connection import connect
 
@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
                                         "weight versions, Redis memory), from Redis alone, as status reads it")
     add_connection_options(p)
     p.add_argument("--port", type=int, required=True, help="serve /metrics on this port (0 = any free port)")
-    p.add_argument("--host", default="0.0.0.0", help="the address to bind")
+    p.add_argument("--host", default=LOCALHOST, help=BIND_HELP)
     p.add_argument("--interval", type=positive_seconds, default=5.0,
                    help="seconds between snapshots of the pipeline (each scrape reads the latest)")
     p.set_defaults(run=run_exporter)

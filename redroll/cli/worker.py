@@ -13,6 +13,7 @@ from redroll.cli.engine_flags import add_engine_flags, engine_options, flag_refu
 from redroll.cli.options import (
     SETTING_DEFAULTS,
     add_connection_options,
+    add_metrics_flags,
     non_negative_int,
     positive_int,
     settings_from_args,
@@ -58,7 +59,7 @@ def add_parser(sub: Any) -> None:
                         f"{SETTING_DEFAULTS.drain_timeout_s:g})")
     p.add_argument("--name", default=None,
                    help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_metrics_flags(p)
     add_burst_flag(p, "worker")
     p.set_defaults(run=run)
 
@@ -97,7 +98,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         raise SystemExit(f"redroll worker: {exc}") from None
     from redroll.observability.metrics import WorkerMetrics
 
-    return await serve(worker, WorkerMetrics, args.metrics_port, settings)
+    return await serve(worker, WorkerMetrics, args.metrics_port, settings, args.metrics_host)
 
 
 def worker_refusal(args: argparse.Namespace) -> str | None:

@@ -284,7 +284,7 @@ class PipelineMetrics:
 
 
 async def run_exporter(r: Redis, keys: Keys, parts: list[Keys], port: int, interval: float,
-                       addr: str = "0.0.0.0") -> None:
+                       addr: str = "127.0.0.1") -> None:
     """Serve ``/metrics`` on ``addr:port`` and refresh the snapshot every ``interval`` seconds, until cancelled."""
     from redroll.observability.metrics import serve
 

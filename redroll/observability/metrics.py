@@ -154,7 +154,7 @@ class ConsumerMetrics:
                                   value=st.refusals)
 
 
-def serve(metrics: Any, port: int, addr: str = "0.0.0.0") -> Any:
+def serve(metrics: Any, port: int, addr: str = "127.0.0.1") -> Any:
     """Serve ``metrics.registry`` (worker, consumer or :class:`redroll.observability.exporter.PipelineMetrics`) as
     ``/metrics`` on ``port`` (0 = any free port) in a thread; returns the server."""
     pc = _require()
