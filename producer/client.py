@@ -22,7 +22,9 @@ from redroll.observability.tracing import end_span, submit_span, tracer
 from redroll.ops.control import abort_requests
 from redroll.ops.control import update_weights as _update_weights
 from redroll.producer import dead_notices
-from redroll.producer.replies import BeforeAckError, Callback, ReplyReader, _Waiter
+from redroll.producer.admission import Admission
+from redroll.producer.pending import Callback, PendingRequests
+from redroll.producer.replies import BeforeAckError, ReplyReader
 from redroll.producer.request import make_request, request_stream
 from redroll.producer.rollout import RolloutGroup, group_members, next_segment, stitch_segments
 from redroll.producer.sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
@@ -73,14 +75,15 @@ def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> 
         seen.add(rid)
 
 
-class Producer(ReplyReader):
+class Producer:
     """Submit generation requests and receive their records.
 
     Use as ``async with Producer(settings) as p: rec = await (await p.submit(prompt="hi"))``.
-    """
 
-    RECENT_LIMIT = 100_000
-    """How many applied request_ids are remembered to skip duplicate records."""
+    Its parts, one job each: :class:`~.pending.PendingRequests` owns the requests between submit
+    and record, :class:`~.replies.ReplyReader` reads the reply streams into it,
+    :class:`~.admission.Admission` holds submits back for room, :mod:`.sending` sends.
+    """
 
     def __init__(
         self,
@@ -118,16 +121,8 @@ class Producer(ReplyReader):
         killed at any instant leaves each record either applied or still on its reply stream. While
         it raises, those entries stay unacked (:class:`BeforeAckError`, logged by the reader, which
         reads them again and tries again later; their callbacks do not run again)."""
-        if max_staleness is not None and not batch_size:
-            raise ValueError("max_staleness needs batch_size (AReaL's capacity rule)")
-        if max_inflight is not None and max_inflight < 1:
-            raise ValueError("max_inflight must be at least 1")
-        self.max_inflight = max_inflight
-        self.max_staleness = max_staleness
-        self.batch_size = batch_size
-        self.weight_version = 0
-        self.admitted = 0
-        self._room = asyncio.Condition()
+        self.admission = Admission(max_inflight, max_staleness, batch_size)
+        self.pending = PendingRequests(on_given_back=self.admission.give_back)
         self._groups: dict[str, list[str]] = {}
         self.settings = settings or Settings.from_env()
         self.keys: Keys = self.settings.keys
@@ -143,24 +138,28 @@ class Producer(ReplyReader):
         self._redis = redis_client
         self._tracer: Any = None
         self._owns_redis = redis_client is None
-        self._waiters: dict[str, _Waiter] = {}
-        self._unclaimed: dict[str, tuple[str, CompletionRecord]] = {}
-        self._unclaimed_event = asyncio.Event()
-        self._recent: dict[str, tuple[tuple[str, str] | None, CompletionRecord | None]] = {}
-        """request_id → (the entry its record was applied from, a later record of the same id or None)."""
-        self._submitting: set[str] = set()
-        """request_ids whose submit is on its way: the ack of a record of one waits for that submit's
-        reply (``_acks_after_submit``), so the submit meets the record's finished mark and does not
-        queue it again (a resumed producer's, or a retry after a lost reply)."""
-        self._acks_after_submit: list[tuple[tuple[str, str], str]] = []
+        self._reader: ReplyReader | None = None
         self._readers: list[asyncio.Task] = []
         self._closed = False
-        self._last_expire = 0.0
         self._tokens_from_ids = tokens_from_ids
         self._before_ack = before_ack
         self._stream_redis: Redis | None = None
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def max_inflight(self) -> int | None:
+        return self.admission.max_inflight
+
+    @property
+    def weight_version(self) -> int:
+        """The trainer's weight version, as :meth:`set_weight_version` or :meth:`update_weights` set it."""
+        return self.admission.weight_version
+
+    @property
+    def admitted(self) -> int:
+        """Requests admitted under the staleness bound (see :class:`~.admission.Admission`)."""
+        return self.admission.admitted
 
     @property
     def redis(self) -> Redis:
@@ -179,27 +178,39 @@ class Producer(ReplyReader):
         for stream in self.reply_streams:
             await ensure_group(self._redis, stream, PRODUCER_GROUP)
             await self._redis.expire(stream, self.settings.reply_ttl_s)
+        self._reader = reader = ReplyReader(
+            redis_client=self._redis, scripts=self.scripts, settings=self.settings, name=self.name,
+            reply_streams=self.reply_streams, parts=self.parts, pending=self.pending, read_count=self.read_count,
+            block_ms=self.block_ms, before_ack=self._before_ack,
+            after_ack=self.admission.notify if self.admission.bounded else None)
         groups = read_groups(self._redis, self.reply_streams)  # one reader per group
         for g in groups:
-            await self._read_what_came(g)
-        self._readers = [asyncio.create_task(self._read_loop(g), name=f"producer-reader-{self.name}-{i}")
+            await reader.read_what_came(g)
+        self._readers = [asyncio.create_task(reader.read_loop(g), name=f"producer-reader-{self.name}-{i}")
                          for i, g in enumerate(groups)]
         for i, g in enumerate(read_groups(self._redis, [part.dead for part in self.parts])):
             positions = await dead_notices.start_positions(self._redis, g)
             self._readers.append(asyncio.create_task(dead_notices.watch(
-                self._redis, positions, set(self.reply_streams), self._resolve_notice, block_ms=self.block_ms,
+                self._redis, positions, set(self.reply_streams), reader.resolve_notice, block_ms=self.block_ms,
                 closed=lambda: self._closed), name=f"producer-dead-watch-{self.name}-{i}"))
         return self
 
+    @property
+    def reader(self) -> ReplyReader:
+        if self._reader is None:
+            raise RuntimeError("producer not started: use 'async with Producer(...)' or 'await start()'")
+        return self._reader
+
     async def close(self) -> None:
         self._closed = True
-        await self._notify_room()
+        if self._reader is not None:
+            self._reader.closed = True
+        self.pending.wake()
+        await self.admission.close()
         for reader in self._readers:
             reader.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
-        for w in self._waiters.values():
-            if not w.future.done():
-                w.future.cancel()
+        self.pending.cancel_all()
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
         if self._stream_redis is not None:
@@ -253,39 +264,21 @@ class Producer(ReplyReader):
         """
         items = list(requests)
         _refuse_repeated_ids(items)
-        if self.max_inflight is None and self.max_staleness is None:
+        if not self.admission.bounded:
             return await self._submit_chunk(items, callback, validated)
         futures: list[asyncio.Future] = []
-        step = self.max_inflight or len(items) or 1
+        step = self.admission.max_inflight or len(items) or 1
         i = 0
         while i < len(items):
-            room = await self._wait_for_room()
+            room = await self.admission.wait_for_room(lambda: len(self.pending))
             chunk = items[i:i + min(step, room)]
             futures += await self._submit_chunk(chunk, callback, validated)
             i += len(chunk)
         return futures
 
-    def _room_now(self) -> int:
-        room = 1 << 30
-        if self.max_inflight is not None:
-            room = min(room, self.max_inflight - len(self._waiters))
-        if self.max_staleness is not None and self.batch_size:
-            room = min(room, (self.max_staleness + self.weight_version + 1) * self.batch_size - self.admitted)
-        return room
-
-    async def _wait_for_room(self) -> int:
-        async with self._room:
-            await self._room.wait_for(lambda: self._room_now() > 0 or self._closed)
-            return max(1, self._room_now())
-
-    async def _notify_room(self) -> None:
-        async with self._room:
-            self._room.notify_all()
-
     def set_weight_version(self, version: int) -> None:
         """The trainer's current weight version (for the staleness bound)."""
-        self.weight_version = int(version)
-        asyncio.get_running_loop().create_task(self._notify_room())
+        self.admission.set_weight_version(version)
 
     async def _submit_chunk(self, requests: list, callback: Callback | None,
                             validated: bool = False) -> list[asyncio.Future]:
@@ -301,40 +294,35 @@ class Producer(ReplyReader):
             # (neither a name nor a request_id holds whitespace, which ends a token in the rid key)
             token = f"{self.name}:{req.request_id}" if self._tokens_from_ids else f"{token_base}:{i}"
             prepared.append((req, fields, token))
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future] = []
         for req, _, _ in prepared:
-            if req.request_id in self._waiters:
+            if req.request_id in self.pending:
                 raise DuplicateRequestError(req.request_id)
-        for req, _, _ in prepared:
-            fut = loop.create_future()
-            self._waiters[req.request_id] = _Waiter(fut, callback)
-            futures.append(fut)
-        self.admitted += len(prepared)
-        came = await self._resolve_held(prepared) if self._tokens_from_ids and self._unclaimed else set()
+        futures = [self.pending.expect(req.request_id, callback).future for req, _, _ in prepared]
+        self.admission.admit(len(prepared))
+        came = await self._resolve_held(prepared) if self._tokens_from_ids and self.pending.held else set()
         # (and under tokens_from_ids, one whose record the reader handed its new waiter meanwhile: its
         # earlier submit finished, and sending it again would generate it again)
         sending = [(item, fut) for item, fut in zip(prepared, futures)
                    if item[0].request_id not in came and not (self._tokens_from_ids and fut.done())]
         submitting = {req.request_id for (req, _, _), _fut in sending}
-        self._submitting |= submitting
+        self.pending.begin_submit(submitting)
         try:
             replies = await self._submit_until_accepted([item for item, _ in sending]) if sending else []
         except BaseException:
             for (req, _, _), _fut in sending:
-                self._waiters.pop(req.request_id, None)
-            self.admitted -= len(sending)
+                self.pending.forget(req.request_id)
+            self.admission.give_back(len(sending))
             raise
         finally:  # (after a failed submit they stay pending: the reader finds them, and acks them)
-            came_meanwhile = self._after_submit(submitting)
-        await self._ack_now(came_meanwhile)
+            came_meanwhile = self.pending.end_submit(submitting)
+        await self.reader.ack_now(came_meanwhile)
         failed: Exception | None = None
         for ((req, _, _), fut), reply in zip(sending, replies):
             try:
                 Scripts.submit_outcome(req.request_id, reply)
             except (DuplicateRequestError, StreamRefusedError) as exc:
-                self._waiters.pop(req.request_id, None)
-                self.admitted -= 1
+                self.pending.forget(req.request_id)
+                self.admission.give_back(1)
                 fut.set_exception(exc)
                 fut.exception()  # mark retrieved; the error is raised below
                 failed = failed or exc
@@ -349,26 +337,11 @@ class Producer(ReplyReader):
         about to be submitted is the outcome of this name's earlier submit of it, by a process
         that stopped before it finished: the submit gets that record, and nothing is sent for it
         (it would be generated again). Returns those request_ids."""
-        held = {req.request_id: self._unclaimed.pop(req.request_id) for req, _, _ in prepared
-                if req.request_id in self._unclaimed}
-        await self._ack_now([(entry_id, record.request_id) for entry_id, record in held.values()
-                             if await self._resolve(record, entry_id)])
+        held = {req.request_id: self.pending.held.pop(req.request_id) for req, _, _ in prepared
+                if req.request_id in self.pending.held}
+        await self.reader.ack_now([(entry_id, record.request_id) for entry_id, record in held.values()
+                                   if await self.pending.resolve(record, entry_id)])
         return set(held)
-
-    def _after_submit(self, submitted: set[str]) -> list[tuple[tuple[str, str], str]]:
-        """The submit of ``submitted`` request_ids answered: the acks of their records that came
-        meanwhile, to make now."""
-        self._submitting -= submitted
-        now = [a for a in self._acks_after_submit if a[1] in submitted]
-        if now:
-            self._acks_after_submit = [a for a in self._acks_after_submit if a[1] not in submitted]
-        return now
-
-    async def _ack_now(self, entries: list[tuple[tuple[str, str], str]]) -> None:
-        try:
-            await self._ack(entries)
-        except BeforeAckError as exc:  # (they stay pending here: the reader reads them again, and acks them)
-            log.error("%s", exc)
 
     async def _submit_until_accepted(self, prepared: list) -> list:
         return await submit_until_accepted(lambda items: self._submit_with_retry(items), prepared,
@@ -398,22 +371,20 @@ class Producer(ReplyReader):
         A record already handed out raises LookupError, unless ``fresh``: then wait for a new
         record of that id (after ``redroll dead requeue``, say).
         """
-        waiter = self._waiters.get(request_id)
-        if waiter is None and request_id in self._recent:
+        pending = self.pending.waiting.get(request_id)
+        if pending is None and request_id in self.pending.recent:
             if not fresh:
                 raise LookupError(f"the record of {request_id!r} was already delivered by this producer")
-            later = self._recent.pop(request_id)[1]
+            later = self.pending.recent.pop(request_id)[1]
             if later is not None:
                 return later  # a newer record of this id arrived before this call
-        if waiter is None:
-            held = self._unclaimed.pop(request_id, None)
+        if pending is None:
+            held = self.pending.take_held(request_id)
             if held is not None:
-                self._remember(request_id, held[0])
-                await self._ack([(held[0], request_id)])
+                await self.reader.ack([(held[0], request_id)])
                 return held[1]
-            waiter = _Waiter(asyncio.get_running_loop().create_future(), None)
-            self._waiters[request_id] = waiter
-        return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            pending = self.pending.expect(request_id)
+        return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
 
     async def as_completed(self, futures: Iterable[asyncio.Future]) -> AsyncIterator[CompletionRecord]:
         """Yield records in the order they complete."""
@@ -423,19 +394,16 @@ class Producer(ReplyReader):
     async def unclaimed(self) -> AsyncIterator[CompletionRecord]:
         """Records nobody in this process waits for (e.g. submitted before a restart), as they arrive."""
         while not self._closed:
-            while self._unclaimed:
-                rid, (entry_id, rec) = next(iter(self._unclaimed.items()))
-                del self._unclaimed[rid]
-                self._remember(rid, entry_id)
-                await self._ack([(entry_id, rid)])
+            while (held := self.pending.take_held()) is not None:
+                entry_id, rec = held
+                await self.reader.ack([(entry_id, rec.request_id)])
                 yield rec
-            self._unclaimed_event.clear()
-            await self._unclaimed_event.wait()
+            await self.pending.wait_for_held()
 
     @property
     def outstanding(self) -> int:
         """Requests submitted here whose record has not arrived yet."""
-        return len(self._waiters)
+        return len(self.pending)
 
     async def abort(self, request_ids: Iterable[str] = (), *, group_id: str | None = None) -> list[str]:
         """Abort by request_id or group_id: queued ones first, each cancelled in the queue at once

@@ -1,31 +1,31 @@
 """The producer's reply reader: read its reply streams, hand each record to its waiter, ack.
 
-:class:`ReplyReader` holds the reading half of :class:`redroll.producer.client.Producer` (which
-sets the state it reads: ``_waiters``, ``_unclaimed``, ``_recent``, the reply streams).
+One :class:`ReplyReader` per producer reads that producer's reply streams (through consumer group
+``producer``, consumer = the producer's name) and gives each record to
+:class:`~redroll.producer.pending.PendingRequests`, the one owner of the requests' state; it acks
+what was applied (with the finished marks the finish left, ``ack_replies``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Awaitable, Callable
 
 import redis
+from redis.asyncio import Redis
 
+from redroll.producer.pending import Ack, PendingRequests
 from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.errors import RedrollError
-from redroll.shared.keys import PRODUCER_GROUP
-from redroll.shared.scripts import DeadLetter
+from redroll.shared.keys import PRODUCER_GROUP, Keys
+from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.settings import Settings
 from redroll.shared.streams import drop_read, ensure_group, is_unblocked, read_count, read_group, text
-from redroll.shared.types import CompletionRecord, RecordStatus
+from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.producer")
-
-Callback = Callable[[CompletionRecord], Any]
 
 
 class BeforeAckError(RedrollError, RuntimeError):
@@ -33,16 +33,32 @@ class BeforeAckError(RedrollError, RuntimeError):
     last were applied here, and their reply entries were not acked."""
 
 
-@dataclass
-class _Waiter:
-    future: asyncio.Future
-    callback: Callback | None
-
-
 class ReplyReader:
-    """The reply reader of :class:`~redroll.producer.client.Producer` (its base class)."""
+    """Reads one producer's reply streams into its :class:`PendingRequests` (see the module).
 
-    async def _read_what_came(self, streams: list[str]) -> None:
+    ``before_ack()`` runs before the reply entries of applied records are acked (see
+    :class:`~redroll.producer.client.Producer`); ``after_ack()`` after each batch acked (the
+    producer's backpressure wakes a submit waiting for room)."""
+
+    def __init__(self, *, redis_client: Redis, scripts: Scripts, settings: Settings, name: str,
+                 reply_streams: list[str], parts: list[Keys], pending: PendingRequests, read_count: int,
+                 block_ms: int, before_ack: Callable[[], None] | None = None,
+                 after_ack: Callable[[], Awaitable[None]] | None = None):
+        self.redis = redis_client
+        self.scripts = scripts
+        self.settings = settings
+        self.name = name
+        self.reply_streams = reply_streams
+        self.parts = parts
+        self.pending = pending
+        self.read_count = read_count
+        self.block_ms = block_ms
+        self._before_ack = before_ack
+        self._after_ack = after_ack
+        self.closed = False
+        self._last_expire = 0.0
+
+    async def read_what_came(self, streams: list[str]) -> None:
         """Deliver every record on ``streams`` now, without waiting for more: this name's pending
         entries (a restart resumes them), then the new ones. ``start`` returns after it, so a
         record that came before the first submit is held (a restarted producer with
@@ -70,7 +86,7 @@ class ReplyReader:
         entries = [e for _s, es in (resp or []) for e in es]
         return [(stream, e) for e in entries], ">" if len(entries) < count else text(entries[-1][0])
 
-    async def _read_loop(self, streams: list[str]) -> None:
+    async def read_loop(self, streams: list[str]) -> None:
         # New entries: our own pending ones were read before start returned (_read_what_came); they
         # are paged again ("0") after a connection error, a read that lost its reply, or a
         # before_ack that raised.
@@ -84,7 +100,7 @@ class ReplyReader:
         # this reader's pending entries, which an outstanding read adds to.
         ahead: asyncio.Task | None = None
         try:
-            while not self._closed:
+            while not self.closed:
                 try:
                     paging = {s: i for s, i in last_ids.items() if i != ">"}
                     if not paging and ahead is None and time.monotonic() >= next_check:
@@ -100,7 +116,7 @@ class ReplyReader:
                         batch = [(s, e) for s, es in await reading for e in es]
                     if batch:
                         count = read_count([e for _s, e in batch], self.read_count)
-                    if not paging and not self._closed and time.monotonic() < next_check:
+                    if not paging and not self.closed and time.monotonic() < next_check:
                         ahead = self._read_new(streams, count)
                     await self._deliver(batch)
                     await self._refresh_ttl()
@@ -150,18 +166,18 @@ class ReplyReader:
         nor knows about: a read the server ran whose reply never came back. The client retries a
         read on a dropped connection by itself (the cluster client after a failover too), so the
         retried read (``>``) finds nothing new and no error tells the loop to page them again."""
-        held = Counter(held_stream for (held_stream, _id), _rec in self._unclaimed.values())
+        held = self.pending.counts()
         for stream in streams:
             summary = await self.redis.xpending(stream, PRODUCER_GROUP)
             mine = sum(c["pending"] for c in summary.get("consumers") or () if text(c["name"]) == self.name)
-            if mine > held[stream]:
+            if mine > held.get(stream, 0):
                 log.warning("reply reader: %d record(s) on %s were read without a reply; reading them again",
-                            mine - held[stream], stream)
+                            mine - held.get(stream, 0), stream)
                 return True
         return False
 
     async def _deliver(self, entries: list) -> None:
-        done: list[tuple[tuple[str, str], str]] = []
+        done: list[Ack] = []
         for stream, (raw_id, fields) in entries:
             entry_id = (stream, text(raw_id))
             if not fields:
@@ -172,66 +188,28 @@ class ReplyReader:
             except ValidationError as exc:
                 await self._dead_letter(entry_id, fields, exc.reason)
                 continue
-            if await self._resolve(record, entry_id):
+            if await self.pending.resolve(record, entry_id):
                 done.append((entry_id, record.request_id))
-        if self._submitting:  # (acked once that submit answered: see Producer._submitting)
-            self._acks_after_submit += [d for d in done if d[1] in self._submitting]
-            done = [d for d in done if d[1] not in self._submitting]
-        await self._ack(done)
-        if done and (self.max_inflight is not None or self.max_staleness is not None):
-            await self._notify_room()
+        await self.ack(self.pending.hold_acks(done))
 
-    async def _resolve(self, record: CompletionRecord, entry_id: tuple[str, str] | None = None) -> bool:
-        """Hand ``record`` to its waiter (callback, future); True when its entry can be acked now
-        (False: kept unacked for :meth:`unclaimed`, which acks it when it hands it out)."""
-        waiter = self._waiters.pop(record.request_id, None)
-        if waiter is None:
-            if record.request_id in self._recent:
-                # Already applied here: skipped (ROLL's pop). A record from another entry is kept
-                # for result(fresh=True) (a requeued request's new record may arrive before that
-                # call); the applied entry itself, read again after a lost ack, is not.
-                applied_from = self._recent[record.request_id][0]
-                if entry_id is None or entry_id != applied_from:
-                    self._recent[record.request_id] = (applied_from, record)
-            elif entry_id is not None and self._unclaimed.get(record.request_id, (None,))[0] == entry_id:
-                return False  # the held entry itself, read again (a lost reply): pending until handed out
-            elif record.request_id in self._unclaimed or entry_id is None:
-                pass  # a duplicate of a record not yet handed out, or a notice nobody waits for
-            else:
-                self._unclaimed[record.request_id] = (entry_id, record)
-                self._unclaimed_event.set()
-                return False
-            return True
-        if waiter.callback is not None:
-            try:
-                res = waiter.callback(record)
-                if inspect.isawaitable(res):
-                    await res
-            except Exception:
-                log.exception("callback for request %s raised", record.request_id)
-        if not waiter.future.done():
-            waiter.future.set_result(record)
-        self._remember(record.request_id, entry_id)
-        if record.status is not RecordStatus.FINISHED:
-            self.admitted -= 1  # no sample came of it: give its staleness capacity back
-        return True
-
-    async def _resolve_notice(self, record: CompletionRecord) -> None:
+    async def resolve_notice(self, record: CompletionRecord) -> None:
         """A dead letter says this request's record could not reach its reply stream."""
-        if record.request_id in self._waiters:
+        if record.request_id in self.pending:
             log.warning("request %s was dead-lettered and its reply stream refused the error record (%s)",
                         record.request_id, record.meta_info.get("reply_error"))
-            await self._resolve(record)
-            await self._notify_room()
+            await self.pending.resolve(record)
+            if self._after_ack is not None:
+                await self._after_ack()
 
-    def _remember(self, request_id: str, entry_id: tuple[str, str] | None) -> None:
-        """Remember applied request_ids (and the entry each came from) for a while, so a duplicate
-        record is skipped, not re-applied."""
-        self._recent[request_id] = (entry_id, None)
-        if len(self._recent) > self.RECENT_LIMIT:
-            self._recent.pop(next(iter(self._recent)))
+    async def ack_now(self, entries: list[Ack]) -> None:
+        """:meth:`ack`, with a ``before_ack`` that raises logged (the entries stay pending here: the
+        reader reads them again, and acks them)."""
+        try:
+            await self.ack(entries)
+        except BeforeAckError as exc:
+            log.error("%s", exc)
 
-    async def _ack(self, entries: list[tuple[tuple[str, str], str]]) -> None:
+    async def ack(self, entries: list[Ack]) -> None:
         """Ack and delete the entries of applied records, given as ((stream, entry id), request_id),
         taking the finished marks they leave in the ownership hash with them: one call per reply
         stream (``Scripts.ack_replies_in``)."""
@@ -245,6 +223,8 @@ class ReplyReader:
             by_stream.setdefault(stream, []).append((entry_id, request_id))
         for stream, pairs in by_stream.items():
             await self.scripts.ack_replies_in(self.redis, stream=stream, group=PRODUCER_GROUP, entries=pairs)
+        if entries and self._after_ack is not None:
+            await self._after_ack()
 
     async def _dead_letter(self, entry: tuple[str, str], fields: dict, reason: str) -> None:
         stream, entry_id = entry

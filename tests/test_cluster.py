@@ -355,7 +355,7 @@ async def _explain_missing(rc, s: Settings, producer, futures, workers) -> str:
     """Print where the requests whose records never came are (for a failure report); a one-line
     summary is returned for the assertion (the printed part may be cut from a long report)."""
     missing = [f for f in futures if not f.done()]
-    summary = f"{len(missing)} of {len(futures)} records missing; waiters: {list(producer._waiters)[:10]}"
+    summary = f"{len(missing)} of {len(futures)} records missing; waiters: {list(producer.pending.waiting)[:10]}"
     print(summary)
     for part in s.partition_keys:
         node = rc.get_node_from_key(part.requests).port

@@ -169,7 +169,7 @@ class SubmitAfterItsRecord(Producer):
     here: the instant between a resumed producer's reads and its takeover submit, made to last."""
 
     async def _submit_with_retry(self, prepared: list, attempts: int = 8) -> list:
-        futures = [self._waiters[req.request_id].future for req, _, _ in prepared]
+        futures = [self.pending.waiting[req.request_id].future for req, _, _ in prepared]
         await asyncio.wait_for(asyncio.gather(*futures), 10)
         return await super()._submit_with_retry(prepared, attempts)
 
@@ -396,12 +396,12 @@ async def test_the_reads_before_start_returns_ask_for_fewer_large_records_too(se
     async with running_worker(settings):
         await wait_until(lambda: _xlen_is(r, settings.keys.reply("large-again"), 4), timeout=30)
     async with Producer(settings, name="large-again", block_ms=100) as second:
-        assert len(second._unclaimed) == 4
+        assert len(second.pending.held) == 4
     counts = _count_reply_reads(monkeypatch)
     async with Producer(settings, name="large-again", block_ms=100) as again:
         first_reads = counts[:]
-        size = len(encode_record(again._unclaimed["big-0"][1])["data"])
-        assert len(again._unclaimed) == 4  # (all read before start returned)
+        size = len(encode_record(again.pending.held["big-0"][1])["data"])
+        assert len(again.pending.held) == 4  # (all read before start returned)
     assert size > 200_000 and first_reads[:2] == [256, READ_BYTES // size]  # (paging, then new ones)
 
 
@@ -418,14 +418,14 @@ async def test_the_next_reply_read_is_asked_for_before_a_batch_is_delivered(sett
 
     monkeypatch.setattr(replies, "read_group", asked)
     async with Producer(settings, name="ahead", block_ms=100) as p:
-        deliver = p._deliver
+        deliver = p.reader._deliver
 
         async def delivering(batch):
             if batch:
                 events.append(f"deliver {len(batch)}")
             await deliver(batch)
 
-        p._deliver = delivering  # type: ignore[method-assign]
+        p.reader._deliver = delivering  # type: ignore[method-assign]
         futures = await p.submit_many([make_request(request_id=f"ahead-{i}", prompt="x", sampling_params=SP)
                                        for i in range(5)])
         async with running_worker(settings):
@@ -446,10 +446,10 @@ async def test_a_held_record_handed_out_and_read_again_is_not_a_later_record(set
     async with Producer(settings, name="restarted", block_ms=100) as b:
         rec = await asyncio.wait_for(anext(aiter(b.unclaimed())), 10)
         assert rec.request_id == "held-1"
-        entry_id = b._recent["held-1"][0]
+        entry_id = b.pending.recent["held-1"][0]
         assert entry_id is not None
-        assert await b._resolve(rec, entry_id)  # the same entry delivered again: skipped, acked
-        assert b._recent["held-1"][1] is None and not b._unclaimed
+        assert await b.pending.resolve(rec, entry_id)  # the same entry delivered again: skipped, acked
+        assert b.pending.recent["held-1"][1] is None and not b.pending.held
         with pytest.raises(LookupError):
             await b.result("held-1")
 
@@ -469,7 +469,7 @@ async def test_concurrent_producers_get_only_their_own_records(settings):
         assert [x.request_id for x in recs_a] == [q.request_id for q in ra]
         assert [x.request_id for x in recs_b] == [q.request_id for q in rb]
         # nothing foreign turned up in either producer
-        assert not a._unclaimed and not b._unclaimed
+        assert not a.pending.held and not b.pending.held
 
 
 async def test_restart_resumes_records_by_name(settings, r):
@@ -584,5 +584,5 @@ async def test_duplicate_record_on_reply_stream_is_skipped(settings, r):
         await r.xadd(p.reply_to, encode_record(rec))
         await wait_until(lambda: _xlen_is(r, p.reply_to, 0), timeout=5)
         assert calls == ["once-2"]
-        assert not p._unclaimed
+        assert not p.pending.held
         assert await reply_pending(r, p.name, settings) == 0
