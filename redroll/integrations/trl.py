@@ -174,9 +174,9 @@ class RedrollRollout:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         step = int(trainer.state.global_step)
-        self._push_if_stepped(trainer, step)
-        prompt_ids = tokenize_prompts(trainer, prompts)
+        prompt_ids = tokenize_prompts(trainer, prompts)  # (what cannot work is refused before any push)
         sampling = sampling_params(trainer)
+        self._push_if_stepped(trainer, step)
         accelerator = trainer.accelerator
         call = self._calls
         self._calls += 1
