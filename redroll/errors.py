@@ -38,6 +38,8 @@ error                          also a                          raised when
 ``ResumeError``                ``ValueError``                  ``redroll submit --resume`` cannot resume
 ``InputError``                 ``ValueError``                  ``redroll submit``'s input file is invalid
 ``JoinTimeout``                ``TimeoutError``                ``redroll.testing.Pipeline.join`` gave up
+``RolloutError``               ``RuntimeError``                a trainer's rollout through redroll failed
+                                                               (it names each request and why)
 =============================  ==============================  ============================================
 
 The root lives in :mod:`redroll.shared.errors` (the lowest layer: every package may raise); each
@@ -75,6 +77,7 @@ _DEFINED_IN = {
     "ResumeError": "redroll.cli.batch_resume",
     "InputError": "redroll.cli.batch_run",
     "JoinTimeout": "redroll.testing",
+    "RolloutError": "redroll.integrations.trl",
 }
 """Where each error that is not defined here lives (imported on first use: no import cycle)."""
 
