@@ -308,3 +308,27 @@ def test_version_is_the_packages():
                           text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"redroll {__version__}"
     assert __version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_bare_redroll_prints_the_commands():
+    """It printed only an argparse error ("the following arguments are required: COMMAND")."""
+    proc = subprocess.run([sys.executable, "-m", "redroll.cli"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "worker" in proc.stdout and "serve" in proc.stdout and not proc.stderr
+
+
+def test_each_action_has_its_own_flags_and_every_duration_names_its_unit():
+    """weights, lanes and functions took their action as a positional choice, so each action's help
+    showed every other action's flags; --drain-timeout (seconds) sat beside --claim-idle-ms (ms)."""
+    parsers = dict(_parsers(build_parser()))
+    assert "--model-path" in parsers["redroll weights update"].format_help()
+    assert "--model-path" not in parsers["redroll weights release"].format_help()
+    assert "--force" in parsers["redroll lanes set"].format_help()
+    assert "--force" not in parsers["redroll lanes show"].format_help()
+    assert "--timeout" in parsers["redroll functions wait"].format_help()
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            flag = action.option_strings[0] if action.option_strings else ""
+            if flag.endswith("-ms"):
+                assert action.metavar == "MS", (name, flag)
+            elif flag.endswith(("-timeout", "-interval", "-s")) or flag in ("--interval", "--timeout"):
+                assert action.metavar == "SECONDS", (name, flag, action.metavar)

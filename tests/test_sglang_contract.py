@@ -12,9 +12,9 @@ import importlib
 import inspect
 import pkgutil
 import re
+import tomllib
 
 import pytest
-import tomllib
 
 from redroll.engine_worker.engines import sglang_contract as contract
 from redroll.engine_worker.engines import sglang_engine

@@ -53,7 +53,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", metavar="KEY=VALUE")
         else:
             kwargs["type"] = option.type
-            kwargs["metavar"] = "N" if option.type in (int,) or "int" in getattr(option.type, "__name__", "") else "VALUE"
+            if option.type is int or "int" in getattr(option.type, "__name__", ""):
+                kwargs["metavar"] = "N"  # (a duration gets its unit from the parser: see cli.options.unit_metavar)
             if option.choices:
                 kwargs["choices"] = option.choices
         g.add_argument(flag, *aliases, **kwargs)

@@ -28,7 +28,7 @@ from redroll.cli import (
     weights,
     worker,
 )
-from redroll.cli.options import HelpFormatter, every_parser
+from redroll.cli.options import HelpFormatter, every_parser, unit_metavar
 from redroll.cli.runtime import run as run_async_main
 from redroll.shared.connection import RedisConfigError, describe_error
 from redroll.shared.lanes import LanesMismatchError
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_parser(sub)
     for each in every_parser(parser):
         each.formatter_class = HelpFormatter
+        for action in each._actions:
+            if action.option_strings and action.metavar is None and action.nargs != 0:
+                action.metavar = unit_metavar(action)
     return parser
 
 
@@ -59,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from redroll.observability.logs import setup_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # (bare `redroll`: the commands, not an argparse error)
+        build_parser().print_help()
+        return 0
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark suite's own parser
         return bench.run(argv[1:])
     args = build_parser().parse_args(argv)

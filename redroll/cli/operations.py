@@ -13,14 +13,19 @@ from redroll.shared.connection import connect
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("lanes", help="show or change the pipeline's affinity lanes (backlog and owner per lane)")
-    add_connection_options(p)
-    p.add_argument("action", choices=["show", "set"])
-    p.add_argument("lanes", nargs="?", type=int, help="set: the new number of lanes (0 = off)")
-    p.add_argument("--force", action="store_true",
-                   help="set: change it even though lanes still hold entries (they stay there, unread, "
-                        "until L is set back: see the README)")
-    p.add_argument("--json", action="store_true", help="JSON for scripts")
-    p.set_defaults(run=run_lanes)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="the lanes, each lane's backlog and owner")
+    add_connection_options(show)
+    show.add_argument("--json", action="store_true", help="JSON for scripts")
+    show.set_defaults(run=run_lanes)
+    change = actions.add_parser("set", help="change the number of lanes (every process must then use it)")
+    add_connection_options(change)
+    change.add_argument("lanes", type=int, help="the new number of lanes (0 = off)")
+    change.add_argument("--force", action="store_true",
+                        help="change it even though lanes still hold entries (they stay there, unread, until L is "
+                             "set back: see docs/cluster.md)")
+    change.add_argument("--json", action="store_true", help="JSON for scripts")
+    change.set_defaults(run=run_lanes)
 
     p = sub.add_parser("repair", help="give streams whose ids were exhausted (XADD with the largest id) their ids back")
     add_connection_options(p)
@@ -75,9 +80,6 @@ async def run_lanes(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     async with connect(settings) as r:
         if args.action == "set":
-            if args.lanes is None:
-                print("redroll lanes set: give the number of lanes, e.g. `redroll lanes set 8`", file=sys.stderr)
-                return 2
             try:
                 before = await set_lanes(r, settings.keys, settings.with_(affinity_lanes=0).partition_keys,
                                          args.lanes, force=args.force)

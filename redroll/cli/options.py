@@ -134,6 +134,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+_SECONDS_TYPES = ("positive_seconds", "seconds_from_zero", "number_of_seconds")
+
+
+def unit_metavar(action: argparse.Action) -> str | None:
+    """A flag's value as ``--help`` shows it, its unit named: ``MS`` for milliseconds, ``SECONDS``
+    for seconds (the name or the parser says which), else argparse's own."""
+    name = action.option_strings[0].lstrip("-")
+    parser_name = getattr(action.type, "__name__", "")
+    if name.endswith("-ms"):
+        return "MS"
+    if (name.endswith("-s") or parser_name in _SECONDS_TYPES or name.endswith("timeout")
+            or name in ("idempotency-window", "interval")):
+        return "SECONDS"
+    return None
+
+
 def every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """``parser`` and every sub-command's parser, depth first."""
     out = [parser]

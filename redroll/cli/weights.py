@@ -13,19 +13,30 @@ from redroll.shared.connection import connect
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("weights", help="broadcast a weight update, or release/resume engine memory")
-    add_connection_options(p)
-    p.add_argument("action", choices=["update", "release", "resume", "show"])
-    p.add_argument("--model-path", default=None, help="update: the new weights (a path the workers can read)")
-    p.add_argument("--version", default=None, help="update: the new weight_version")
-    p.add_argument("--abort-inflight", action="store_true",
-                   help="update: abort in-flight requests instead of letting them finish")
-    p.add_argument("--in-place", action="store_true",
-                   help="update: swap the weights under the requests in flight (between two decode steps; "
-                        "their records carry per-token versions) instead of waiting for them")
-    p.add_argument("--no-wait", action="store_true", help="update: do not wait for every live worker")
-    p.add_argument("--timeout", type=positive_seconds, default=600.0,
-                   help="seconds to wait for the workers (release and resume: at most 120)")
-    p.set_defaults(run=run)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    update = actions.add_parser("update", help="broadcast new weights; by default wait until every live worker "
+                                               "runs them (late joiners load them before claiming)")
+    add_connection_options(update)
+    update.add_argument("--model-path", required=True, help="the new weights (a path the workers can read)")
+    update.add_argument("--version", required=True, help="the new weight_version")
+    update.add_argument("--abort-inflight", action="store_true",
+                        help="abort in-flight requests instead of letting them finish")
+    update.add_argument("--in-place", action="store_true",
+                        help="swap the weights under the requests in flight (between two decode steps; their "
+                             "records carry per-token versions) instead of waiting for them")
+    update.add_argument("--no-wait", action="store_true", help="do not wait for every live worker")
+    update.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds to wait for the workers")
+    for name, what in (("release", "free engine memory for a colocated trainer (GPU: SGLang's memory saver, "
+                                   "vLLM's sleep mode)"),
+                       ("resume", "take the released engine memory back")):
+        action = actions.add_parser(name, help=what)
+        add_connection_options(action)
+        action.add_argument("--no-wait", action="store_true", help="do not wait for the workers")
+        action.add_argument("--timeout", type=positive_seconds, default=120.0, help="seconds to wait for the workers")
+    show = actions.add_parser("show", help="the pipeline's desired weights (JSON)")
+    add_connection_options(show)
+    for action in actions.choices.values():
+        action.set_defaults(run=run)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -40,9 +51,6 @@ async def run(args: argparse.Namespace) -> int:
                 print(json.dumps(desired or None))
                 return 0
             if args.action == "update":
-                if not args.model_path or not args.version:
-                    print("redroll weights update: --model-path and --version are required", file=sys.stderr)
-                    return 2
                 if args.in_place and args.abort_inflight:
                     print("redroll weights update: --in-place and --abort-inflight exclude each other",
                           file=sys.stderr)
@@ -61,7 +69,7 @@ async def run(args: argparse.Namespace) -> int:
                 return 0
             want = "released" if args.action == "release" else "running"
             done, failed = await wait_for_memory_command(r, settings.keys, kind, sent, want,
-                                                         timeout=min(args.timeout, 120.0))
+                                                         timeout=args.timeout)
             for worker, error in sorted(failed.items()):
                 print(f"redroll weights {args.action}: worker {worker} refused: {error}", file=sys.stderr)
             print(f"{kind}: {len(done)} worker(s) {want}" + (f", {len(failed)} refused" if failed else ""))
