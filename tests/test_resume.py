@@ -41,7 +41,7 @@ async def test_a_resumed_run_writes_every_record_once_and_generates_nothing_twic
     settings = settings.with_(partitions=partitions)  # (3: a reply stream in each partition)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     ids = [f"r-{i}" for i in range(40)]
-    _requests(src, ids)
+    _requests(src, ids, tokens=30)  # (6 s of work: a slow machine still interrupts the run midway)
     worker = Worker(settings, SyntheticEngine(token_ms=20), max_inflight=4)
     async with running(worker):
         await _interrupted_run(settings, src, out, at_least=8)
