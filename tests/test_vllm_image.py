@@ -78,7 +78,7 @@ def test_compose_has_a_vllm_worker_on_the_vllm_target():
     assert cmd[:2] == ["redroll", "worker"]
     args = build_parser().parse_args([_defaults(c) for c in cmd[1:]])
     assert args.engine == "vllm" and args.model_path.startswith("/models/")
-    assert args.tp_size == 1 and args.mem_fraction_static == 0.85 and args.drain_timeout == 60
+    assert args.tp_size == 1 and args.memory_fraction == 0.85 and args.drain_timeout == 60
     assert "${VLLM_TP_SIZE:-1}" in cmd and "${VLLM_GPU_MEMORY_UTILIZATION:-0.85}" in cmd
     (gpu,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"] and "count" not in gpu
