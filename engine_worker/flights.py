@@ -89,6 +89,8 @@ class Flights:
 
     def __init__(self, max_inflight: int, run: Run, stopping: asyncio.Event, run_batch: RunBatch | None = None):
         self.max_inflight = max(1, int(max_inflight))
+        self.capacity: int | None = None
+        """The engine's declared capacity, once it started (None: it runs whatever it is given)."""
         self.claim_limit = self.max_inflight
         """The most entries claimed that take or wait for an engine slot: the claim loops wait
         below it and read no more than the difference (set at start to the engine's capacity plus

@@ -98,7 +98,8 @@ class Liveness:
         beat = {
             "host": socket.gethostname(), "pid": os.getpid(), "engine": info.name, "model": info.model,
             "weight_version": info.weight_version, "inflight": len(self.flights),
-            "max_inflight": self.flights.max_inflight, "claim_limit": self.flights.claim_limit, "started": round(self.started_at, 3),
+            "capacity": self.flights.capacity, "max_inflight": self.flights.max_inflight,
+            "claim_limit": self.flights.claim_limit, "started": round(self.started_at, 3),
             "seen": round(time.time(), 3), "published": stats.published, "tokens": stats.tokens,
             "fenced": stats.fenced, "lease_losses": stats.lease_losses, "dead_lettered": stats.dead_lettered,
             "state": self._state(), "weights_source": self._weights_source(),

@@ -237,7 +237,7 @@ class Worker:
         await agree_on_lanes(self.redis, self.keys, self.settings.affinity_lanes)
         await self.engine.start()
         # Fair claiming: what the engine can start at once plus the prefetch (known once started).
-        capacity = engine_capacity(self.engine)
+        capacity = self.flights.capacity = engine_capacity(self.engine)
         prefetch = self.settings.claim_prefetch
         if self._max_inflight_given is None:
             self.flights.max_inflight = default_max_inflight(capacity, prefetch)

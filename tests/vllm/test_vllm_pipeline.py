@@ -41,8 +41,9 @@ CHECKPOINTS = {"REDROLL_CHECKPOINT_TOKENS": "32", "REDROLL_CHECKPOINT_INTERVAL_S
 
 
 def worker_args(model) -> list[str]:
+    # (no --max-inflight: the worker holds what its engine batches)
     return ["worker", "--engine", "vllm", "--model-path", str(model), "--dtype", "float32",
-            "--context-length", "2048", "--max-inflight", "64"]
+            "--context-length", "2048"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,18 @@ def reference(tiny_checkpoints):
 
 def max_error(values, ref) -> float:
     return max(abs(a - b) for a, b in zip(values, ref))
+
+
+async def test_a_worker_started_without_max_inflight_holds_its_engines_batch(settings, first_worker, producer):
+    """The worker was capped at --max-inflight's old default, 32, where vLLM batches far more: its
+    capacity (vLLM's resolved max_num_seqs) plus the claim prefetch is what it holds now, as
+    `redroll status --json` shows."""
+    await asyncio.wait_for(producer.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2}), 300)
+    status = subprocess.run([sys.executable, "-m", "redroll.cli", "status", "--json"], cwd=ROOT,
+                            env=redroll_env(settings), capture_output=True, text=True, timeout=60)
+    (worker,) = [w for w in json.loads(status.stdout)["workers"] if w["name"] == "first"]
+    assert worker["engine"] == "vllm" and worker["capacity"] > 32, worker
+    assert worker["max_inflight"] == worker["claim_limit"] == worker["capacity"] + settings.claim_prefetch
 
 
 async def test_redroll_submit_serves_token_id_and_text_prompts(settings, first_worker, tmp_path, tiny_checkpoints):
