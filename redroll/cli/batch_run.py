@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import sys
 import uuid
 from typing import IO, Any, Callable, Iterable
@@ -12,6 +11,7 @@ import msgspec
 import redis
 
 from redroll.cli.batch_resume import RunFile, move_records, records_written, write_all
+from redroll.cli.runtime import collector_paused
 from redroll.ops.control import live_workers
 from redroll.producer.client import Producer, request_stream, send_each
 from redroll.shared.codec import TOO_DEEP, Limits, ValidationError, check_unsent, request_from_values
@@ -130,13 +130,8 @@ async def submit_file(settings: Settings, path: str, *, wait: bool, out: str | N
     fh: IO[str] = sys.stdin if path == "-" else open(path, encoding="utf-8")
     # Reading makes no reference cycles: a collection would only walk the growing list of requests
     # (about 0.4 us a line). They live until the command ends, so none needs to walk them later.
-    gc.disable()
-    try:
-        with fh:
-            requests = read_requests(fh, settings, source=path)
-    finally:
-        gc.freeze()
-        gc.enable()
+    with collector_paused(), fh:
+        requests = read_requests(fh, settings, source=path)
     if not requests:
         print(f"{path}: no requests", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Long-running commands (``worker``, ``consume``): metrics, signals and GC tuning around a process."""
+"""Long-running commands (``worker``, ``consume``): metrics, signals and the collector's tuning around a process."""
 
 from __future__ import annotations
 
@@ -8,16 +8,8 @@ import signal
 import sys
 from typing import Any
 
+from redroll.cli.runtime import tune_for_long_runs
 from redroll.shared.settings import Settings
-
-
-def tune_gc() -> None:
-    """Long-running processes: move start-up objects out of the collector's way and collect
-    young objects less often (the hot paths allocate many short-lived, acyclic objects)."""
-    import gc
-
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
 
 
 def install_signals(stop: Any, grace_s: float) -> Any:
@@ -56,7 +48,7 @@ async def serve(process: Any, metrics_class: Any, metrics_port: int | None, sett
         process.metrics = metrics_class(process)
         serve(process.metrics, metrics_port, metrics_host)
     install = install_signals(process.request_stop, settings.drain_timeout_s + 10)
-    tune_gc()
+    tune_for_long_runs()
     task = asyncio.create_task(process.run())
     started = getattr(process, "started", None)
     if started is not None:
