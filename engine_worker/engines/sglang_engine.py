@@ -357,8 +357,7 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             del self._aborted[handle]
             job.aborted = True  # aborted before it started: start nothing
         seeds = self._sample_seeds(request)
-        if request.messages is not None:  # rendered here, once for all samples, and sent as ids
-            job.prompt_ids = render_chat(self.tokenizer, request, ENGINE_NAME)
+        job.prompt_ids = self._prompt_ids_to_send(request)  # (a chat rendered here, once for all samples)
         self._jobs[handle] = job
         tasks = [asyncio.ensure_future(self._run_sample(engine, job, request, i, seeds[i])) for i in range(n)]
         try:
@@ -377,7 +376,7 @@ class SGLangEngine(SGLangOutput, SGLangWeights, SGLangProcess):
             raise
         finally:
             self._jobs.pop(handle, None)
-        output = add_text(self._engine_output(request, samples), request, self.tokenizer)
+        output = add_text(self._engine_output(request, samples, job.prompt_ids), request, self.tokenizer)
         if any(s is not None for s in seeds) and self.deterministic:
             output.extra["sampling_seeds"] = seeds
         prompt_len = output.prompt_tokens
