@@ -35,6 +35,8 @@ error                          also a                          raised when
 ``ResumeError``                ``ValueError``                  ``redroll submit --resume`` cannot resume
 ``InputError``                 ``ValueError``                  ``redroll submit``'s input file is invalid
 ``JoinTimeout``                ``TimeoutError``                ``redroll.testing.Pipeline.join`` gave up
+``UnknownModelError``          ``LookupError``                 a request named a model a ``ModelRouter``
+                                                               does not serve
 =============================  ==============================  ============================================
 
 This module imports nothing from redroll (the modules that define the errors import
@@ -78,6 +80,7 @@ _DEFINED_IN = {
     "ResumeError": "redroll.cli.batch_resume",
     "InputError": "redroll.cli.batch_run",
     "JoinTimeout": "redroll.testing",
+    "UnknownModelError": "redroll.producer.models",
 }
 """Where each error that is not defined here lives (imported on first use: no import cycle)."""
 

@@ -33,6 +33,7 @@ from redroll.shared.connection import connect
 from redroll.shared.errors import ConnectionUnavailableError
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
+from redroll.web.gateway.fleet import Fleet
 from redroll.web.gateway.idempotency import KeyedCalls, call_name, fingerprint
 from redroll.web.gateway.pipelines import Pipeline, Pipelines, model_namespaces
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
@@ -63,6 +64,8 @@ class GatewayConfig:
     idempotency_window_s: int = 86_400
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
+    control_timeout_s: float = 600.0
+    """How long a fleet-control call (pause, update_weights, resume) waits for the workers."""
     trust_request_chat_template: bool = False
     """Take a call's ``chat_template`` (code the worker runs, in Jinja's sandbox); refused otherwise."""
 
@@ -205,6 +208,14 @@ class Gateway:
             raise GatewayError(401, "incorrect API key", kind="authentication_error", code="invalid_api_key")
         return hashlib.sha256(token.strip().encode()).hexdigest()[:16]
 
+    def authorize_control(self, request: Request) -> str:
+        """As :meth:`authorize`, for fleet control, which an open gateway (no keys) refuses (403)."""
+        if not self.config.api_keys:
+            raise GatewayError(403, "fleet control (pause, update_weights, resume) needs the gateway's API keys: start "
+                                    "redroll serve with --api-key-file FILE and send 'Authorization: Bearer <key>'",
+                               kind="permission_error", code="keys_required")
+        return self.authorize(request)
+
     def admit(self, pipeline: Pipeline | None = None) -> None:
         pipeline = pipeline or self.pipelines.policy
         if not self.redis_ok:
@@ -311,24 +322,29 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
     """The ASGI application of one gateway process."""
     gateway = Gateway(settings, config)
 
+    async def respond(request: Request, name: str, handler: Any) -> Response:
+        """``handler(request)``'s answer (a JSON-able object or a Response), its errors in OpenAI's
+        shape, counted and timed under ``name``."""
+        started = time.perf_counter()
+        try:
+            answer = await handler(request)
+            response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
+        except GatewayError as exc:
+            response = _error(exc)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            log.warning("%s: Redis unreachable: %s", name, exc)
+            response = _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
+                                           code="unavailable", headers={"Retry-After": "1"}))
+        except Exception as exc:  # (a bug: still answered in OpenAI's shape, and logged)
+            log.exception("%s failed", name)
+            response = _error(GatewayError(500, f"internal error: {exc}", kind="server_error", code="internal"))
+        gateway.metrics.requests.labels(name, str(response.status_code)).inc()
+        gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
+        return response
+
     def endpoint(name: str, kind: type[CompletionBody] | type[ChatBody]):
         async def handle(request: Request) -> Response:
-            started = time.perf_counter()
-            try:
-                answer = await gateway.call(request, kind)
-                response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
-            except GatewayError as exc:
-                response = _error(exc)
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("%s: Redis unreachable: %s", name, exc)
-                response = _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
-                                               code="unavailable", headers={"Retry-After": "1"}))
-            except Exception as exc:  # (a bug: still answered in OpenAI's shape, and logged)
-                log.exception("%s failed", name)
-                response = _error(GatewayError(500, f"internal error: {exc}", kind="server_error", code="internal"))
-            gateway.metrics.requests.labels(name, str(response.status_code)).inc()
-            gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
-            return response
+            return await respond(request, name, lambda req: gateway.call(req, kind))
         return handle
 
     async def models(request: Request) -> Response:
@@ -373,6 +389,7 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", endpoint("chat.completions", ChatBody), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *Fleet(gateway).routes(respond),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = gateway
     return app
