@@ -34,6 +34,7 @@ from redroll.shared.errors import ConnectionUnavailableError
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 from redroll.web.gateway.fleet import Fleet
+from redroll.web.gateway.generate import generate
 from redroll.web.gateway.idempotency import KeyedCalls, call_name, fingerprint
 from redroll.web.gateway.pipelines import Pipeline, Pipelines, model_namespaces
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
@@ -347,6 +348,9 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
             return await respond(request, name, lambda req: gateway.call(req, kind))
         return handle
 
+    async def inference_generate(request: Request) -> Response:
+        return await respond(request, "inference.generate", lambda req: generate(gateway, req))
+
     async def models(request: Request) -> Response:
         try:
             gateway.authorize(request)
@@ -389,6 +393,7 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", endpoint("chat.completions", ChatBody), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/inference/v1/generate", inference_generate, methods=["POST"]),
         *Fleet(gateway).routes(respond),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = gateway

@@ -170,16 +170,17 @@ def _prompts(prompt: Any) -> list[Any]:
 
 # ---------------------------------------------------------------- responses
 
-def check_records(records: list[CompletionRecord]) -> None:
+def check_records(records: list[CompletionRecord], names: dict[str, str] = FIELD_NAMES) -> None:
     """A call whose records are not all finished answers with the first failure, in OpenAI's shape:
-    a request a worker refused (``invalid <field>: ...``) is a 400 naming the field."""
+    a request a worker refused (``invalid <field>: ...``) is a 400 naming the field (as ``names``
+    renames redroll's fields: the OpenAI body's by default)."""
     for rec in records:
         if rec.status is RecordStatus.FINISHED:
             continue
         message = rec.error or f"the request ended {rec.status.value}"
         if rec.status is RecordStatus.ERROR and message.startswith("invalid "):
             field, _, rule = message[len("invalid "):].partition(":")
-            param = FIELD_NAMES.get(field, field)
+            param = names.get(field, field)
             raise GatewayError(400, f"invalid {param}:{rule}", param=param, code="invalid_value")
         raise GatewayError(500 if rec.status is RecordStatus.ERROR else 503, message, kind="server_error",
                            code=rec.status.value)
