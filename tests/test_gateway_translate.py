@@ -198,3 +198,31 @@ def test_logprobs_in_vllms_shapes():
                       "top_logprobs": [{"token_id": 5, "logprob": -0.5, "rank": None}]}
     assert prompt_logprobs([4, 7], [None, -1.5]) == [None, {"7": {"logprob": -1.5, "rank": None,
                                                                  "decoded_token": None}}]
+
+
+def test_a_streamed_text_prompts_ids_come_with_its_record():
+    """return_token_ids on a streamed text prompt: the ids the worker ran come on the choice's
+    last chunk (a token-id prompt's on its first); a chat's at the top level of choice 0's last."""
+    from redroll.producer.stream_reader import StreamChunk
+    from redroll.shared.types import CompletionRecord, RecordStatus
+    from redroll.web.gateway.sse import EventWriter
+
+    def record(prompt_ids):
+        return CompletionRecord(request_id="r-0", status=RecordStatus.FINISHED, output_token_ids=[[3]],
+                                finish_reasons=["length"], output_text=[" a"], prompt_token_ids=prompt_ids,
+                                meta_info={"prompt_tokens": 2, "weight_version": "1"})
+
+    def chunk(writer, rec=None, index=0):
+        data = writer.chunk(index, StreamChunk(request_id="r-0", offset=0, token_ids=[3], text=" a", logprobs=None,
+                                               finish_reason="length" if rec else None, record=rec))
+        return msgspec.json.decode(data[len(b"data: "):])
+
+    body = decode_body(b'{"prompt": ["hi", [7, 8]], "stream": true, "return_token_ids": true}', CompletionBody)
+    writer = EventWriter(body, "c", "m", 5, [None, [7, 8]])
+    assert "prompt_token_ids" not in chunk(writer)["choices"][0]  # (a text: not known yet)
+    assert chunk(writer, record([104, 105]))["choices"][0]["prompt_token_ids"] == [104, 105]
+    assert chunk(writer, index=1)["choices"][0]["prompt_token_ids"] == [7, 8]
+    chat = decode_body(b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "return_token_ids": true}',
+                       ChatBody)
+    writer = EventWriter(chat, "c", "m", 5, [None])
+    assert chunk(writer, record([4, 5, 6]))["prompt_token_ids"] == [4, 5, 6]

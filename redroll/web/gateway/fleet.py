@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -39,9 +39,6 @@ from redroll.ops.control import (
 )
 from redroll.shared.commands import UpdateWeights, command_fields
 from redroll.web.gateway.protocol import GatewayError, decode_body, invalid
-
-if TYPE_CHECKING:
-    from redroll.web.gateway.app import Gateway
 
 PAUSE_MODES = ("keep", "wait", "abort")
 UPDATE_MODE_WHEN_PAUSED = {None: "in_place", "keep": "in_place", "wait": "quiesce", "abort": "abort"}
@@ -133,9 +130,10 @@ async def _no_body(request: Request) -> None:
 
 
 class Fleet:
-    """The control endpoints of one gateway (acting on its policy's fleet)."""
+    """The control endpoints of one gateway (acting on its policy's fleet): ``gateway`` is the
+    :class:`redroll.web.gateway.app.Gateway` (not imported: it imports this module)."""
 
-    def __init__(self, gateway: "Gateway"):
+    def __init__(self, gateway: Any):
         self.gateway = gateway
 
     @property

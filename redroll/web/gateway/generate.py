@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -25,9 +25,6 @@ from redroll.web.gateway.idempotency import call_name, fingerprint
 from redroll.web.gateway.logprobs import generate_logprobs, prompt_logprobs
 from redroll.web.gateway.protocol import GatewayError, decode_body, invalid
 from redroll.web.gateway.translate import META, check_records, redroll_priority, session_key
-
-if TYPE_CHECKING:
-    from redroll.web.gateway.app import Gateway
 
 SAMPLING_NAMES = {"sampling_params.max_new_tokens": "sampling_params.max_tokens",
                   "sampling_params.min_new_tokens": "sampling_params.min_tokens",
@@ -175,8 +172,9 @@ def response(body: GenerateBody, request_id: str, model: str, rec: CompletionRec
             "weight_version": rec.meta_info.get("weight_version")}
 
 
-async def generate(gateway: "Gateway", request: Request) -> dict[str, Any]:
-    """One ``POST /inference/v1/generate`` call."""
+async def generate(gateway: Any, request: Request) -> dict[str, Any]:
+    """One ``POST /inference/v1/generate`` call, on ``gateway`` (the
+    :class:`redroll.web.gateway.app.Gateway`: not imported, it imports this module)."""
     scope = gateway.authorize(request)
     raw = await request.body()
     body = decode_body(raw, GenerateBody)
