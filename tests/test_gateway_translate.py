@@ -61,7 +61,9 @@ def test_a_chat_body_becomes_a_chat_request():
     (b'{"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}', ChatBody, "chat_template"),
     (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": false}}', ChatBody,
      "chat_template_kwargs.tokenize"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}', ChatBody, "reasoning_effort"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}', ChatBody, "reasoning_effort"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": true}', ChatBody,
+     "parallel_tool_calls"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', CompletionBody, "stream_options"),
     (b'{"prompt": "x", "stream": true, "seed": 9223372036854775807, "n": 2}', CompletionBody, "seed"),
     (b'{"prompt": []}', CompletionBody, "prompt"),
@@ -175,6 +177,8 @@ def test_vllms_rl_extensions_become_requests():
     (chat,) = build_requests(body, base_id="g-1", session=None, settings=SETTINGS, fingerprint="f")
     assert chat.chat_template == "{{ messages }}" and chat.chat_template_kwargs == {"enable_thinking": False}
     assert chat.return_prompt_token_ids and chat.return_logprob and chat.top_logprobs_num == 0 and chat.v == 4
+    (effort,) = requests_of(b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none"}', ChatBody)
+    assert effort.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}  # (as vLLM passes it)
 
 
 def test_logprobs_in_vllms_shapes():

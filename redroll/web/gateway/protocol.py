@@ -14,7 +14,7 @@ other than ``n``, a ``response_format`` other than text, ``stream_options`` with
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -136,6 +136,9 @@ class ChatBody(_Sampling, kw_only=True):
     ``redroll serve --trust-request-chat-template``, as vLLM's ``--trust-request-chat-template``)."""
     chat_template_kwargs: Optional[dict[str, Any]] = None
     """Extra template variables (``{"enable_thinking": false}``), passed to ``apply_chat_template``."""
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    """As vLLM takes it: the template variables ``reasoning_effort`` and (unless the call sets it)
+    ``enable_thinking`` (false for ``none``)."""
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")

@@ -72,6 +72,15 @@ def structured(body: Any) -> dict[str, Any]:
     return out
 
 
+def template_variables(body: ChatBody) -> dict[str, Any] | None:
+    """The chat's template variables: its ``chat_template_kwargs`` and, as vLLM passes it,
+    ``reasoning_effort`` (with ``enable_thinking`` unless the call sets it)."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    out = {"reasoning_effort": body.reasoning_effort, "enable_thinking": body.reasoning_effort != "none"}
+    return {**out, **(body.chat_template_kwargs or {})}
+
+
 def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
                    settings: Settings, fingerprint: str, model: str | None = None) -> list[GenerationRequest]:
     """The requests of one call (checked against the wire contract; a break is a 400 naming the
@@ -99,7 +108,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         want_logprobs = bool(body.logprobs)
         inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools,
                                          "chat_template": body.chat_template,
-                                         "chat_template_kwargs": body.chat_template_kwargs}]
+                                         "chat_template_kwargs": template_variables(body)}]
     else:
         max_tokens = body.max_tokens
         top = body.logprobs or 0
