@@ -158,8 +158,10 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
     segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
     extra = dict(output.extra)
     extra.update(segments=segments, resumed_from=cp.tokens)
+    prompt = output.prompt_token_ids  # (the engine ran prompt + saved tokens: the prompt is what comes before)
     return EngineOutput(samples=[sample], prompt_tokens=max(0, output.prompt_tokens - cp.tokens),
-                        cached_tokens=output.cached_tokens, weight_version=version, extra=extra)
+                        cached_tokens=output.cached_tokens, weight_version=version, extra=extra,
+                        prompt_token_ids=prompt[:len(prompt) - cp.tokens] if prompt is not None else None)
 
 
 class Checkpoints:

@@ -105,6 +105,8 @@ class Liveness:
             "state": self._state(), "weights_source": self._weights_source(),
             "weight_ranks": int(getattr(info, "weight_ranks", 1) or 1), **self._rates(),
         }
+        if info.max_context is not None:  # (the gateway's /v1/models names it max_model_len)
+            beat["max_context"] = info.max_context
         if ctx.capabilities.progress_counters:  # engines that count their decode work (synthetic, transformers)
             beat["tokens_decoded"] = ctx.engine.tokens_decoded
         if ctx.capabilities.prefill_counters:  # engines that count their prefill (the transformers engine)

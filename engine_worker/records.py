@@ -105,5 +105,6 @@ def build_record(
         input_logprobs=output.input_logprobs if keep_output and request.logprob_start_len is not None else None,
         routed_experts=routed,
         output_text=texts,
+        prompt_token_ids=output.prompt_token_ids if request.return_prompt_token_ids else None,
         v=TEXT_SCHEMA_VERSION if texts is not None else FIRST_SCHEMA_VERSION,
     )

@@ -15,7 +15,17 @@ import redis
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.flights import Flights
 from redroll.ops.control import send_command
-from redroll.shared.commands import Command, CommandFailed, ReleaseMemory, ResumeMemory, UpdateMode, UpdateWeights
+from redroll.shared.commands import (
+    Command,
+    CommandFailed,
+    Pause,
+    PauseMode,
+    ReleaseMemory,
+    Resume,
+    ResumeMemory,
+    UpdateMode,
+    UpdateWeights,
+)
 from redroll.shared.streams import text
 from redroll.shared.types import RecordStatus
 
@@ -23,6 +33,9 @@ log = logging.getLogger("redroll.worker")
 
 AWAITING_PUSH = "awaiting push"
 """The claiming hold (and weight source) of a late joiner waiting for the trainer's next push."""
+
+PAUSED = "paused"
+"""The claiming hold of a paused fleet (the ``pause`` command, or ``{ns}:weights`` field ``paused``)."""
 
 
 def version_number(version: Any) -> int | None:
@@ -40,6 +53,9 @@ class WeightsGate:
         self._heartbeat = heartbeat
         self.lock = asyncio.Lock()
         """One weight change at a time (an update from disk, a trainer's push)."""
+        self.pause_done = False
+        """Paused as the pause's mode asked (``wait``: nothing runs any more); the heartbeat says
+        ``paused`` from then on, ``pausing`` before."""
         self.source = "initial"
         """Where the served weights came from: ``initial``, ``disk:<path>``, ``push:<version>``, or
         ``awaiting push`` (a late joiner holding claims until the trainer's next push)."""
@@ -68,6 +84,10 @@ class WeightsGate:
                 await self.release_memory()
             elif isinstance(cmd, ResumeMemory):
                 await self.resume_memory()
+            elif isinstance(cmd, Pause):
+                await self.pause(cmd.mode)
+            elif isinstance(cmd, Resume):
+                await self.resume()
         except Exception as exc:
             await self.report_failure(cmd.kind, exc)
 
@@ -146,6 +166,24 @@ class WeightsGate:
         self.flights.release("memory")
         await self._heartbeat()
 
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop claiming until :meth:`resume`: ``keep`` lets what runs go on; ``wait`` waits until it
+        finished; ``abort`` aborts it first (a deferred entry waits, leased, in every mode)."""
+        self.pause_done = False
+        self.flights.hold(PAUSED)
+        if mode != "keep":
+            await self._heartbeat()  # ("pausing" until what runs is over)
+            await self.quiesce(PAUSED, abort_inflight=mode == "abort")
+        self.pause_done = PAUSED in self.flights.holds  # (a resume that came meanwhile wins)
+        log.info("paused (%s)", mode)
+        await self._heartbeat()
+
+    async def resume(self) -> None:
+        self.pause_done = False
+        self.flights.release(PAUSED)
+        log.info("resumed")
+        await self._heartbeat()
+
     async def load_desired(self) -> None:
         """A worker that joins late never serves stale weights: it loads the last published
         checkpoint, or (weights pushed by a trainer, with no checkpoint on disk) claims nothing until
@@ -153,6 +191,9 @@ class WeightsGate:
         desired = await self.ctx.redis.hgetall(self.ctx.keys.weights)
         if not desired:
             return
+        if text(desired.get(b"paused", b"")):  # (the fleet is paused: so is this worker, from its start)
+            self.flights.hold(PAUSED)
+            self.pause_done = True
         version = text(desired.get(b"weight_version", b"")) or None
         path = text(desired.get(b"model_path", b"")) or None
         if version is None or version == self.engine.info.weight_version:

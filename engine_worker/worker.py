@@ -34,7 +34,7 @@ from redroll.engine_worker.liveness import Liveness
 from redroll.engine_worker.outcomes import PUBLISH_HOLD, Outcomes
 from redroll.engine_worker.request import RequestRunner
 from redroll.engine_worker.weight_sync import STALE_WEIGHTS, SyncReceiver
-from redroll.engine_worker.weights import AWAITING_PUSH, WeightsGate
+from redroll.engine_worker.weights import AWAITING_PUSH, PAUSED, WeightsGate
 from redroll.ops.backlog import requests_left
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, open_connections, reach, read_groups
@@ -159,6 +159,8 @@ class Worker:
             return "released"
         if "weights" in holds:
             return "updating"
+        if PAUSED in holds:
+            return "paused" if self._weights is not None and self._weights.pause_done else "pausing"
         if AWAITING_PUSH in holds or STALE_WEIGHTS in holds:
             return "awaiting_weights"
         if PUBLISH_HOLD in holds:

@@ -163,7 +163,8 @@ def stitch_segments(request_id: str, segments: list[CompletionRecord]) -> Comple
                             output_logprobs=[joined.logprobs] if joined.logprobs is not None else None,
                             meta_info=meta, error=last.error, worker=last.worker, callback=last.callback,
                             group_id=last.group_id,
-                            weight_versions=[joined.weight_versions] if joined.weight_versions else None)
+                            weight_versions=[joined.weight_versions] if joined.weight_versions else None,
+                            prompt_token_ids=segments[0].prompt_token_ids)
 
 
 # ---------------------------------------------------------------- staleness

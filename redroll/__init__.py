@@ -27,6 +27,7 @@ _EXPORTS = {
     "ConsumerRunner": "redroll.consumer.runner",
     "GenerationRequest": "redroll.shared.types",
     "Keys": "redroll.shared.keys",
+    "ModelRouter": "redroll.producer.models",
     "Producer": "redroll.producer.client",
     "RecordStatus": "redroll.shared.types",
     "SamplingParams": "redroll.shared.types",

@@ -38,6 +38,8 @@ error                          also a                          raised when
 ``ResumeError``                ``ValueError``                  ``redroll submit --resume`` cannot resume
 ``InputError``                 ``ValueError``                  ``redroll submit``'s input file is invalid
 ``JoinTimeout``                ``TimeoutError``                ``redroll.testing.Pipeline.join`` gave up
+``UnknownModelError``          ``LookupError``                 a request named a model a ``ModelRouter`` serves no
+                                                               pipeline for
 ``RolloutError``               ``RuntimeError``                a trainer's rollout through redroll failed
                                                                (it names each request and why)
 =============================  ==============================  ============================================
@@ -78,6 +80,7 @@ _DEFINED_IN = {
     "InputError": "redroll.cli.batch_run",
     "JoinTimeout": "redroll.testing",
     "RolloutError": "redroll.integrations.trl",
+    "UnknownModelError": "redroll.producer.models",
 }
 """Where each error that is not defined here lives (imported on first use: no import cycle)."""
 

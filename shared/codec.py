@@ -27,10 +27,14 @@ import msgspec
 
 from redroll.shared.record_codec import decode_record, encode_record, record_to_map
 from redroll.shared.types import (
+    PROMPT_SCHEMA_VERSION,
     REQUEST_ID_PATTERN,
     REQUEST_ID_RULE,
+    RESERVED_CHAT_TEMPLATE_KWARGS,
     SCHEMA_VERSION,
     SCHEMA_VERSION_RULE,
+    STREAM_SCHEMA_VERSION,
+    TEXT_SCHEMA_VERSION,
     ChatMessage,
     GenerationRequest,
     SamplingParams,
@@ -111,10 +115,10 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
             _check_messages(req)
         elif req.tools is not None:
             raise ValidationError("tools", "needs messages (tools are handed to the chat template)")
+        _check_chat_template(req)
         needed = request_schema_version(req)
         if req.v < needed:
-            raise ValidationError("v", f"must be at least {needed} for a request with "
-                                       f"{'stream' if req.stream else 'messages, tools or return_text'}, got {req.v}")
+            raise ValidationError("v", f"must be at least {needed} for a request with {_NEEDS[needed]}, got {req.v}")
         if req.input_ids is not None and len(req.input_ids) > limits.max_input_tokens:
             raise ValidationError("input_ids", f"longer than {limits.max_input_tokens} tokens")
         check_sampling_params(req.sampling_params, limits)
@@ -142,6 +146,25 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         exc.request_id, exc.reply_to, exc.callback = req.request_id, req.reply_to, req.callback
         raise
     return req
+
+
+_NEEDS = {STREAM_SCHEMA_VERSION: "stream", TEXT_SCHEMA_VERSION: "messages, tools or return_text",
+          PROMPT_SCHEMA_VERSION: "return_prompt_token_ids, chat_template or chat_template_kwargs"}
+"""What makes a request need each schema version, as a refusal says it."""
+
+
+def _check_chat_template(req: GenerationRequest) -> None:
+    """``chat_template`` and ``chat_template_kwargs`` go with ``messages``; the kwargs are template
+    variables only (``apply_chat_template``'s own parameters are the worker's)."""
+    for name in ("chat_template", "chat_template_kwargs"):
+        if getattr(req, name) is not None and req.messages is None:
+            raise ValidationError(name, "needs messages (it is handed to the chat template)")
+    for key in req.chat_template_kwargs or {}:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValidationError("chat_template_kwargs", f"a key must be a template variable name, got {key!r}")
+        if key in RESERVED_CHAT_TEMPLATE_KWARGS:
+            raise ValidationError(f"chat_template_kwargs.{key}",
+                                  "is apply_chat_template's own parameter, set by the worker (not a template variable)")
 
 
 def _check_messages(req: GenerationRequest) -> None:

@@ -97,6 +97,23 @@ class ReleaseMemory(Command, tag="release_memory"):
     pass
 
 
+PauseMode = Literal["keep", "wait", "abort"]
+"""How a paused worker treats what it runs (vLLM's ``/pause`` modes): ``keep`` lets it run on (and a
+weight update meanwhile swaps in place); ``wait`` reports paused once it finished; ``abort`` aborts
+it (partial output kept with collect_unfinished). Queued requests wait in every mode."""
+
+
+class Pause(Command, tag="pause"):
+    """Stop claiming until :class:`Resume` (the fleet's pause; ``{ns}:weights`` field ``paused``
+    tells workers that start meanwhile)."""
+
+    mode: PauseMode = "keep"
+
+
+class Resume(Command, tag="resume"):
+    pass
+
+
 class ResumeMemory(Command, tag="resume_memory"):
     pass
 
@@ -110,8 +127,8 @@ class CommandFailed(Command, tag="command_failed"):
 
 
 ControlCommand = Union[Abort, Drain, UpdateWeights, ReleaseMemory, ResumeMemory, CommandFailed, SyncWeights,
-                       SyncCommit, SyncAbort]
-ENGINE_COMMANDS = (UpdateWeights, ReleaseMemory, ResumeMemory)
+                       SyncCommit, SyncAbort, Pause, Resume]
+ENGINE_COMMANDS = (UpdateWeights, ReleaseMemory, ResumeMemory, Pause, Resume)
 SYNC_COMMANDS = (SyncWeights, SyncCommit, SyncAbort)
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -139,6 +139,11 @@ class Settings:
     event_log_max_bytes: int = 4096
     """The most a request's log holds (about 20 events; the oldest give way, and ``redroll trace``
     says how many did)."""
+    models: str = ""
+    """Several models, one pipeline each: ``name=namespace`` pairs, comma-separated
+    (``policy=rl,judge=rl-judge``; a name alone is a namespace of that name). The first is the
+    policy. Read by ``redroll serve`` and :class:`redroll.ModelRouter`; empty: one pipeline,
+    ``namespace``."""
 
     def __post_init__(self) -> None:
         if self.recovery_split not in RECOVERY_SPLITS:
@@ -150,10 +155,25 @@ class Settings:
         if self.event_log not in EVENT_LOG_MODES:
             raise ValueError(f"event_log ({ENV_PREFIX}EVENT_LOG) must be one of {', '.join(EVENT_LOG_MODES)}, "
                              f"got {self.event_log!r}")
+        _ = self.model_namespaces  # (a name given twice is refused here, at start)
         for name, least in _LEAST.items():
             value = getattr(self, name)
             if not value >= least:  # (NaN too)
                 raise ValueError(f"{name} ({ENV_PREFIX}{name.upper()}) must be at least {least}, got {value!r}")
+
+    @property
+    def model_namespaces(self) -> dict[str, str]:
+        """``models`` as model name → namespace, in order (empty when not set)."""
+        out: dict[str, str] = {}
+        for item in self.models.split(","):
+            name, _, namespace = item.strip().partition("=")
+            name, namespace = name.strip(), namespace.strip() or name.strip()
+            if not name:
+                continue
+            if name in out:
+                raise ValueError(f"models ({ENV_PREFIX}MODELS) names {name!r} twice")
+            out[name] = namespace
+        return out
 
     @property
     def keys(self) -> Keys:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The newest schema version this code reads and writes. A request is written with the lowest
 version that carries every field it uses (:func:`request_schema_version`)."""
 
@@ -28,6 +28,21 @@ TEXT_SCHEMA_VERSION = 2
 
 STREAM_SCHEMA_VERSION = 3
 """The version that added ``stream`` (requests)."""
+
+PROMPT_SCHEMA_VERSION = 4
+"""The version that added ``return_prompt_token_ids``, ``chat_template`` and
+``chat_template_kwargs`` (requests); records carry ``prompt_token_ids`` (an optional field: any
+record reader skips it)."""
+
+MAX_CHAT_TEMPLATE_CHARS = 65_536
+"""The longest ``chat_template`` a request may carry."""
+
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""``apply_chat_template``'s own parameters: the worker sets them, a request's
+``chat_template_kwargs`` may not (they are template variables only)."""
 
 
 class RecordStatus(str, enum.Enum):
@@ -213,6 +228,15 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     traceparent: Optional[TraceParent] = None
     """The W3C trace context of the submit (OpenTelemetry, optional): every worker that runs the
     request traces under it."""
+    return_prompt_token_ids: bool = False
+    """The record carries ``prompt_token_ids``: the prompt's token ids as the engine ran them (a
+    text prompt tokenized, a chat rendered by its template; schema 4)."""
+    chat_template: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)]] = None
+    """With ``messages`` (schema 4): the Jinja chat template to render them with, instead of the
+    model's own (``apply_chat_template(..., chat_template=...)``, in transformers' sandbox)."""
+    chat_template_kwargs: Optional[Annotated[dict[str, Any], Meta(max_length=64)]] = None
+    """With ``messages`` (schema 4): extra template variables (``enable_thinking``, ...), passed to
+    ``apply_chat_template`` as keyword arguments; its own parameters are refused."""
     v: Annotated[int, Meta(ge=0)] = 0
 
     @property
@@ -234,6 +258,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 def request_schema_version(request: GenerationRequest) -> int:
     """The lowest schema version that carries every field ``request`` uses: a worker that knows
     only an older one would silently drop such a field, so it hands the entry back instead."""
+    if request.return_prompt_token_ids or request.chat_template is not None \
+            or request.chat_template_kwargs is not None:
+        return PROMPT_SCHEMA_VERSION
     if request.stream:
         return STREAM_SCHEMA_VERSION
     if request.messages is not None or request.tools is not None or request.return_text is not None:
@@ -291,6 +318,9 @@ class RecordData(msgspec.Struct, kw_only=True):
     output_text: Optional[list[str]] = None
     """Per sample, its decoded text when the request wants it (schema 2; see docs/design.md,
     "Text in and out")."""
+    prompt_token_ids: Optional[list[TokenId]] = None
+    """The prompt's token ids as the engine ran them, when the request asked
+    (``return_prompt_token_ids``)."""
     traceparent: Optional[TraceParent] = None
     """The W3C trace context of the worker's publish (OpenTelemetry, optional): consumer groups'
     callbacks trace under it."""

@@ -853,7 +853,7 @@ def test_property_plain_values_are_refused_exactly_as_their_encoding(m):
 
 
 def test_plain_values_over_the_payload_limit_are_refused_like_their_encoding():
-    limits = Limits(max_payload_bytes=400)
+    limits = Limits(max_payload_bytes=480)  # (a request encodes every field: about 420 bytes here)
     small, big = valid_map(meta_info={"x": "a"}), valid_map(meta_info={"x": "a" * 300})
     for m in (small, big):
         refused = []
@@ -893,3 +893,59 @@ def test_the_schema_version_is_named_the_same_way_whatever_is_wrong(v):
 def test_a_records_schema_version_is_named_as_a_requests_is(v):
     err = record_error(valid_record_map(v=v))  # (a record that leaves v out is version 1)
     assert (err.field, err.rule.split(",")[0]) == ("v", "schema version must be a positive integer"), err.rule
+
+
+# ---------------------------------------------------------------- schema 4: prompt ids and chat templates
+
+_CHAT = [{"role": "user", "content": "a b"}]
+
+
+@pytest.mark.parametrize("fields", [{"return_prompt_token_ids": True}, {"chat_template": "{{ messages }}"},
+                                    {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_a_request_with_a_schema_4_field_is_stamped_4_and_a_v3_worker_hands_it_back(fields):
+    body = {"messages": _CHAT} if "chat_template" in next(iter(fields)) else {"prompt": "x"}
+    req = GenerationRequest(request_id="s4", **body, **fields)
+    wire = encode_request(req)
+    assert decode_request(wire).v == 4 == SCHEMA_VERSION
+    with pytest.raises(NewerSchemaError) as ei:  # (a worker of schema 3 would drop the field without a word)
+        decode_request(wire, Limits(schema_version=3))
+    assert ei.value.field == "v" and ei.value.request_id == "s4"
+    # a map that claims an older version than its fields need is refused naming v
+    err = field_error(valid_map(v=3, input_ids=_DROP, **body, **fields))
+    assert err.field == "v" and "at least 4" in err.rule and "return_prompt_token_ids" in err.rule
+    # (return_prompt_token_ids false, the default, needs nothing newer)
+    assert decode_request(encode_request(GenerationRequest(request_id="s1", prompt="x"))).v == 1
+
+
+def test_chat_template_fields_need_messages_and_kwargs_are_template_variables_only():
+    for name, value in (("chat_template", "{{ x }}"), ("chat_template_kwargs", {"x": 1})):
+        err = field_error(valid_map(v=4, **{name: value}))
+        assert (err.field, err.rule) == (name, "needs messages (it is handed to the chat template)")
+    for key in ("tokenize", "add_generation_prompt", "chat_template", "tools"):
+        err = field_error(valid_map(v=4, input_ids=_DROP, messages=_CHAT, chat_template_kwargs={key: True}))
+        assert err.field == f"chat_template_kwargs.{key}" and "set by the worker" in err.rule
+    err = field_error(valid_map(v=4, input_ids=_DROP, messages=_CHAT, chat_template_kwargs={"not a name": 1}))
+    assert err.field == "chat_template_kwargs" and "template variable name" in err.rule
+    err = field_error(valid_map(v=4, input_ids=_DROP, messages=_CHAT, chat_template="x" * 65_537))
+    assert err.field == "chat_template"
+    ok = decode_map(valid_map(v=4, input_ids=_DROP, messages=_CHAT, chat_template="{{ messages[0].content }}",
+                              chat_template_kwargs={"enable_thinking": False, "depth": [1, {"a": None}]}))
+    assert ok.chat_template_kwargs == {"enable_thinking": False, "depth": [1, {"a": None}]}
+
+
+def test_a_record_carries_the_prompt_token_ids_and_an_older_reader_skips_them():
+    rec = CompletionRecord(request_id="r", status=RecordStatus.FINISHED, output_token_ids=[[5]],
+                           finish_reasons=["stop"], prompt_token_ids=[1, 2, 3], worker="w")
+    fields = encode_record(rec)
+    assert decode_record(fields).prompt_token_ids == [1, 2, 3]
+    assert msgpack.unpackb(fields["data"])["prompt_token_ids"] == [1, 2, 3]  # (a plain MessagePack map)
+
+    class OlderRecord(msgspec.Struct):  # (a reader from before the field: unknown keys are skipped)
+        request_id: str
+        output_token_ids: list[list[int]]
+
+    assert msgspec.msgpack.decode(fields["data"], type=OlderRecord).output_token_ids == [[5]]
+    with pytest.raises(ValidationError) as ei:
+        decode_record({b"rid": b"r", b"status": b"finished",
+                       b"data": pack(valid_record_map(prompt_token_ids=[1, -2]))})
+    assert ei.value.field == "prompt_token_ids[1]"

@@ -236,6 +236,20 @@ async def test_sglang_gets_a_chat_as_rendered_ids_and_gives_its_text():
         await engine.close()
 
 
+async def test_sglang_sends_a_text_prompt_as_the_ids_its_record_names_when_asked_for_them():
+    engine = await sglang_engine()
+    try:
+        engine.tokenizer = _ChatStandInTokenizer(engine.tokenizer)
+        out = await engine.generate(make_request(prompt="hey", return_prompt_token_ids=True), "h-text")
+        assert out.prompt_token_ids == engine.tokenizer.encode("hey") == engine.engine.calls[-1]["input_ids"]
+        chat = await engine.generate(make_request(messages=CHAT, return_prompt_token_ids=True), "h-chat")
+        assert chat.prompt_token_ids == engine.engine.calls[-1]["input_ids"]
+        plain = await engine.generate(make_request(prompt="hey"), "h-plain")  # (not asked: SGLang tokenizes)
+        assert plain.prompt_token_ids is None and engine.engine.calls[-1]["prompt"] == "hey"
+    finally:
+        await engine.close()
+
+
 def chat_messages_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [dict(m) for m in messages]
 

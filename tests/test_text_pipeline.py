@@ -64,6 +64,49 @@ async def test_a_chat_through_the_queue_comes_back_with_its_text(settings, chat_
         assert stopped.output_text == [text[:text.index(stop)]]
 
 
+async def test_records_carry_the_prompt_ids_the_worker_rendered_with_a_requests_own_template(settings,
+                                                                                             chat_checkpoint):
+    """``return_prompt_token_ids`` (schema 4): a text prompt's ids as the worker tokenized it, a chat's
+    as its template rendered it, the model's template or the request's own with its variables."""
+    from transformers import AutoTokenizer
+
+    from redroll.engine_worker.engines.transformers_engine import TransformersEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_checkpoint))
+
+    def rendered(**kwargs: Any) -> list[int]:
+        out = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, **kwargs)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    own = "{% for m in messages %}[{{ m['role'] }}{% if shout %}!{% endif %}] {{ m['content'] }}{% endfor %}>"
+    worker = Worker(settings, TransformersEngine(str(chat_checkpoint)), max_inflight=4, block_ms=200)
+    sampling = {"max_new_tokens": 3, "temperature": 0.0}
+    async with running(worker), Producer(settings, block_ms=200) as producer:
+        text, chat, templated, plain = await asyncio.gather(
+            producer.generate(prompt="The quick brown fox", return_prompt_token_ids=True, sampling_params=sampling,
+                              timeout=120),
+            producer.generate(messages=CHAT, return_prompt_token_ids=True, sampling_params=sampling, timeout=120),
+            producer.generate(messages=CHAT, return_prompt_token_ids=True, chat_template=own,
+                              chat_template_kwargs={"shout": True}, sampling_params=sampling, timeout=120),
+            producer.generate(messages=CHAT, sampling_params=sampling, timeout=120))
+        assert text.prompt_token_ids == tokenizer("The quick brown fox")["input_ids"]
+        assert chat.prompt_token_ids == rendered() and chat.meta_info["prompt_tokens"] == len(rendered())
+        assert templated.prompt_token_ids == rendered(chat_template=own, shout=True) != rendered()
+        assert plain.prompt_token_ids is None and plain.status is RecordStatus.FINISHED  # (not asked: not carried)
+        broken = await producer.generate(messages=CHAT, chat_template="{% for %}", timeout=120)
+        assert broken.status is RecordStatus.ERROR and broken.error.startswith("invalid messages: the chat template")
+
+
+async def test_synthetic_records_carry_prompt_ids_too(settings):
+    """The synthetic engine counts a text prompt one token per byte: those are its prompt ids."""
+    async with running(Worker(settings, SyntheticEngine(), max_inflight=4, block_ms=200)), \
+            Producer(settings, block_ms=200) as producer:
+        text, ids = await asyncio.gather(
+            producer.generate(prompt="héllo", return_prompt_token_ids=True, timeout=60),
+            producer.generate(input_ids=[9, 8, 7], return_prompt_token_ids=True, timeout=60))
+        assert text.prompt_token_ids == list("héllo".encode()) and ids.prompt_token_ids == [9, 8, 7]
+
+
 async def test_a_chat_for_a_model_without_a_chat_template_gets_an_error_record_naming_messages(settings):
     pytest.importorskip("torch")
     from redroll.engine_worker.engines.transformers_engine import TransformersEngine

@@ -60,6 +60,9 @@ class EngineOutput:
     extra: dict[str, Any] = field(default_factory=dict)
     input_logprobs: list[float | None] | None = None
     """The prompt's logprobs from ``logprob_start_len`` on (the first prompt token has none)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids as the engine ran them (a text prompt tokenized, a chat rendered):
+    what a record carries for ``return_prompt_token_ids``."""
 
     @property
     def aborted(self) -> bool:

@@ -102,7 +102,8 @@ class ExampleEngine:
                 self._made.pop(handle, None)
                 self._aborted.discard(handle)
         sample = SampleOutput(made, [0.0] * len(made) if request.return_logprob else None, finish)
-        output = EngineOutput(samples=[sample], prompt_tokens=len(prompt), weight_version=self.info.weight_version)
+        output = EngineOutput(samples=[sample], prompt_tokens=len(prompt), weight_version=self.info.weight_version,
+                              prompt_token_ids=prompt)
         return add_text(output, request, self.tokenizer)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:

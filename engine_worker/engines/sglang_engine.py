@@ -69,7 +69,7 @@ from redroll.engine_worker.engines.sglang_contract import SGLANG_VERSION
 from redroll.engine_worker.engines.sglang_output import SGLangOutput, _Job, _request_error, _Sample
 from redroll.engine_worker.engines.sglang_process import SGLangProcess
 from redroll.engine_worker.engines.sglang_weights import SGLangWeights
-from redroll.engine_worker.engines.text import add_text, render_chat
+from redroll.engine_worker.engines.text import add_text
 from redroll.shared.types import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -287,8 +287,7 @@ class SGLangEngine(SGLangChecks, SGLangOutput, SGLangWeights, SGLangProcess):
             del self._aborted[handle]
             job.aborted = True  # aborted before it started: start nothing
         seeds = self._sample_seeds(request)
-        if request.messages is not None:  # rendered here, once for all samples, and sent as ids
-            job.prompt_ids = render_chat(self.tokenizer, request, ENGINE_NAME)
+        job.prompt_ids = self._prompt_ids_to_send(request)  # (a chat rendered here, once for all samples)
         self._jobs[handle] = job
         tasks = [asyncio.ensure_future(self._run_sample(engine, job, request, i, seeds[i])) for i in range(n)]
         try:
@@ -307,7 +306,7 @@ class SGLangEngine(SGLangChecks, SGLangOutput, SGLangWeights, SGLangProcess):
             raise
         finally:
             self._jobs.pop(handle, None)
-        output = add_text(self._engine_output(request, samples), request, self.tokenizer)
+        output = add_text(self._engine_output(request, samples, job.prompt_ids), request, self.tokenizer)
         if any(s is not None for s in seeds) and self.deterministic:
             output.extra["sampling_seeds"] = seeds
         prompt_len = output.prompt_tokens

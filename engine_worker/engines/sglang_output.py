@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from redroll.engine_worker.engines.base import EngineInfo, EngineOutput, EngineRequestError, SampleOutput
-from redroll.engine_worker.engines.text import trim_stop
+from redroll.engine_worker.engines.text import render_chat, trim_stop
 from redroll.shared.types import GenerationRequest
 
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -50,9 +50,10 @@ class _Sample:
 
 class SGLangOutput:
     """Mixin: SGLang's output dicts → samples → :class:`.base.EngineOutput` (needs ``self.info``,
-    ``self._routed_shape`` and ``self._prompt_len``)."""
+    ``self.tokenizer``, ``self._routed_shape`` and ``self._prompt_len``)."""
 
     info: EngineInfo
+    tokenizer: Any
     _routed_shape: tuple[int, int] | None
     _prompt_len: Callable[[GenerationRequest], int | None]
 
@@ -137,7 +138,18 @@ class SGLangOutput:
         return _Sample(SampleOutput(token_ids=[], logprobs=[] if request.return_logprob else None,
                                     finish_reason="abort"))
 
-    def _engine_output(self, request: GenerationRequest, samples: Sequence[_Sample]) -> EngineOutput:
+    def _prompt_ids_to_send(self, request: GenerationRequest) -> list[int] | None:
+        """The ids to send SGLang instead of the request's text: a chat rendered here (once for all
+        samples), a text prompt encoded here when the record names its prompt ids (so they are what
+        ran); None: send the request as it is."""
+        if request.messages is not None:
+            return render_chat(self.tokenizer, request, "sglang")
+        if request.prompt is not None and request.return_prompt_token_ids and self.tokenizer is not None:
+            return list(self.tokenizer.encode(request.prompt))
+        return None
+
+    def _engine_output(self, request: GenerationRequest, samples: Sequence[_Sample],
+                       sent_ids: list[int] | None = None) -> EngineOutput:
         prompt_tokens = max((s.prompt_tokens for s in samples if s.prompt_tokens is not None), default=None)
         if prompt_tokens is None:  # e.g. every sample aborted in SGLang's waiting queue
             prompt_tokens = self._prompt_len(request) or 0
@@ -158,6 +170,8 @@ class SGLangOutput:
             weight_version=version,
             extra=extra,
             input_logprobs=next((s.input_logprobs for s in samples if s.input_logprobs is not None), None),
+            prompt_token_ids=(list(request.input_ids) if request.input_ids is not None else sent_ids)
+            if request.return_prompt_token_ids else None,
         )
 
 

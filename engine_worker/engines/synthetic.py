@@ -242,6 +242,7 @@ class SyntheticEngine:
         """What a generation that began at ``started`` made: all of it, or (``aborted``) the tokens
         due by now. ``ends``: each sample as :meth:`_sample` gives it, when already made."""
         sp = request.sampling_params
+        prompt = _prompt_ids(request) if request.return_prompt_token_ids else None
         if request.input_ids is not None:
             prompt_tokens = len(request.input_ids)
         else:  # (a byte per token)
@@ -263,7 +264,16 @@ class SyntheticEngine:
                                         text=sample_text(_WORDS, ids, sp, reason) if request.wants_text else None))
             made += len(ids)
         self.tokens_decoded += made
-        return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version)
+        return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version,
+                            prompt_token_ids=prompt)
+
+
+def _prompt_ids(request: GenerationRequest) -> list[int]:
+    """The prompt as this engine counts it: its ids, else one token per byte of the text (of a
+    chat, of its encoded messages, tools and template)."""
+    if request.input_ids is not None:
+        return list(request.input_ids)
+    return list(request.prompt.encode() if request.prompt is not None else _text_source(request))
 
 
 def _hash_source(request: GenerationRequest) -> bytes:
@@ -279,5 +289,8 @@ def _hash_source(request: GenerationRequest) -> bytes:
 def _text_source(request: GenerationRequest) -> bytes:
     """A text or chat prompt as the bytes its tokens derive from."""
     if request.messages is not None:
-        return b"messages:" + msgspec.msgpack.encode([request.messages, request.tools])
+        rendering = [request.messages, request.tools]
+        if request.chat_template is not None or request.chat_template_kwargs is not None:
+            rendering += [request.chat_template, request.chat_template_kwargs]
+        return b"messages:" + msgspec.msgpack.encode(rendering)
     return b"prompt:" + (request.prompt or "").encode()

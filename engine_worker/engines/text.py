@@ -2,7 +2,9 @@
 and each sample's text for the record.
 
 * :func:`render_chat` turns a request's ``messages`` (and ``tools``) into prompt token ids with
-  the tokenizer's ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)``. A
+  the tokenizer's ``apply_chat_template(..., add_generation_prompt=True, tokenize=True)`` (the
+  request's ``chat_template`` instead of the model's, and its ``chat_template_kwargs`` as template
+  variables, when it has them). A
   tokenizer without a chat template (the built-in tiny model's byte tokenizer), or none at all,
   refuses the request with a :class:`ValidationError` naming ``messages``, as does a template
   that raises (roles out of order, a tool the template cannot place).
@@ -39,12 +41,15 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def render_chat(tokenizer: Any, request: GenerationRequest, engine: str) -> list[int]:
     """The prompt token ids of a chat request, rendered by ``tokenizer``'s chat template."""
-    if not has_chat_template(tokenizer):
+    if not has_chat_template(tokenizer) and not (request.chat_template and tokenizer is not None
+                                                  and callable(getattr(tokenizer, "apply_chat_template", None))):
         raise ValidationError("messages", f"the {engine} engine's tokenizer has no chat template: "
                                           "send prompt or input_ids")
-    kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
+    kwargs: dict[str, Any] = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True, "tokenize": True}
     if request.tools is not None:
         kwargs["tools"] = request.tools
+    if request.chat_template is not None:  # (rendered in transformers' Jinja sandbox, as the model's own)
+        kwargs["chat_template"] = request.chat_template
     try:
         rendered = tokenizer.apply_chat_template(chat_messages(request), **kwargs)
     except Exception as exc:  # (jinja2's TemplateError, a ValueError from the tokenizer, ...)

@@ -339,6 +339,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             prompt_tokens=len(prompt_ids),
             cached_tokens=cached_tokens,
             weight_version=self.info.weight_version,
+            prompt_token_ids=prompt_ids,
         )
 
     @staticmethod

@@ -87,6 +87,7 @@ class _Sample:
     prompt_tokens: int | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
+    prompt_ids: list[int] | None = None
     weight_spans: Any = None
 
 
@@ -280,6 +281,8 @@ class VLLMEngine(VLLMWeights):
         """Fold one ``RequestOutput`` (a delta, or the final cumulative one) into ``sample``."""
         if sample.prompt_tokens is None and out.prompt_token_ids is not None:
             sample.prompt_tokens = len(out.prompt_token_ids)
+            if request.return_prompt_token_ids:
+                sample.prompt_ids = [int(t) for t in out.prompt_token_ids]
             sample.cached_tokens = int(out.num_cached_tokens or 0)
             self.prefill_tokens_computed += sample.prompt_tokens - sample.cached_tokens
             self.prefill_tokens_cached += sample.cached_tokens
@@ -368,7 +371,9 @@ class VLLMEngine(VLLMWeights):
         input_logprobs = next((s.prompt_logprobs for s in job.samples if s.prompt_logprobs is not None), None)
         return EngineOutput(samples=samples, prompt_tokens=prompt_tokens,
                             cached_tokens=sum(s.cached_tokens for s in job.samples), weight_version=version,
-                            input_logprobs=input_logprobs if request.return_logprob else None)
+                            input_logprobs=input_logprobs if request.return_logprob else None,
+                            prompt_token_ids=next((s.prompt_ids for s in job.samples if s.prompt_ids is not None),
+                                                  None))
 
 
 # ---------------------------------------------------------------------- helpers

@@ -29,7 +29,17 @@ def add_parser(sub: Any) -> None:
     add_connection_options(p)
     p.add_argument("--host", default=LOCALHOST, help=BIND_HELP)
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    p.add_argument("--model-name", default="redroll", help="the model name /v1/models lists and calls must name")
+    p.add_argument("--model-name", default="redroll", help="the model name /v1/models lists and calls must name "
+                                                             "(one pipeline, --namespace)")
+    p.add_argument("--model", action="append", default=None, metavar="NAME=NAMESPACE",
+                   help="serve several models, one pipeline (namespace, fleet) each; repeat it, the policy first "
+                        "(it is listed first, takes calls that name no model, and fleet control acts on it); "
+                        "env REDROLL_MODELS='policy=rl,judge=rl-judge'")
+    p.add_argument("--default-model", default=None,
+                   help="where calls naming a model that is not served go (default: a 404)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a chat call's chat_template (a Jinja template the worker renders, in Jinja's "
+                        "sandbox); without it such a call is refused, as vLLM's server does")
     p.add_argument("--api-key-file", default=None,
                    help="a file of bearer keys, one a line ('#' comments); without it the gateway is open")
     p.add_argument("--max-backlog", type=positive_int, default=1024,
@@ -65,12 +75,15 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ImportError(f"redroll serve needs the serve extra (pip install 'redroll[serve]'): {exc}") from None
     settings = settings_from_args(args)
+    if args.model:
+        settings = settings.with_(models=",".join(args.model))
     keys = read_api_keys(args.api_key_file)
     host = args.host
     if not keys and host not in (LOCALHOST, "localhost", "::1"):
         log.warning("serving on %s with no --api-key-file: anyone who reaches it may generate", host)
     config = GatewayConfig(model_name=args.model_name, api_keys=keys, max_backlog=args.max_backlog,
-                           max_queued=args.max_queued,
+                           max_queued=args.max_queued, default_model=args.default_model,
+                           trust_request_chat_template=args.trust_request_chat_template,
                            idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout)
     uvicorn.run(build_app(settings, config), host=host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)

@@ -15,6 +15,9 @@ from redroll.shared.commands import (
     Abort,
     Command,
     CommandFailed,
+    Pause,
+    PauseMode,
+    Resume,
     UpdateMode,
     UpdateWeights,
     command_fields,
@@ -213,3 +216,55 @@ async def wait_for_memory_command(r: Redis, keys: Keys, kind: str, sent_id: str,
         if set(done) | set(failed) >= set(workers) or time.monotonic() > deadline:
             return done, failed
         await asyncio.sleep(0.1)
+
+
+async def pause_fleet(r: Redis, keys: Keys, mode: PauseMode = "keep") -> str:
+    """Pause the fleet: every worker stops claiming (``mode``: what becomes of what runs, see
+    :data:`~redroll.shared.commands.PauseMode`), and so does a worker that starts before the resume
+    (``{ns}:weights`` field ``paused`` says ``<mode> <unix time>``). Returns the command's entry id."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.weights, "paused", f"{mode} {time.time():.3f}")
+        pipe.xadd(keys.control, command_fields(Pause(mode=mode)), maxlen=CONTROL_MAXLEN, approximate=True)
+        _, entry = await pipe.execute()
+    return entry.decode() if isinstance(entry, bytes) else entry
+
+
+async def resume_fleet(r: Redis, keys: Keys) -> str:
+    """Resume a paused fleet (the field ``paused`` emptied: producers may write, not delete, it)."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.weights, "paused", "")
+        pipe.xadd(keys.control, command_fields(Resume()), maxlen=CONTROL_MAXLEN, approximate=True)
+        _, entry = await pipe.execute()
+    return entry.decode() if isinstance(entry, bytes) else entry
+
+
+async def fleet_paused(r: Redis, keys: Keys) -> str | None:
+    """The paused fleet's mode, or None when it is not paused."""
+    raw = await r.hget(keys.weights, "paused")
+    value = (raw.decode() if isinstance(raw, bytes) else raw) or ""
+    return value.split(" ", 1)[0] or None
+
+
+async def wait_for_workers(r: Redis, keys: Keys, kind: str, sent_id: str, ready: Any, *, timeout: float = 60.0,
+                           stale_after_s: float = 10.0) -> tuple[list[str], dict[str, str], list[str]]:
+    """After broadcasting a command of ``kind`` (entry ``sent_id``): wait until every live worker
+    is ``ready(heartbeat)`` or reported ``command_failed`` for ``kind``. Returns (workers ready,
+    worker → error, workers still not ready when ``timeout`` ran out)."""
+    import asyncio
+
+    failed: dict[str, str] = {}
+    position = sent_id
+    deadline = time.monotonic() + timeout
+    while True:
+        for _stream, entries in await r.xread({keys.control: position}, count=100) or []:
+            for entry_id, fields in entries:
+                position = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                cmd = parse_command(fields)
+                if isinstance(cmd, CommandFailed) and cmd.command == kind:
+                    failed[cmd.worker] = cmd.error
+        workers = await live_workers(r, keys, stale_after_s)
+        done = sorted(n for n, b in workers.items() if ready(b) and n not in failed)
+        behind = sorted(set(workers) - set(done) - set(failed))
+        if not behind or time.monotonic() > deadline:
+            return done, failed, behind
+        await asyncio.sleep(0.05)

@@ -122,7 +122,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                 *rest,
                 Grant(("watch", "xread"), rw(replies),
                       "a keyed call's reply stream: WATCH it around the submit, XREAD its records"),
-                Grant(("xlen",), rd(requests, requests_high, lanes), "--max-queued: the pipeline's backlog")]
+                Grant(("xlen",), rd(requests, requests_high, lanes), "--max-queued: the pipeline's backlog"),
+                Grant(("xread",), rd(control), "fleet control: the workers' command_failed reports after a pause, "
+                                               "resume or weight update")]
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners

@@ -1,10 +1,12 @@
-"""The gateway's HTTP application (Starlette): OpenAI's endpoints over one redroll Producer.
+"""The gateway's HTTP application (Starlette): OpenAI's endpoints over redroll pipelines.
 
-One :class:`Gateway` per process: its producer submits every call (calls without an
-``Idempotency-Key`` await their records on the producer's own reply stream; keyed calls go through
-:class:`~redroll.web.gateway.idempotency.KeyedCalls`, whose records any replica can read). A call is
-parse → requests → records → response; a streamed call (``stream: true``) is parse → requests →
-chunks → events instead (:mod:`redroll.web.gateway.sse`).
+One :class:`Gateway` per process, over one pipeline per model (:mod:`.pipelines`; one model unless
+told otherwise): a call is routed by its ``model`` to a pipeline, whose producer submits it (calls
+without an ``Idempotency-Key`` await their records on the producer's own reply stream; keyed calls
+go through :class:`~redroll.web.gateway.idempotency.KeyedCalls`, whose records any replica can
+read). A call is parse → requests → records → response; a streamed call (``stream: true``) is
+parse → requests → chunks → events instead (:mod:`redroll.web.gateway.sse`). The fleet-control
+endpoints are in :mod:`.fleet`, vLLM's token-in/token-out endpoint in :mod:`.generate`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from redroll.shared.connection import connect
 from redroll.shared.errors import ConnectionUnavailableError
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
+from redroll.web.gateway.fleet import Fleet
+from redroll.web.gateway.generate import generate
 from redroll.web.gateway.idempotency import KeyedCalls, call_name, fingerprint
+from redroll.web.gateway.pipelines import Pipeline, Pipelines, model_namespaces
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
 from redroll.web.gateway.sse import EventStream, EventWriter, open_choices, respond
 from redroll.web.gateway.translate import META, build_requests, chat_response, completion_response, prompt_token_ids
@@ -47,6 +52,9 @@ class GatewayConfig:
     """What ``redroll serve`` was told (see its ``--help``)."""
 
     model_name: str = "redroll"
+    """The model's name with one pipeline (``Settings.models`` unset)."""
+    default_model: str | None = None
+    """Where calls naming a model that is not served go (None: they get 404)."""
     api_keys: frozenset[str] = frozenset()
     """Bearer keys; empty: the gateway is open (and binds to localhost unless told otherwise)."""
     max_backlog: int = 1024
@@ -57,6 +65,10 @@ class GatewayConfig:
     idempotency_window_s: int = 86_400
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
+    control_timeout_s: float = 600.0
+    """How long a fleet-control call (pause, update_weights, resume) waits for the workers."""
+    trust_request_chat_template: bool = False
+    """Take a call's ``chat_template`` (code the worker runs, in Jinja's sandbox); refused otherwise."""
 
 
 class Metrics:
@@ -79,26 +91,47 @@ class Metrics:
 
 
 class Gateway:
-    """The state of one gateway process: its producer, keyed calls, metrics and Redis health."""
+    """The state of one gateway process: its pipelines (a producer and keyed calls each), metrics
+    and Redis health."""
 
     def __init__(self, settings: Settings, config: GatewayConfig):
         self.settings = settings
         self.config = config
-        self.producer = Producer(settings, name=None)
+        self.pipelines = Pipelines(settings, model_namespaces(settings, config.model_name), config.default_model)
         self.metrics = Metrics()
-        self.keyed: KeyedCalls | None = None
         self.redis_ok = False
         self.waiting = 0
-        self.queued = 0
-        """The pipeline's queued and in-flight requests at the last health ping."""
+        self._started_producers: set[str] = set()
+        self._wait_client: Any = None
         self._health: asyncio.Task | None = None
 
+    @property
+    def producer(self) -> Producer:
+        """The policy's producer."""
+        return self.pipelines.policy.producer
+
+    @property
+    def keyed(self) -> KeyedCalls | None:
+        """The policy's keyed calls."""
+        return self.pipelines.policy.keyed
+
+    @property
+    def queued(self) -> int:
+        """The pipelines' queued and in-flight requests at the last health ping."""
+        return sum(p.queued for p in self.pipelines)
+
+    async def _start_producers(self) -> None:
+        for p in self.pipelines:
+            if p.name not in self._started_producers:
+                await p.producer.start()
+                self._started_producers.add(p.name)
+
     async def start(self) -> None:
-        """Start the producer, then watch Redis's health. While Redis is unreachable the producer
-        is started again every ``health_interval_s`` and calls get 503; any other error (a bad
+        """Start the producers, then watch Redis's health. While Redis is unreachable the producers
+        are started again every ``health_interval_s`` and calls get 503; any other error (a bad
         setting, lanes that disagree) ends the start."""
         try:
-            await self.producer.start()
+            await self._start_producers()
         except UNREACHABLE as exc:
             log.warning("%s: calls get 503 until Redis answers", exc)
             self._health = asyncio.create_task(self._start_then_watch(), name="gateway-health")
@@ -107,8 +140,9 @@ class Gateway:
         self._health = asyncio.create_task(self._watch_health(), name="gateway-health")
 
     def _started(self) -> None:
-        wait_client = connect(self.settings, max_connections=self.config.max_backlog + 1)
-        self.keyed = KeyedCalls(self.settings, self.producer.redis, wait_client, self.config.idempotency_window_s)
+        self._wait_client = connect(self.settings, max_connections=self.config.max_backlog + 1)
+        for p in self.pipelines:
+            p.keyed = KeyedCalls(p.settings, p.producer.redis, self._wait_client, self.config.idempotency_window_s)
         self.redis_ok = True
         self.metrics.redis_up.set(1)
 
@@ -116,15 +150,16 @@ class Gateway:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
-        await self.producer.close()
-        if self.keyed is not None:
-            await self.keyed.wait_client.aclose()
+        for p in self.pipelines:
+            await p.producer.close()
+        if self._wait_client is not None:
+            await self._wait_client.aclose()
 
     async def _start_then_watch(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             try:
-                await self.producer.start()
+                await self._start_producers()
                 break
             except UNREACHABLE:
                 continue
@@ -146,16 +181,17 @@ class Gateway:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _ping(self) -> None:
-        """PING, and with ``max_queued`` the length of every request stream (processed entries are
-        deleted, so a stream's length is what is queued or in flight on it)."""
+        """PING, and with ``max_queued`` the length of every request stream of each pipeline
+        (processed entries are deleted, so a stream's length is what is queued or in flight on it)."""
         if self.config.max_queued is None:
             await self.producer.redis.ping()
             return
-        async with self.producer.redis.pipeline(transaction=False) as pipe:
-            for part in self.settings.partition_keys:
-                for stream in part.request_streams:
-                    pipe.xlen(stream)
-            self.queued = sum(await pipe.execute())
+        for p in self.pipelines:
+            async with p.producer.redis.pipeline(transaction=False) as pipe:
+                for part in p.settings.partition_keys:
+                    for stream in part.request_streams:
+                        pipe.xlen(stream)
+                p.queued = sum(await pipe.execute())
         self.metrics.queued.set(self.queued)
 
     # ------------------------------------------------------------------ calls
@@ -173,7 +209,16 @@ class Gateway:
             raise GatewayError(401, "incorrect API key", kind="authentication_error", code="invalid_api_key")
         return hashlib.sha256(token.strip().encode()).hexdigest()[:16]
 
-    def admit(self) -> None:
+    def authorize_control(self, request: Request) -> str:
+        """As :meth:`authorize`, for fleet control, which an open gateway (no keys) refuses (403)."""
+        if not self.config.api_keys:
+            raise GatewayError(403, "fleet control (pause, update_weights, resume) needs the gateway's API keys: start "
+                                    "redroll serve with --api-key-file FILE and send 'Authorization: Bearer <key>'",
+                               kind="permission_error", code="keys_required")
+        return self.authorize(request)
+
+    def admit(self, pipeline: Pipeline | None = None) -> None:
+        pipeline = pipeline or self.pipelines.policy
         if not self.redis_ok:
             raise GatewayError(503, "Redis is unreachable; retry later", kind="server_error", code="unavailable",
                                headers={"Retry-After": "1"})
@@ -181,19 +226,20 @@ class Gateway:
             raise GatewayError(429, f"this gateway has {self.waiting} calls waiting (the bound is "
                                     f"{self.config.max_backlog}); retry later", kind="rate_limit_error",
                                code="backlog_full", headers={"Retry-After": "1"})
-        if self.config.max_queued is not None and self.queued >= self.config.max_queued:
-            raise GatewayError(429, f"the pipeline has {self.queued} requests queued or in flight (the bound is "
+        if self.config.max_queued is not None and pipeline.queued >= self.config.max_queued:
+            raise GatewayError(429, f"the pipeline has {pipeline.queued} requests queued or in flight (the bound is "
                                     f"{self.config.max_queued}); retry later", kind="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"})
 
     async def records(self, requests: list[GenerationRequest], keyed_name: str | None,
-                      body_fingerprint: str) -> list[CompletionRecord]:
-        """The records of a call's requests, in order."""
+                      body_fingerprint: str, pipeline: Pipeline | None = None) -> list[CompletionRecord]:
+        """The records of a call's requests, in order (on ``pipeline``: the policy's by default)."""
+        pipeline = pipeline or self.pipelines.policy
         timeout = self.config.request_timeout_s
         if keyed_name is not None:
-            assert self.keyed is not None
-            return await self.keyed.run(requests, keyed_name, timeout, body_fingerprint)
-        futures = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
+            assert pipeline.keyed is not None
+            return await pipeline.keyed.run(requests, keyed_name, timeout, body_fingerprint)
+        futures = await pipeline.producer.submit_many(requests, validated=True)  # (build_requests checked them)
         try:
             return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         except asyncio.TimeoutError:
@@ -205,50 +251,52 @@ class Gateway:
         scope = self.authorize(request)
         raw = await request.body()
         body = decode_body(raw, kind)
-        refuse_unsupported(body)
-        if body.model is not None and body.model != self.config.model_name:
-            raise GatewayError(404, f"the model {body.model!r} does not exist here (this gateway serves "
-                                    f"{self.config.model_name!r})", param="model", code="model_not_found")
-        self.admit()
+        refuse_unsupported(body, trust_chat_template=self.config.trust_request_chat_template)
+        pipeline = self.pipelines.route(body.model)
+        self.admit(pipeline)
         key = request.headers.get("idempotency-key")
         keyed_name = call_name(key, scope) if key else None
         call_id = keyed_name or f"g-{uuid.uuid4().hex}"
         session = request.headers.get("x-session-id") or body.session_id or body.user
         fp = fingerprint(raw)
-        requests = build_requests(body, base_id=call_id, session=session, settings=self.settings, fingerprint=fp)
+        requests = build_requests(body, base_id=call_id, session=session, settings=pipeline.settings, fingerprint=fp,
+                                  model=body.model or pipeline.name)
         if body.stream:
-            return await self.stream(body, call_id, requests, keyed_name, fp)
+            return await self.stream(body, call_id, requests, keyed_name, fp, pipeline)
         self._waiting(+1)
         try:
-            records = await self.records(requests, keyed_name, fp)
+            records = await self.records(requests, keyed_name, fp, pipeline)
         finally:
             self._waiting(-1)
         prompts = prompt_token_ids(body)
-        build = chat_response if kind is ChatBody else completion_response
-        response = build(call_id, self.config.model_name, records, prompts)
+        if isinstance(body, ChatBody):
+            response = chat_response(call_id, pipeline.name, records, prompts, body.top_logprobs or 0)
+        else:
+            response = completion_response(call_id, pipeline.name, records, prompts, body.logprobs or 0)
         self.metrics.tokens.inc(response["usage"]["completion_tokens"])
         return response
 
     async def stream(self, body: CompletionBody | ChatBody, call_id: str, requests: list[GenerationRequest],
-                     keyed_name: str | None, body_fingerprint: str) -> EventStream:
+                     keyed_name: str | None, body_fingerprint: str, pipeline: Pipeline | None = None) -> EventStream:
         """A streamed call's response, once its first chunk is here: a keyed call attaches to the
         requests of its key (submitting what was not), a call without a key submits them."""
-        assert self.keyed is not None  # (admitted: Redis was reachable)
-        wait_client = self.keyed.wait_client
+        pipeline = pipeline or self.pipelines.policy
+        assert pipeline.keyed is not None  # (admitted: Redis was reachable)
+        wait_client = pipeline.keyed.wait_client
         self._waiting(+1)
         try:
             keyed = None
             if keyed_name is not None:
-                keyed = await self.keyed.start(requests, keyed_name, body_fingerprint)
+                keyed = await pipeline.keyed.start(requests, keyed_name, body_fingerprint)
                 records: list[Any] = [keyed.record(req.request_id) for req in requests]
             else:
-                records = await self.producer.submit_many(requests, validated=True)  # (build_requests checked them)
+                records = await pipeline.producer.submit_many(requests, validated=True)  # (build_requests checked them)
             choices = open_choices(requests, records, wait_client, self.config.request_timeout_s, keyed)
         except BaseException:
             self._waiting(-1)
             raise
         created = requests[0].meta_info[META]["created"]
-        writer = EventWriter(body, call_id, self.config.model_name, created, prompt_token_ids(body))
+        writer = EventWriter(body, call_id, pipeline.name, created, prompt_token_ids(body))
 
         def ended(tokens: int) -> None:
             self._waiting(-1)
@@ -275,33 +323,46 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
     """The ASGI application of one gateway process."""
     gateway = Gateway(settings, config)
 
+    async def respond(request: Request, name: str, handler: Any) -> Response:
+        """``handler(request)``'s answer (a JSON-able object or a Response), its errors in OpenAI's
+        shape, counted and timed under ``name``."""
+        started = time.perf_counter()
+        try:
+            answer = await handler(request)
+            response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
+        except GatewayError as exc:
+            response = _error(exc)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            log.warning("%s: Redis unreachable: %s", name, exc)
+            response = _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
+                                           code="unavailable", headers={"Retry-After": "1"}))
+        except Exception as exc:  # (a bug: still answered in OpenAI's shape, and logged)
+            log.exception("%s failed", name)
+            response = _error(GatewayError(500, f"internal error: {exc}", kind="server_error", code="internal"))
+        gateway.metrics.requests.labels(name, str(response.status_code)).inc()
+        gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
+        return response
+
     def endpoint(name: str, kind: type[CompletionBody] | type[ChatBody]):
         async def handle(request: Request) -> Response:
-            started = time.perf_counter()
-            try:
-                answer = await gateway.call(request, kind)
-                response: Response = answer if isinstance(answer, Response) else FastJSON(answer)
-            except GatewayError as exc:
-                response = _error(exc)
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("%s: Redis unreachable: %s", name, exc)
-                response = _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
-                                               code="unavailable", headers={"Retry-After": "1"}))
-            except Exception as exc:  # (a bug: still answered in OpenAI's shape, and logged)
-                log.exception("%s failed", name)
-                response = _error(GatewayError(500, f"internal error: {exc}", kind="server_error", code="internal"))
-            gateway.metrics.requests.labels(name, str(response.status_code)).inc()
-            gateway.metrics.latency.labels(name).observe(time.perf_counter() - started)
-            return response
+            return await respond(request, name, lambda req: gateway.call(req, kind))
         return handle
+
+    async def inference_generate(request: Request) -> Response:
+        return await respond(request, "inference.generate", lambda req: generate(gateway, req))
 
     async def models(request: Request) -> Response:
         try:
             gateway.authorize(request)
+            cards = await gateway.pipelines.cards() if gateway.redis_ok else [
+                {"id": p.name, "object": "model", "created": 0, "owned_by": "redroll", "root": p.name, "parent": None}
+                for p in gateway.pipelines]
         except GatewayError as exc:
             return _error(exc)
-        return JSONResponse({"object": "list", "data": [
-            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "redroll"}]})
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            return _error(GatewayError(503, f"Redis is unreachable ({exc}); retry later", kind="server_error",
+                                       code="unavailable", headers={"Retry-After": "1"}))
+        return FastJSON({"object": "list", "data": cards})
 
     async def health(request: Request) -> Response:
         if not gateway.redis_ok:
@@ -332,6 +393,8 @@ def build_app(settings: Settings, config: GatewayConfig) -> Starlette:
         Route("/v1/chat/completions", endpoint("chat.completions", ChatBody), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/inference/v1/generate", inference_generate, methods=["POST"]),
+        *Fleet(gateway).routes(respond),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.state.gateway = gateway
     return app

@@ -28,8 +28,9 @@ from starlette.types import Receive, Scope, Send
 from redroll.producer.stream_reader import StreamChunk, stream_chunks
 from redroll.shared.types import CompletionRecord, GenerationRequest
 from redroll.web.gateway.idempotency import KeyedCall, timed_out
+from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError
-from redroll.web.gateway.translate import check_records, choice_extensions, token_name
+from redroll.web.gateway.translate import check_records, choice_extensions
 
 log = logging.getLogger("redroll.web.gateway")
 
@@ -179,14 +180,19 @@ class EventWriter:
         choice["logprobs"] = self._logprobs(chunk, rec)
         choice["finish_reason"] = chunk.finish_reason if rec is not None else None
         choice["stop_reason"] = None
+        top_level: dict[str, Any] = {}
         if self.with_ids:
             choice["token_ids"] = list(chunk.token_ids)
-            if not self.chat and index not in self._started:
-                choice["prompt_token_ids"] = self.prompts[index // self.n]
+            sent = self.prompts[0 if self.chat else index // self.n]
+            if not self.chat and index not in self._started and sent is not None:
+                choice["prompt_token_ids"] = sent  # (a token-id prompt: on the choice's first chunk)
+            elif sent is None and rec is not None and (self.chat and index == 0 or not self.chat):
+                # (a text or a chat: the worker's rendering comes with the record, on the last chunk)
+                (top_level if self.chat else choice)["prompt_token_ids"] = rec.prompt_token_ids
         if rec is not None:
             choice.update(choice_extensions(rec, 0, False))
         self._started.add(index)
-        return event(self._object(choice))
+        return event({**self._object(choice), **top_level})
 
     def _logprobs(self, chunk: StreamChunk, rec: CompletionRecord | None) -> dict[str, Any] | None:
         """The chunk's tokens' logprobs and (``top_logprobs``) their k most likely tokens each."""
@@ -202,13 +208,8 @@ class EventWriter:
             tops = [list(t) for t in chunk.top_logprobs]
         elif self.top and rec is not None and rec.output_top_logprobs:
             tops = list(rec.output_top_logprobs[0][chunk.offset:chunk.offset + len(ids)]) or tops
-        if self.chat:
-            return {"content": [
-                {"token": token_name(t), "logprob": lp, "bytes": None,
-                 "top_logprobs": [{"token": token_name(tt), "logprob": tlp, "bytes": None} for tt, tlp in top]}
-                for t, lp, top in zip(ids, lps, tops)]}
-        return {"tokens": [token_name(t) for t in ids], "token_logprobs": lps, "text_offset": [],
-                "top_logprobs": [{token_name(tt): tlp for tt, tlp in top} for top in tops] if self.top else None}
+        build = chat_logprobs if self.chat else completion_logprobs
+        return build(ids, lps, tops, self.top)
 
     def usage(self) -> dict[str, int]:
         """The call's usage: each prompt counted once (its choices all read it), every sample's tokens."""

@@ -14,10 +14,13 @@ import hashlib
 import time
 from typing import Any
 
+import msgspec
+
 from redroll.producer.request import make_request
 from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
+from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid
 
 FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages", "tools": "tools",
@@ -26,7 +29,14 @@ FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages"
                "sampling_params.top_k": "top_k", "sampling_params.min_p": "min_p",
                "sampling_params.stop": "stop", "sampling_params.stop_token_ids": "stop_token_ids",
                "sampling_params.sampling_seed": "seed", "sampling_params.min_new_tokens": "min_tokens",
-               "top_logprobs_num": "top_logprobs", "affinity_key": "session_id", "stream": "stream"}
+               "top_logprobs_num": "top_logprobs", "affinity_key": "session_id", "stream": "stream",
+               "sampling_params.repetition_penalty": "repetition_penalty",
+               "sampling_params.frequency_penalty": "frequency_penalty",
+               "sampling_params.presence_penalty": "presence_penalty", "logprob_start_len": "prompt_logprobs",
+               "return_prompt_token_ids": "return_token_ids", "sampling_params.regex": "structured_outputs.regex",
+               "sampling_params.json_schema": "structured_outputs.json",
+               "sampling_params.ebnf": "structured_outputs.grammar",
+               "sampling_params.structural_tag": "structured_outputs.structural_tag"}
 """redroll's field names (in a ValidationError) as the OpenAI body names them."""
 
 META = "gateway"
@@ -45,14 +55,42 @@ def redroll_priority(priority: int) -> int:
     return 1 if priority < 0 else 0
 
 
+def structured(body: Any) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` as SGLang's sampling keys (which engines honour or refuse)."""
+    so = body.structured_outputs
+    if so is None:
+        return {}
+    out: dict[str, Any] = {}
+    if so.regex is not None:
+        out["regex"] = so.regex
+    if so.json is not None:
+        out["json_schema"] = so.json if isinstance(so.json, str) else msgspec.json.encode(so.json).decode()
+    if so.grammar is not None:
+        out["ebnf"] = so.grammar
+    if so.structural_tag is not None:
+        out["structural_tag"] = so.structural_tag
+    return out
+
+
+def template_variables(body: ChatBody) -> dict[str, Any] | None:
+    """The chat's template variables: its ``chat_template_kwargs`` and, as vLLM passes it,
+    ``reasoning_effort`` (with ``enable_thinking`` unless the call sets it)."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    out = {"reasoning_effort": body.reasoning_effort, "enable_thinking": body.reasoning_effort != "none"}
+    return {**out, **(body.chat_template_kwargs or {})}
+
+
 def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
-                   settings: Settings, fingerprint: str) -> list[GenerationRequest]:
+                   settings: Settings, fingerprint: str, model: str | None = None) -> list[GenerationRequest]:
     """The requests of one call (checked against the wire contract; a break is a 400 naming the
     OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
-    prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order."""
+    prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order. ``model``:
+    the name the response gives (the call's ``model`` when None)."""
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
-                                "skip_special_tokens": body.skip_special_tokens}
-    for ours, theirs in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", body.top_k),
+                                "skip_special_tokens": body.skip_special_tokens, **structured(body)}
+    top_k = -1 if body.top_k == 0 else body.top_k  # (vLLM's 0 and -1 are both "off"; redroll's off is -1)
+    for ours, theirs in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", top_k),
                          ("min_p", body.min_p), ("repetition_penalty", body.repetition_penalty),
                          ("frequency_penalty", body.frequency_penalty), ("presence_penalty", body.presence_penalty),
                          ("sampling_seed", body.seed)):
@@ -68,7 +106,9 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         if top and not body.logprobs:
             raise invalid("top_logprobs", "needs logprobs=true")
         want_logprobs = bool(body.logprobs)
-        inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools}]
+        inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools,
+                                         "chat_template": body.chat_template,
+                                         "chat_template_kwargs": template_variables(body)}]
     else:
         max_tokens = body.max_tokens
         top = body.logprobs or 0
@@ -76,8 +116,13 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         inputs = [{"prompt": p} if isinstance(p, str) else {"input_ids": p} for p in _prompts(body.prompt)]
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
-    meta = {META: {"created": int(time.time()), "model": body.model, "fp": fingerprint,
-                   "ids": bool(body.return_token_ids)}}
+    with_prompt_logprobs = body.prompt_logprobs is not None
+    facts: dict[str, Any] = {"created": int(time.time()), "model": model or body.model, "fp": fingerprint,
+                             "ids": bool(body.return_token_ids)}
+    if with_prompt_logprobs:  # (the record then has output logprobs the call did not ask for: say which)
+        facts.update(lp=want_logprobs, plp=True)
+    meta = {META: facts}
+    ask_prompt_ids = bool(body.return_token_ids) or with_prompt_logprobs
     streamed = bool(body.stream)
     samples = body.n if streamed else 1
     group_id = base_id if len(inputs) * samples > 1 else None
@@ -93,9 +138,13 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
                     if body.seed is not None:
                         params["sampling_seed"] = body.seed + i
                     extra["stream"] = True
+                if ask_prompt_ids and "input_ids" not in prompt:  # (ids sent are echoed by the gateway)
+                    extra["return_prompt_token_ids"] = True
+                if with_prompt_logprobs:
+                    extra["logprob_start_len"] = 0
                 req = make_request(request_id=f"{base_id}-{i}", sampling_params=params, return_text=True,
-                                   return_logprob=want_logprobs, top_logprobs_num=top, meta_info=meta,
-                                   affinity_key=session_key(session), group_id=group_id,
+                                   return_logprob=want_logprobs or with_prompt_logprobs, top_logprobs_num=top,
+                                   meta_info=meta, affinity_key=session_key(session), group_id=group_id,
                                    priority=redroll_priority(body.priority),
                                    min_weight_version=body.min_weight_version, **prompt, **extra)
                 req.reply_to = settings.keys_for(req).results  # (checked here; the sender sets its own)
@@ -130,23 +179,20 @@ def _prompts(prompt: Any) -> list[Any]:
 
 # ---------------------------------------------------------------- responses
 
-def check_records(records: list[CompletionRecord]) -> None:
+def check_records(records: list[CompletionRecord], names: dict[str, str] = FIELD_NAMES) -> None:
     """A call whose records are not all finished answers with the first failure, in OpenAI's shape:
-    a request a worker refused (``invalid <field>: ...``) is a 400 naming the field."""
+    a request a worker refused (``invalid <field>: ...``) is a 400 naming the field (as ``names``
+    renames redroll's fields: the OpenAI body's by default)."""
     for rec in records:
         if rec.status is RecordStatus.FINISHED:
             continue
         message = rec.error or f"the request ended {rec.status.value}"
         if rec.status is RecordStatus.ERROR and message.startswith("invalid "):
             field, _, rule = message[len("invalid "):].partition(":")
-            param = FIELD_NAMES.get(field, field)
+            param = names.get(field, field)
             raise GatewayError(400, f"invalid {param}:{rule}", param=param, code="invalid_value")
         raise GatewayError(500 if rec.status is RecordStatus.ERROR else 503, message, kind="server_error",
                            code=rec.status.value)
-
-
-def token_name(token_id: int) -> str:
-    return f"token_id:{token_id}"
 
 
 def _usage(records: list[CompletionRecord]) -> dict[str, int]:
@@ -178,16 +224,39 @@ def gateway_meta(rec: CompletionRecord) -> dict[str, Any]:
 
 
 def prompt_token_ids(body: CompletionBody | ChatBody) -> list[list[int] | None]:
-    """Each prompt's token ids where the call sent ids (text and chats are tokenized by the worker,
-    and records do not carry the prompt: there they are null)."""
+    """Each prompt's token ids where the call sent ids (text and chats: null here, the worker's
+    rendering comes in the record, :func:`prompt_of`)."""
     if isinstance(body, ChatBody):
         return [None]
     return [p if not isinstance(p, str) else None for p in _prompts(body.prompt)]
 
 
+def prompt_of(sent: list[int] | None, rec: CompletionRecord | None) -> list[int] | None:
+    """A prompt's token ids: as the call sent them, else as the worker ran them (its record)."""
+    if sent is not None:
+        return sent
+    return rec.prompt_token_ids if rec is not None else None
+
+
+def _shows_logprobs(rec: CompletionRecord) -> bool:
+    """Whether the call asked for output logprobs (a call with prompt logprobs says so in its facts)."""
+    return bool(gateway_meta(rec).get("lp", True)) and rec.output_logprobs is not None
+
+
+def _prompt_logprobs_of(sent: list[int] | None, rec: CompletionRecord) -> list[dict[str, Any] | None] | None:
+    if not gateway_meta(rec).get("plp"):
+        return None
+    return prompt_logprobs(prompt_of(sent, rec), rec.input_logprobs)
+
+
+def _tops_of(rec: CompletionRecord, j: int) -> Any:
+    return rec.output_top_logprobs[j] if rec.output_top_logprobs else None
+
+
 def completion_response(call_id: str, model: str, records: list[CompletionRecord],
-                        prompts: list[list[int] | None]) -> dict[str, Any]:
-    """A ``text_completion`` object from a call's records (one per prompt, in order)."""
+                        prompts: list[list[int] | None], top: int = 0) -> dict[str, Any]:
+    """A ``text_completion`` object from a call's records (one per prompt, in order); ``top``: the
+    call's ``logprobs``."""
     check_records(records)
     meta = gateway_meta(records[0])
     with_ids = bool(meta.get("ids"))
@@ -196,15 +265,15 @@ def completion_response(call_id: str, model: str, records: list[CompletionRecord
         choice: dict[str, Any] = {"index": index, "text": (rec.output_text or [""] * (j + 1))[j],
                                   "finish_reason": rec.finish_reasons[j], "stop_reason": None,
                                   "logprobs": None}
-        if rec.output_logprobs is not None:
-            ids = rec.output_token_ids[j]
-            tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else None
-            choice["logprobs"] = {
-                "tokens": [token_name(t) for t in ids], "token_logprobs": rec.output_logprobs[j],
-                "text_offset": [], "top_logprobs": [{token_name(t): lp for t, lp in top} for top in tops] if tops else None}
+        if _shows_logprobs(rec):
+            choice["logprobs"] = completion_logprobs(rec.output_token_ids[j], rec.output_logprobs[j],  # type: ignore[index]
+                                                     _tops_of(rec, j), top)
         choice.update(choice_extensions(rec, j, with_ids))
         if with_ids:
-            choice["prompt_token_ids"] = prompts[k]
+            choice["prompt_token_ids"] = prompt_of(prompts[k], rec)
+        plp = _prompt_logprobs_of(prompts[k], rec)
+        if plp is not None:
+            choice["prompt_logprobs"] = plp
         choices.append(choice)
     return {"id": f"cmpl-{call_id}", "object": "text_completion", "created": meta.get("created", int(time.time())),
             "model": meta.get("model") or model, "choices": choices, "usage": _usage(records),
@@ -212,8 +281,8 @@ def completion_response(call_id: str, model: str, records: list[CompletionRecord
 
 
 def chat_response(call_id: str, model: str, records: list[CompletionRecord],
-                  prompts: list[list[int] | None]) -> dict[str, Any]:
-    """A ``chat.completion`` object from a call's record."""
+                  prompts: list[list[int] | None], top: int = 0) -> dict[str, Any]:
+    """A ``chat.completion`` object from a call's record; ``top``: the call's ``top_logprobs``."""
     check_records(records)
     meta = gateway_meta(records[0])
     with_ids = bool(meta.get("ids"))
@@ -222,13 +291,9 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
         choice: dict[str, Any] = {
             "index": index, "message": {"role": "assistant", "content": (rec.output_text or [""] * (j + 1))[j]},
             "finish_reason": rec.finish_reasons[j], "stop_reason": None, "logprobs": None}
-        if rec.output_logprobs is not None:
-            ids = rec.output_token_ids[j]
-            tops = rec.output_top_logprobs[j] if rec.output_top_logprobs else [[] for _ in ids]
-            choice["logprobs"] = {"content": [
-                {"token": token_name(t), "logprob": lp, "bytes": None,
-                 "top_logprobs": [{"token": token_name(tt), "logprob": tlp, "bytes": None} for tt, tlp in top]}
-                for t, lp, top in zip(ids, rec.output_logprobs[j], tops)]}
+        if _shows_logprobs(rec):
+            choice["logprobs"] = chat_logprobs(rec.output_token_ids[j], rec.output_logprobs[j],  # type: ignore[index]
+                                               _tops_of(rec, j), top)
         choice.update(choice_extensions(rec, j, with_ids))
         choices.append(choice)
     response = {"id": f"chatcmpl-{call_id}", "object": "chat.completion",
@@ -236,5 +301,8 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
                 "choices": choices, "usage": _usage(records),
                 "weight_version": records[0].meta_info.get("weight_version")}
     if with_ids:
-        response["prompt_token_ids"] = prompts[0]
+        response["prompt_token_ids"] = prompt_of(prompts[0], records[0])
+    plp = _prompt_logprobs_of(prompts[0], records[0])
+    if plp is not None:
+        response["prompt_logprobs"] = plp
     return response
