@@ -14,30 +14,23 @@ pending and is tried again after ``claim_idle``.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import redis
 from redis.asyncio import Redis
 
+from redroll.consumer.batch import APPLY_BYTES, BatchApplier, ConsumerStats, Item
 from redroll.consumer.handlers import Handler, HandlerRegistry
-from redroll.observability.tracing import callback_span, traced, tracer
+from redroll.observability.tracing import tracer
 from redroll.ops.backlog import group_backlog, requests_left
 from redroll.ops.retention import trim_acked
-from redroll.shared.codec import ValidationError, decode_record
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.connection.durability import Durability
 from redroll.shared.events import EventLog
 from redroll.shared.keys import Keys
-from redroll.shared.refusals import is_refusal
-from redroll.shared.scripts import DeadLetter, Scripts
+from redroll.shared.scripts import Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import (
-    READ_BYTES,
-    data_size,
     drop_read,
     ensure_group,
     read_count,
@@ -49,34 +42,6 @@ from redroll.shared.streams import (
 from redroll.shared.types import CompletionRecord
 
 log = logging.getLogger("redroll.consumer")
-
-APPLY_BYTES = READ_BYTES
-"""Record data per read (see ``shared.streams.read_count``) and per applied chunk of a batch (at
-least one record): a batch is decoded, applied and acked a chunk at a time, so that a batch of
-large records is never all decoded and alive at once."""
-
-
-@dataclass
-class ConsumerStats:
-    applied: int = 0
-    duplicates_skipped: int = 0
-    failures: int = 0
-    dead_lettered: int = 0
-    reclaimed: int = 0
-    trimmed: int = 0
-    refusals: int = 0
-    """Times Redis refused this consumer's markers or dead letters (out of memory, ...)."""
-    unhandled: int = 0
-    """Deliveries of records this consumer has no handler for (left pending, see ConsumerRunner)."""
-
-
-@dataclass
-class _Item:
-    entry_id: str
-    fields: dict
-    deliveries: int
-    record: CompletionRecord | None = None
-
 
 class ConsumerRunner:
     """Apply ``handlers[record.callback]`` (or ``default_handler`` to records that name no
@@ -141,18 +106,26 @@ class ConsumerRunner:
         self.stats = ConsumerStats()
         self.metrics: Any = None
         """A :class:`redroll.observability.metrics.ConsumerMetrics` when metrics are served."""
-        self._tracer: Any = None
         self._redis = redis_client
         self._owns_redis = redis_client is None
         self._stopping = asyncio.Event()
         self._cursors = {s: "0-0" for s in self.streams}
-        self._last_errors: dict[str, str] = {}
-        self._unhandled_names: set[str | None] = set()
-        self._unhandled_entries: dict[str, set[str]] = {s: set() for s in self.streams}
-        """Entries left pending for want of a handler, kept in burst mode (its stop does not wait
-        for them)."""
-        self.blocked: str | None = None
+        self._applier: BatchApplier | None = None
+
+    @property
+    def blocked(self) -> str | None:
         """What Redis answered while it refuses this consumer's acks (None when it accepts them)."""
+        return self._applier.blocked if self._applier is not None else None
+
+    @property
+    def applier(self) -> "BatchApplier":
+        assert self._applier is not None, "consumer not started"
+        return self._applier
+
+    async def process(self, items: list[Item], stream: str | None = None,
+                      checked: Callable[[], None] | None = None) -> None:
+        """Apply one batch of ``stream`` (default: the first stream): see :meth:`BatchApplier.process`."""
+        await self.applier.process(items, stream or self.stream, checked)
 
     @property
     def redis(self) -> Redis:
@@ -169,7 +142,11 @@ class ConsumerRunner:
         if self._redis is None:
             self._redis = connect(self.settings)
         self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
-        self._tracer = tracer()
+        self._applier = BatchApplier(
+            redis_client=self.redis, scripts=self.scripts, settings=self.settings, durability=self.durability,
+            group=self.group, name=self.name, registry=self.registry, stats=self.stats, part_of=self._part_of,
+            streams=self.streams, apply_bytes=self.apply_bytes, keep_unhandled=self.burst, tracer=tracer(),
+            metrics=self.metrics, on_applied=self.on_applied)
         await reach(self.redis, self.settings)
         await self._ensure_groups()
         await open_connections(self.redis, 4)  # (a blocking read, a batch's markers and acks, reclaim, trim)
@@ -227,7 +204,7 @@ class ConsumerRunner:
                 for _stream, entries in resp:
                     self._count = read_count(entries, self.batch, self.apply_bytes)
                 for stream, entries in resp:
-                    await self.process([_Item(i, f, 1) for i, f in entries], stream, checked=read_next)
+                    await self.process([Item(i, f, 1) for i, f in entries], stream, checked=read_next)
                 read_next()  # (a batch whose markers were not checked: nothing in it could run)
         finally:
             drop_read(reading)  # (an error: what it read stays pending here, reclaimed after claim_idle)
@@ -256,7 +233,7 @@ class ConsumerRunner:
             for i, _ in entries:
                 pipe.xpending_range(stream, self.group, min=i, max=i, count=1)
             pend = await pipe.execute()
-        items = [_Item(i, f, int(p[0]["times_delivered"]) if p else 1) for (i, f), p in zip(entries, pend)]
+        items = [Item(i, f, int(p[0]["times_delivered"]) if p else 1) for (i, f), p in zip(entries, pend)]
         self.stats.reclaimed += len(items)
         await self.process(items, stream)
 
@@ -289,7 +266,7 @@ class ConsumerRunner:
         return True
 
     async def _only_unhandled_pending(self, stream: str, pending: int) -> bool:
-        unhandled = self._unhandled_entries[stream]
+        unhandled = self.applier.unhandled_entries[stream]
         if pending > len(unhandled):
             return False
         held = await self.redis.xpending_range(stream, self.group, min="-", max="+", count=pending + 1)
@@ -300,229 +277,3 @@ class ConsumerRunner:
             await asyncio.sleep(self.trim_interval_s)
             for stream in self.streams:
                 self.stats.trimmed += await trim_acked(self.redis, stream)
-
-    # ------------------------------------------------------------------ one batch
-
-    async def process(self, items: list[_Item], stream: str | None = None,
-                      checked: Callable[[], None] | None = None) -> None:
-        """Apply one batch of ``stream`` (default: the first stream), in chunks of at most
-        ``apply_bytes`` of record data: each chunk's records are decoded, applied, acked and let go
-        before the next chunk is decoded, so a batch of large records is never all alive at once.
-        ``checked()`` is called after each chunk's markers check, before its callbacks run."""
-        stream = stream or self.stream
-        chunk: list[_Item] = []
-        size = 0
-        for item in items:
-            n = data_size(item.fields)
-            if chunk and size + n > self.apply_bytes:
-                await self._process_chunk(chunk, stream, checked)
-                chunk, size = [], 0
-            chunk.append(item)
-            size += n
-        if chunk:
-            await self._process_chunk(chunk, stream, checked)
-
-    async def _process_chunk(self, items: list[_Item], stream: str, checked: Callable[[], None] | None) -> None:
-        try:
-            await self._apply_chunk(items, stream, checked)
-        finally:
-            for item in items:
-                item.record = None  # (the decoded records are the bulk of a batch's memory)
-
-    async def _apply_chunk(self, items: list[_Item], stream: str, checked: Callable[[], None] | None = None) -> None:
-        """Dead-letter what cannot be applied, leave what has no handler here, skip duplicates, ack
-        what succeeded."""
-        part = self._part_of[stream]
-        runnable: list[_Item] = []
-        for item in items:
-            try:
-                item.record = decode_record(item.fields)
-            except ValidationError as exc:
-                await self._dead_letter(item, exc.reason, stream)
-                continue
-            handler = self.registry.resolve(item.record)
-            if item.deliveries > self.settings.max_deliveries:
-                await self._dead_letter(item, self._out_of_deliveries(item, stream, handler is None), stream)
-                continue
-            if handler is None:
-                if self.burst:  # (only a burst stop asks: a long-running consumer keeps no list)
-                    self._unhandled_entries[stream].add(item.entry_id)
-                self._leave_unhandled(item.record)
-                continue
-            runnable.append(item)
-        if not runnable:
-            return
-        already = await self._applied_already(part, [i.record.dedup_id for i in runnable])  # type: ignore[union-attr]
-        if checked is not None:
-            checked()
-        # Skip ids the group applied before and copies of one record within this batch (a replayed
-        # record read together with its original): only the first copy of each request_id runs.
-        to_apply: list[_Item] = []
-        skipped: list[_Item] = []
-        for i in runnable:
-            rid = i.record.dedup_id  # type: ignore[union-attr]
-            if rid in already:
-                skipped.append(i)
-            else:
-                already.add(rid)
-                to_apply.append(i)
-        self.stats.duplicates_skipped += len(skipped)
-        results = await self._apply_all(to_apply)
-        succeeded = [i for i, r in zip(to_apply, results) if r is None]
-        failed = [(i, r) for i, r in zip(to_apply, results) if r is not None]
-        await self._ack_until_accepted(part, stream, succeeded, skipped)
-        for item, exc in failed:
-            self.stats.failures += 1
-            self._last_errors[f"{stream}/{item.entry_id}"] = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("callback for request %s failed (delivery %d): %s", item.record.request_id,  # type: ignore[union-attr]
-                        item.deliveries, exc)
-        if failed:
-            # Hand back at once: the next reclaim pass retries it (and counts the delivery).
-            await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i, _ in failed],
-                                     idle_ms=self.settings.claim_idle_ms)
-
-    def _out_of_deliveries(self, item: _Item, stream: str, unhandled: bool) -> str:
-        """The dead letter's reason for a record delivered more than ``max_deliveries`` times."""
-        passes = f"delivered {item.deliveries} times (max_deliveries={self.settings.max_deliveries})"
-        if unhandled:
-            name = item.record.callback  # type: ignore[union-attr]
-            what = f"no handler registered under {name!r}" if name is not None else "no callback and no default handler"
-            return (f"{what} in group {self.group}: {passes}; start a consumer with the handler, then "
-                    "'redroll dead requeue' it")
-        last = self._last_errors.pop(f"{stream}/{item.entry_id}", None)
-        return f"callback failed: {passes}" + (f"; last error: {last}" if last else "")
-
-    def _leave_unhandled(self, record: CompletionRecord) -> None:
-        """Leave a record this consumer has no handler for pending in the group (see the class)."""
-        self.stats.unhandled += 1
-        name = record.callback
-        if name not in self._unhandled_names:
-            self._unhandled_names.add(name)
-            log.warning("consumer %s (group %s): %s; such records (the first: %s) are left pending in the group "
-                        "for a consumer that has the handler", self.name, self.group,
-                        f"no handler registered under {name!r}" if name is not None
-                        else "records name no callback and this consumer has no default_handler",
-                        record.request_id)
-
-    async def _apply_all(self, items: list[_Item]) -> list[BaseException | None]:
-        """Run the handlers: sync ones inline, async ones concurrently. One result per item:
-        None when it succeeded, else its exception."""
-        results: list[BaseException | None] = [None] * len(items)
-        pending: list[tuple[int, Any]] = []
-        for n, item in enumerate(items):
-            fn = self.registry.resolve(item.record)  # type: ignore[arg-type]
-            started = time.perf_counter()
-            traced_by = self._tracer if self._tracer is not None and item.record.traceparent else None  # type: ignore[union-attr]
-            try:
-                if traced_by is not None and inspect.iscoroutinefunction(fn):  # (its span: while it is awaited)
-                    res = traced(traced_by, item.record, self.group, fn(item.record))  # type: ignore[misc]
-                elif traced_by is not None:
-                    with callback_span(traced_by, item.record, self.group):
-                        res = fn(item.record)  # type: ignore[misc]
-                else:
-                    res = fn(item.record)  # type: ignore[misc]
-            except (Exception, asyncio.CancelledError) as exc:  # (a sync call is never this task's cancel)
-                results[n] = exc
-                continue
-            if inspect.isawaitable(res):
-                pending.append((n, self._timed(res)))
-            elif self.metrics is not None:
-                self.metrics.observe(time.perf_counter() - started)
-        if pending:
-            outcomes = await asyncio.gather(*(aw for _, aw in pending), return_exceptions=True)
-            for (n, _), outcome in zip(pending, outcomes):
-                # A handler that ended in CancelledError (it awaited something cancelled) did not
-                # complete: a failure, retried. (This task's own cancellation raises from gather.)
-                if isinstance(outcome, BaseException):
-                    results[n] = outcome
-        return results
-
-    async def _timed(self, awaitable: Any) -> None:
-        started = time.perf_counter()
-        try:
-            await awaitable
-        finally:
-            if self.metrics is not None:
-                self.metrics.observe(time.perf_counter() - started)
-
-    async def _applied_already(self, part: Keys, request_ids: list[str]) -> set[str]:
-        buckets = part.applied_buckets(self.group, self.settings.dedup_window_s)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for b in buckets:
-                pipe.smismember(b, request_ids)
-            replies = await pipe.execute()
-        seen: set[str] = set()
-        for flags in replies:
-            seen.update(rid for rid, f in zip(request_ids, flags) if int(f))
-        return seen
-
-    async def _ack_until_accepted(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
-        """Mark and ack a batch whose callbacks ran. Refused (out of memory, a replica) or cut off,
-        it is retried, with the entries kept leased meanwhile: the callbacks must not run again."""
-        # The entries have been idle since they were read, the callbacks' time included: renewed at
-        # the first refusal, then every claim_idle / 3, so that no reclaim takes them meanwhile.
-        delay, renewed = 0.1, float("-inf")
-        while True:
-            try:
-                await self._ack(part, stream, applied, skipped)
-                break
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("consumer %s: acks not sent (%s); retrying", self.name, exc)
-            except redis.ResponseError as exc:
-                if not is_refusal(exc):
-                    raise
-                self.stats.refusals += 1
-                if self.blocked is None:
-                    log.error("consumer %s: Redis refuses the applied markers (%s): holding %d ack(s) and "
-                              "reading nothing until it accepts them", self.name, exc, len(applied) + len(skipped))
-                self.blocked = str(exc)
-            if time.monotonic() - renewed > self.settings.claim_idle_ms / 3000.0:
-                renewed = time.monotonic()
-                try:
-                    await self.scripts.renew(stream, self.group, self.name, [i.entry_id for i in applied + skipped])
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    pass
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-        if self.blocked is not None:
-            log.info("consumer %s: Redis accepts the markers again", self.name)
-            self.blocked = None
-
-    async def _ack(self, part: Keys, stream: str, applied: list[_Item], skipped: list[_Item]) -> None:
-        """Mark applied ids and ack, in one transaction (the markers share the stream's hash tag)."""
-        if not applied and not skipped:
-            return
-        window = self.settings.dedup_window_s
-        now = time.time()
-        bucket_key = part.applied(self.group, int(now // window))
-        expire_at = (int(now // window) + 2) * window
-
-        def fill(pipe: Any) -> None:
-            if applied:
-                pipe.sadd(bucket_key, *[i.record.dedup_id for i in applied])  # type: ignore[union-attr]
-                pipe.expireat(bucket_key, int(expire_at))
-            pipe.xack(stream, self.group, *[i.entry_id for i in applied + skipped])
-
-        # (with wait_replicas, acknowledged once the replicas have it: see redroll.shared.connection.durability)
-        await self.durability.transaction(self.redis, fill)
-        self.stats.applied += len(applied)
-        for i in applied:
-            self._last_errors.pop(f"{stream}/{i.entry_id}", None)
-        if self.on_applied is not None:
-            self.on_applied([i.record for i in applied + skipped])  # type: ignore[misc]
-
-    async def _dead_letter(self, item: _Item, reason: str, stream: str) -> None:
-        letter = DeadLetter(stream=stream, entry_id=item.entry_id, reason=reason,
-                            source=f"consumer:{self.group}", fields=item.fields, deliveries=item.deliveries,
-                            delete_entry=False)
-        outcome = await self.scripts.dead_letter(dead_key=self._part_of[stream].dead, group=self.group,
-                                                 consumer=self.name, letter=letter)
-        rid = item.record.request_id if item.record else text(item.fields.get(b"rid", b"?"))
-        if outcome.done:
-            self.stats.dead_lettered += 1
-            log.warning("record %s (entry %s) dead-lettered: %s", rid, item.entry_id, reason)
-        elif outcome.refused is not None:
-            # Nothing was written; it stays pending here and is tried again after claim_idle.
-            self.stats.refusals += 1
-            log.error("record %s (entry %s): the dead stream refused its letter (%s); retried after claim_idle",
-                      rid, item.entry_id, outcome.refused)

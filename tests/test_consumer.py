@@ -14,7 +14,8 @@ from collections import Counter
 import pytest
 
 from redroll.consumer import runner as runner_module
-from redroll.consumer.runner import APPLY_BYTES, ConsumerRunner
+from redroll.consumer.batch import APPLY_BYTES, BatchApplier
+from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.ops.retention import trim_acked
@@ -309,7 +310,7 @@ async def test_duplicates_within_one_batch_applied_once(settings, r, apply_bytes
     assert await group_pending(r, settings.keys.results, "g") == 0
 
 
-async def test_a_batch_is_applied_and_acked_chunk_by_chunk(settings, r):
+async def test_a_batch_is_applied_and_acked_chunk_by_chunk(settings, r, monkeypatch):
     # One read of 4 records, chunks of one record each: when a record's callback runs, the
     # records before it are acked already, and its own chunk is the only one decoded.
     await produce(settings, r, [f"chunk-{i}" for i in range(4)])
@@ -322,13 +323,13 @@ async def test_a_batch_is_applied_and_acked_chunk_by_chunk(settings, r):
 
     held: list = []
     runner = ConsumerRunner(settings, group="g", handlers={"h": handler}, block_ms=100, apply_bytes=1)
-    apply_chunk = runner._apply_chunk
+    apply_chunk = BatchApplier._apply_chunk
 
-    async def watched(items, stream, checked):
+    async def watched(self, items, stream, checked):
         held[:] = items
-        await apply_chunk(items, stream, checked)
+        await apply_chunk(self, items, stream, checked)
 
-    runner._apply_chunk = watched  # type: ignore[method-assign]
+    monkeypatch.setattr(BatchApplier, "_apply_chunk", watched)
     async with running(runner):
         await wait_until(lambda: runner.stats.applied == 4, timeout=5)
     assert pending_seen == [4, 3, 2, 1]
@@ -356,7 +357,7 @@ async def test_reads_of_large_records_ask_for_fewer_entries(settings, r, monkeyp
 
 
 def _log_reads_and_checks(monkeypatch, events: list[str]) -> None:
-    read, check = runner_module.read_group, ConsumerRunner._applied_already
+    read, check = runner_module.read_group, BatchApplier._applied_already
 
     async def logged_read(*args, **kwargs):
         events.append("read")
@@ -367,7 +368,7 @@ def _log_reads_and_checks(monkeypatch, events: list[str]) -> None:
         return await check(self, *args)
 
     monkeypatch.setattr(runner_module, "read_group", logged_read)
-    monkeypatch.setattr(ConsumerRunner, "_applied_already", logged_check)
+    monkeypatch.setattr(BatchApplier, "_applied_already", logged_check)
 
 
 async def test_the_next_read_is_asked_for_after_the_markers_check_and_before_the_callbacks(settings, r, monkeypatch):
@@ -393,13 +394,13 @@ async def test_with_sync_callbacks_the_next_read_goes_out_while_the_batch_is_ack
     await produce(settings, r, [f"pre-{i}" for i in range(4)])
     events: list[str] = []
     _log_reads_and_checks(monkeypatch, events)
-    ack = ConsumerRunner._ack
+    ack = BatchApplier._ack
 
     async def logged_ack(self, *args):
         events.append("ack")
         return await ack(self, *args)
 
-    monkeypatch.setattr(ConsumerRunner, "_ack", logged_ack)
+    monkeypatch.setattr(BatchApplier, "_ack", logged_ack)
     runner = ConsumerRunner(settings, group="g", handlers={"h": lambda rec: events.append(rec.request_id)},
                             block_ms=50, batch=2, redis_client=r)
     async with running(runner):

@@ -63,7 +63,7 @@ def _stub_worker() -> Any:
 
 
 def _stub_consumer() -> Any:
-    from redroll.consumer.runner import ConsumerStats
+    from redroll.consumer.batch import ConsumerStats
 
     return SimpleNamespace(stats=ConsumerStats(), blocked=None)
 
