@@ -26,9 +26,9 @@ from benchmarks.runs import NAMESPACE, producer_argv, redroll_worker_argv
 from redroll.shared.keys import Keys
 
 
-def drain(server: Server, run_dir: Path, n: int, tail: int) -> dict[str, float]:
+def drain(server: Server, run_dir: Path, n: int, tail: int, general_path: bool = False) -> dict[str, float]:
     """Queue ``n`` requests (the ceiling's producer process, 500 a call), then let one worker drain
-    them alone."""
+    them alone (``general_path``: a task per request, as for an engine that takes time)."""
     server.fresh()
     env = redroll_env(server, NAMESPACE)
     results, measured = Keys(NAMESPACE).results, n - tail
@@ -37,7 +37,8 @@ def drain(server: Server, run_dir: Path, n: int, tail: int) -> dict[str, float]:
         if producer.popen.wait() != 0:
             raise BenchError(f"the producer exited with code {producer.popen.returncode}:\n{producer.tail()}")
     with Procs(run_dir) as procs:
-        worker = procs.spawn("worker", redroll_worker_argv(token_ms=0, max_inflight=256), env)
+        argv = redroll_worker_argv(token_ms=0, max_inflight=256) + (["--no-instant-path"] if general_path else [])
+        worker = procs.spawn("worker", argv, env)
         wait_for(lambda: server.r.xlen(results) > 0, 60, "the worker's first record", procs=procs, interval=0.001)
         t0, w0, r0 = time.perf_counter(), worker.sample_cpu(), server.cpu_s()
         wait_for(lambda: server.r.xlen(results) >= tail + measured, 120, "the drain", procs=procs, interval=0.001)
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail", type=int, default=1_000, help="records at the end left out of the figures")
     ap.add_argument("--runs", type=int, default=4, help="drains measured (the medians are printed)")
     ap.add_argument("--json-out")
+    ap.add_argument("--paths", choices=["instant", "both"], default="instant",
+                    help="both: each run drains twice, through the instant path and through the general one "
+                         "(a task per request), side by side: what the instant path buys")
     a = ap.parse_args(argv)
     if not 0 < a.tail < a.requests:
         ap.error("--tail must be between 0 and --requests")
@@ -59,15 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     server = Server()
     try:
         runs: list[dict[str, float]] = []
+        general: list[dict[str, float]] = []
         for k in range(a.runs):
-            run_dir = base / f"drain-{k}"
-            run_dir.mkdir()
-            run = drain(server, run_dir, a.requests, a.tail)
-            runs.append(run)
-            print(f"{run['rate']:9.0f} req/s  worker {run['worker_us']:6.2f} µs  "
-                  f"redis-server {run['redis_us']:6.2f} µs a request", file=sys.stderr, flush=True)
-        emit_json({"requests": a.requests, "tail": a.tail, "runs": runs,
-                   "medians": {key: statistics.median(r[key] for r in runs) for key in runs[0]}}, a.json_out)
+            for path, into in (("instant", runs), ("general", general)):
+                if path == "general" and a.paths != "both":
+                    continue
+                run_dir = base / f"drain-{k}-{path}"
+                run_dir.mkdir()
+                run = drain(server, run_dir, a.requests, a.tail, general_path=path == "general")
+                into.append(run)
+                print(f"{path:8} {run['rate']:9.0f} req/s  worker {run['worker_us']:6.2f} µs  "
+                      f"redis-server {run['redis_us']:6.2f} µs a request", file=sys.stderr, flush=True)
+        out = {"requests": a.requests, "tail": a.tail, "runs": runs,
+               "medians": {key: statistics.median(r[key] for r in runs) for key in runs[0]}}
+        if general:
+            out["general_path"] = {"runs": general,
+                                   "medians": {key: statistics.median(r[key] for r in general) for key in general[0]}}
+        emit_json(out, a.json_out)
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)

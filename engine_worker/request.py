@@ -128,9 +128,7 @@ class RequestRunner:
         if flight.deliveries > ctx.settings.max_deliveries or flight.stop_status is not None:
             return None
         try:
-            request = decode_request(fields, ctx.settings.limits)
-            self._check_served(request, ctx.part_of[flight.stream])
-            ctx.engine.validate(request)
+            request = self._decoded(flight, fields)
         except ValidationError:  # (decoded again in its own task, which says why)
             return None
         if (request in self.aborted or is_resumed(request)
@@ -191,11 +189,8 @@ class RequestRunner:
                 reason += f"; last error: {last}"
             await self.outcomes.dead_letter(flight, fields, reason, request=self._try_decode(fields))
             return
-        request: GenerationRequest | None = None
         try:
-            request = decode_request(fields, ctx.settings.limits)
-            self._check_served(request, ctx.part_of[flight.stream])
-            ctx.engine.validate(request)
+            request = self._decoded(flight, fields)
         except NewerSchemaError as exc:
             log.warning("entry %s: %s; handing it back for a newer worker", flight.entry_id, exc,
                         extra=flight.context())
@@ -208,9 +203,8 @@ class RequestRunner:
         except ValidationError as exc:
             # A request that decoded but is not servable here (model, vocabulary, reply_to) still
             # names its waiter: pass it on so that the waiter gets its error record.
-            await self.outcomes.dead_letter(flight, fields, exc.reason, error=exc, request=request)
+            await self.outcomes.dead_letter(flight, fields, exc.reason, error=exc, request=flight.request)
             return
-        flight.request = request
         queue_ms = max(0.0, (flight.claimed_at - request.submitted_at) * 1000.0)
 
         if flight.stop_status is None and request in self.aborted:
@@ -319,6 +313,16 @@ class RequestRunner:
         reason = (f"min_weight_version {request.min_weight_version} is newer than the pipeline's desired "
                   f"weights ({desired if desired is not None else 'none set'})")
         await self.outcomes.dead_letter(flight, fields, reason, request=request)
+
+    def _decoded(self, flight: InFlight, fields: dict) -> GenerationRequest:
+        """The entry's request, decoded and checked (served here, then the engine's own checks);
+        :class:`ValidationError` (or :class:`NewerSchemaError`) naming the field otherwise.
+        ``flight.request`` is set as soon as it decodes (its waiter is then known)."""
+        request = decode_request(fields, self.ctx.settings.limits)
+        flight.request = request
+        self._check_served(request, self.ctx.part_of[flight.stream])
+        self.ctx.engine.validate(request)
+        return request
 
     def _check_served(self, request: GenerationRequest, part: Keys) -> None:
         reply_to = request.reply_to

@@ -156,6 +156,9 @@ ENGINES: dict[str, EngineSpec] = {
                          "engine raise", hidden=True),
             EngineOption("--exit-marker", "exit_marker", "fault injection: prompts containing this kill the "
                          "worker process", hidden=True),
+            EngineOption("--no-instant-path", "declare_instant", "benchmarks: run outputs made at once through the "
+                         "worker's general path (a task per request)", type=None, negates=True, default=True,
+                         hidden=True),
         ),
     ),
 }

@@ -68,7 +68,8 @@ class SyntheticEngine:
 
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
-                 raise_marker: str | None = None, exit_marker: str | None = None, slots: int | None = None):
+                 raise_marker: str | None = None, exit_marker: str | None = None, slots: int | None = None,
+                 declare_instant: bool = True):
         self.token_ms = float(token_ms)
         self.slots = slots
         """Continuous-batching capacity: at most this many requests generate at once (None: no limit)."""
@@ -87,7 +88,7 @@ class SyntheticEngine:
         self._running: dict[str, tuple[GenerationRequest, float, float]] = {}
         """handle → (request, start, ms per token) of generations under way (for :meth:`partial`)."""
         self._version_changes: list[tuple[float, str]] = []
-        if self.instant:
+        if self.instant and declare_instant:  # (False: the worker's general path, for benchmarks/worker_drain.py)
             self.capabilities = dataclasses.replace(type(self).capabilities, instant=True)
 
     async def start(self) -> None:
