@@ -20,7 +20,7 @@ from __future__ import annotations
 from redroll.errors import _DEFINED_IN as _ERRORS_DEFINED_IN
 from redroll.errors import lazy_names
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "CompletionRecord": "redroll.shared.types",
