@@ -145,7 +145,8 @@ def engine_options(args: argparse.Namespace, spec: EngineSpec, settings: Setting
 
 
 def engine_table() -> str:
-    """The engines as a Markdown table (docs/engines.md holds it; a test keeps the two equal)."""
+    """The engines, then their flags, as two Markdown tables (docs/engines.md holds them;
+    tests/test_docs_pages.py keeps the page and the registry equal)."""
     rows = ["| engine | what it runs | `--model-path` | its flags |", "| --- | --- | --- | --- |"]
     for spec in ENGINES.values():
         model = "required" if spec.loads_model else "not used"
@@ -155,4 +156,15 @@ def engine_table() -> str:
             model += " (a directory or a Hub id)"
         flags = ", ".join(f"`{o.flag}`" for o in spec.options if not o.hidden)
         rows.append(f"| `{spec.name}` | {spec.summary} | {model} | {flags} |")
+    rows += ["", "| flag (also spelled) | variable | engine: the constructor keyword it sets (default) | what |",
+             "| --- | --- | --- | --- |"]
+    for flag, pairs in _by_flag().items():
+        option = pairs[0][1]
+        if option.hidden:
+            continue
+        aliases = sorted({a for _s, o in pairs for a in o.aliases})
+        spelled = f"`{flag}`" + "".join(f" (`{a}`)" for a in aliases)
+        honoured = "; ".join(f"{s.name}: `{o.kwarg}`" + ("" if o.default in (None, False) else f" ({o.default})")
+                             for s, o in pairs)
+        rows.append(f"| {spelled} | `{option.env_name}` | {honoured} | {option.help.replace('|', '/')} |")
     return "\n".join(rows)
