@@ -332,3 +332,16 @@ def test_each_action_has_its_own_flags_and_every_duration_names_its_unit():
                 assert action.metavar == "MS", (name, flag)
             elif flag.endswith(("-timeout", "-interval", "-s")) or flag in ("--interval", "--timeout"):
                 assert action.metavar == "SECONDS", (name, flag, action.metavar)
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits(settings):
+    """It printed uvicorn's bind error and then never exited, even on SIGTERM."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli(settings, "serve", "--port", str(port), timeout=60)
+    assert proc.returncode == 1
+    assert one_line(proc) == f"redroll serve: [Errno 98] cannot listen on 127.0.0.1:{port}: Address already in use"

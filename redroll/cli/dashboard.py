@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from redroll.cli.options import BIND_HELP, LOCALHOST, add_connection_options, settings_from_args
+from redroll.cli.options import BIND_HELP, LOCALHOST, add_connection_options, listening_socket, settings_from_args
 
 log = logging.getLogger("redroll.web.dashboard.app")
 
@@ -77,15 +76,6 @@ def refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.set_inheritable(True)
-    return sock
-
-
 async def run(args: argparse.Namespace) -> int:
     """Serve until interrupted. Exit status 2 for arguments that cannot start it."""
     from redroll.shared.connection import connect
@@ -118,7 +108,7 @@ async def run(args: argparse.Namespace) -> int:
         try:
             app = create_app(r, settings, actions=actions, interval_s=args.interval,
                              allowed_hosts=list(LOOPBACK_HOSTS) if is_loopback(args.host) else None)
-            sock = _bind(args.host, args.port)
+            sock = listening_socket(args.host, args.port)
             host, port = sock.getsockname()[:2]
             where = f"[{host}]" if ":" in host else host
             print(f"redroll dashboard: http://{where}:{port}/ (namespace {settings.namespace!r}, actions "

@@ -4,6 +4,7 @@ formatter, and the settings the options make."""
 from __future__ import annotations
 
 import argparse
+import socket
 from typing import Any
 
 from redroll.cli import sentinel_options
@@ -50,6 +51,22 @@ LOCALHOST = "127.0.0.1"
 metrics. Open one up on purpose, e.g. ``--host 0.0.0.0`` in a container."""
 
 BIND_HELP = "the address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface)"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (0: any free port), made before anything starts, so a port
+    in use is one line and exit status 1 (an ``OSError`` the command line reports), not a server that
+    started its connections and cannot listen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def add_metrics_flags(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from redroll.cli.options import (
     BIND_HELP,
     LOCALHOST,
     add_connection_options,
+    listening_socket,
     positive_int,
     positive_seconds,
     settings_from_args,
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
                            max_queued=args.max_queued, default_model=args.default_model,
                            trust_request_chat_template=args.trust_request_chat_template,
                            idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout)
-    uvicorn.run(build_app(settings, config), host=host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
+    sock = listening_socket(host, args.port)  # (before anything starts: a port in use is one line)
+    server = uvicorn.Server(uvicorn.Config(build_app(settings, config), log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S))
+    server.run(sockets=[sock])
     return 0
