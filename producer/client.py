@@ -41,6 +41,7 @@ from redroll.shared.streams import ensure_group, unique_consumer_name
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 if TYPE_CHECKING:
+    from redroll.producer.keyed import KeyedCalls
     from redroll.producer.session import Session
 
 __all__ = ["SUBMIT_CHUNK", "BeforeAckError", "Callback", "Producer", "StreamChunk", "make_request", "request_stream", "send",
@@ -514,6 +515,14 @@ class Producer:
         if str(weight_version).isdigit():
             self.set_weight_version(int(weight_version))
         return workers
+
+    def keyed_calls(self, wait_client: Redis, window_s: int) -> "KeyedCalls":
+        """Calls whose records stay readable by any process for ``window_s`` (see
+        :mod:`redroll.producer.keyed`), submitted on this producer's connection, awaited on
+        ``wait_client``."""
+        from redroll.producer.keyed import KeyedCalls
+
+        return KeyedCalls(self.settings, self.redis, self.scripts, wait_client, window_s)
 
     def weight_sync(self, **options: Any) -> Any:
         """Push a trainer's weights to the fleet over torch.distributed (see

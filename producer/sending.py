@@ -110,33 +110,56 @@ SUBMIT_CHUNK = 500
 """Requests per submit_many script call (a script blocks the server while it runs)."""
 
 
+class SubmitCalls:
+    """The ``submit_many`` calls of (request, data, token) items: one per request stream (in each
+    request's partition), at most :data:`SUBMIT_CHUNK` items each. :meth:`queue` puts them on a
+    pipeline (or a transaction); :meth:`replies` reads the pipeline's replies for them back as one
+    [code, value] reply per item, in the items' order (:meth:`Scripts.submit_outcome` says what each
+    means; a missing library raises :class:`~redroll.shared.functions.FunctionsMissingError` there,
+    for :func:`~redroll.shared.scripts.with_library`). Every submit, the producer's and a keyed
+    call's, is made of these."""
+
+    def __init__(self, scripts: Scripts, settings: Settings, items: list[tuple[GenerationRequest, bytes, str]]):
+        self.scripts = scripts
+        self.settings = settings
+        self.items = items
+        groups: dict[tuple[str, Keys], list[int]] = {}
+        for i, (req, _, _) in enumerate(items):
+            part = settings.keys_for(req)
+            groups.setdefault((request_stream(part, req), part), []).append(i)
+        self.calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
+                      for j in range(0, len(idx), SUBMIT_CHUNK)]
+
+    def queue(self, pipe: Any) -> None:
+        items = self.items
+        for stream, part, idx in self.calls:
+            self.scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=self.settings.rid_ttl_s, items=[
+                (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
+                 items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
+
+    def replies(self, pipe_replies: list) -> list:
+        per_call = call_replies(pipe_replies, [submit_refused(stream, len(idx)) for stream, _, idx in self.calls])
+        out: list = [None] * len(self.items)
+        for (_, _, idx), reply in zip(self.calls, per_call):
+            for i, rep in zip(idx, reply):
+                out[i] = rep
+        return out
+
+
 async def submit_batch(r: Redis, scripts: Scripts, settings: Settings,
                        items: list[tuple[GenerationRequest, bytes, str]]) -> list:
-    """Submit (request, data, token) items with ``submit_many`` calls (one per request stream, in
-    each request's partition) in one round trip; returns one [code, value] reply per item, in order
-    (see :meth:`Scripts.submit_outcome`). With ``settings.wait_replicas`` the round trip ends with
-    the replicas' acknowledgement (see :mod:`redroll.shared.connection.durability`)."""
-    groups: dict[tuple[str, Keys], list[int]] = {}
-    for i, (req, _, _) in enumerate(items):
-        part = settings.keys_for(req)
-        groups.setdefault((request_stream(part, req), part), []).append(i)
-    calls = [(stream, part, idx[j:j + SUBMIT_CHUNK]) for (stream, part), idx in groups.items()
-             for j in range(0, len(idx), SUBMIT_CHUNK)]
+    """Submit (request, data, token) items (:class:`SubmitCalls`) in one round trip; returns one
+    [code, value] reply per item, in order (see :meth:`Scripts.submit_outcome`). With
+    ``settings.wait_replicas`` the round trip ends with the replicas' acknowledgement (see
+    :mod:`redroll.shared.connection.durability`)."""
+    calls = SubmitCalls(scripts, settings, items)
     durability = Durability.of(settings)
 
     async def attempt() -> list:
         async with r.pipeline(transaction=False) as pipe:
-            for stream, part, idx in calls:
-                scripts.submit_many_in(pipe, requests_key=stream, rid_ttl_s=settings.rid_ttl_s, items=[
-                    (part.rid(items[i][0].request_id), items[i][2], items[i][0].request_id, items[i][0].reply_to,
-                     items[i][1], items[i][0].lane_key if part.lanes else items[i][0].affinity_key) for i in idx])
-            return call_replies(await durability.execute(pipe),
-                                [submit_refused(stream, len(idx)) for stream, _, idx in calls])
+            calls.queue(pipe)
+            return calls.replies(await durability.execute(pipe))
 
-    replies = await with_library(r, attempt)
-    out: list = [None] * len(items)
-    for (_, _, idx), reply in zip(calls, replies):
-        for i, rep in zip(idx, reply):
-            out[i] = rep
+    out = await with_library(r, attempt)
     await leave_demoted_primary(r, [text(rep[1]) for rep in out if int(rep[0]) == 3])
     return out

@@ -3,7 +3,7 @@
 One :class:`Gateway` per process, over one pipeline per model (:mod:`.pipelines`; one model unless
 told otherwise): a call is routed by its ``model`` to a pipeline, whose producer submits it (calls
 without an ``Idempotency-Key`` await their records on the producer's own reply stream; keyed calls
-go through :class:`~redroll.web.gateway.idempotency.KeyedCalls`, whose records any replica can
+go through the producer's :class:`~redroll.producer.keyed.KeyedCalls`, whose records any replica can
 read). A call is parse → requests → records → response; a streamed call (``stream: true``) is
 parse → requests → chunks → events instead (:mod:`redroll.web.gateway.sse`). The fleet-control
 endpoints are in :mod:`.fleet`, vLLM's token-in/token-out endpoint in :mod:`.generate`.
@@ -35,7 +35,7 @@ from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest
 from redroll.web.gateway.fleet import Fleet
 from redroll.web.gateway.generate import generate
-from redroll.web.gateway.idempotency import KeyedCalls, call_name, fingerprint
+from redroll.web.gateway.idempotency import GatewayKeyedCalls, call_name, fingerprint
 from redroll.web.gateway.pipelines import Pipeline, Pipelines, model_namespaces
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
 from redroll.web.gateway.sse import EventStream, EventWriter, open_choices, respond
@@ -111,7 +111,7 @@ class Gateway:
         return self.pipelines.policy.producer
 
     @property
-    def keyed(self) -> KeyedCalls | None:
+    def keyed(self) -> GatewayKeyedCalls | None:
         """The policy's keyed calls."""
         return self.pipelines.policy.keyed
 
@@ -142,7 +142,7 @@ class Gateway:
     def _started(self) -> None:
         self._wait_client = connect(self.settings, max_connections=self.config.max_backlog + 1)
         for p in self.pipelines:
-            p.keyed = KeyedCalls(p.settings, p.producer.redis, self._wait_client, self.config.idempotency_window_s)
+            p.keyed = GatewayKeyedCalls(p.producer.keyed_calls(self._wait_client, self.config.idempotency_window_s))
         self.redis_ok = True
         self.metrics.redis_up.set(1)
 

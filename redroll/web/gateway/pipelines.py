@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from redroll.producer.client import Producer
 from redroll.shared.settings import Settings
-from redroll.web.gateway.idempotency import KeyedCalls
+from redroll.web.gateway.idempotency import GatewayKeyedCalls
 from redroll.web.gateway.protocol import GatewayError
 
 HEARTBEAT_FRESH_S = 10.0
@@ -30,7 +30,7 @@ class Pipeline:
     name: str
     settings: Settings
     producer: Producer
-    keyed: KeyedCalls | None = None
+    keyed: GatewayKeyedCalls | None = None
     queued: int = 0
     """Its queued and in-flight requests at the last health ping (with ``--max-queued``)."""
     max_model_len: int | None = field(default=None, init=False)
