@@ -10,58 +10,27 @@ directory that is not there) and the engine table in docs/engines.md are all der
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from typing import Any
 
 from redroll.engine_worker.engines.base import Engine, EngineOption, EngineSpec
-
-
-def _positive_gib(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of GiB") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 GiB, got {raw}")
-    return value
-
-
-def _fraction(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {raw}")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
+from redroll.shared.values import fraction, positive_gib, positive_int
 
 # ---------------------------------------------------------------- settings several engines share
 
 def _capacity(kwarg: str, default: int | None = None, aliases: tuple[str, ...] = ()) -> EngineOption:
     return EngineOption("--max-running-requests", kwarg, "requests the engine runs at once (its batch; the worker "
-                        "claims this many plus --claim-prefetch)", type=_positive_int, default=default, aliases=aliases)
+                        "claims this many plus --claim-prefetch)", type=positive_int, default=default, aliases=aliases)
 
 
 def _context_length(kwarg: str) -> EngineOption:
     return EngineOption("--context-length", kwarg, "the model context in tokens (default: the model's)",
-                        type=_positive_int)
+                        type=positive_int)
 
 
 def _memory_fraction(kwarg: str, alias: str) -> EngineOption:
     return EngineOption("--memory-fraction", kwarg, "accelerator memory the engine may take, a fraction",
-                        type=_fraction, aliases=(alias,))
+                        type=fraction, aliases=(alias,))
 
 
 def _dtype(default: str) -> EngineOption:
@@ -73,7 +42,7 @@ def _seed(kwarg: str) -> EngineOption:
 
 
 def _tp_size(kwarg: str) -> EngineOption:
-    return EngineOption("--tp-size", kwarg, "tensor-parallel size (GPUs per engine)", type=_positive_int, default=1)
+    return EngineOption("--tp-size", kwarg, "tensor-parallel size (GPUs per engine)", type=positive_int, default=1)
 
 
 def _memory_saver(kwarg: str) -> EngineOption:
@@ -99,7 +68,7 @@ ENGINES: dict[str, EngineSpec] = {
             _seed("seed"), _tp_size("tensor_parallel_size"), _memory_saver("enable_sleep_mode"), _PAUSE_MODE,
             _WEIGHT_VERSION,
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
-                         "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=_positive_gib),
+                         "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=positive_gib),
             EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "
                          "default: affinity lanes exist to feed it)", type=None, negates=True, default=True),
             EngineOption("--vllm-arg", "extra_args", "any other vLLM AsyncEngineArgs argument, KEY=VALUE (repeatable; "
@@ -117,11 +86,11 @@ ENGINES: dict[str, EngineSpec] = {
             _memory_fraction("mem_fraction_static", "--mem-fraction-static"), _dtype("auto"),
             _seed("random_seed"), _tp_size("tp_size"), _memory_saver("enable_memory_saver"), _PAUSE_MODE,
             _WEIGHT_VERSION,
-            EngineOption("--dp-size", "dp_size", "data-parallel size", type=_positive_int, default=1),
+            EngineOption("--dp-size", "dp_size", "data-parallel size", type=positive_int, default=1),
             EngineOption("--skip-tokenizer-init", "skip_tokenizer_init", "token ids in and out only (no text, no chats)",
                          type=None),
             EngineOption("--max-routed-experts-bytes", "max_routed_experts_bytes", "the most MoE routing data "
-                         "(return_routed_experts) one record may carry", type=_positive_int, default=2 * 1024 * 1024),
+                         "(return_routed_experts) one record may carry", type=positive_int, default=2 * 1024 * 1024),
             EngineOption("--sglang-arg", "extra_args", "any other sglang.Engine argument, KEY=VALUE (repeatable; VALUE "
                          "is parsed as JSON when it can be)", repeatable=True),
         ),
@@ -149,7 +118,7 @@ ENGINES: dict[str, EngineSpec] = {
         options=(
             _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION,
             EngineOption("--token-ms", "token_ms", "milliseconds per token", type=float, default=0.0),
-            EngineOption("--vocab-size", "vocab_size", "vocabulary size", type=_positive_int, default=32000),
+            EngineOption("--vocab-size", "vocab_size", "vocabulary size", type=positive_int, default=32000),
             EngineOption("--jitter", "jitter", "per-request token time varies by this fraction", type=float,
                          default=0.0),
             EngineOption("--raise-marker", "raise_marker", "fault injection: prompts containing this make the "

@@ -9,6 +9,14 @@ from typing import Any
 
 from redroll.cli import sentinel_options
 from redroll.shared.settings import Settings
+from redroll.shared.values import (  # noqa: F401  (the argument types every command uses)
+    non_negative_int,
+    number_of_seconds,
+    positive_gib,
+    positive_int,
+    positive_seconds,
+    seconds_from_zero,
+)
 
 
 def add_connection_options(p: argparse.ArgumentParser) -> None:
@@ -73,60 +81,6 @@ def add_metrics_flags(p: argparse.ArgumentParser) -> None:
     """``--metrics-port`` and ``--metrics-host`` of a long-running worker or consumer."""
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default=LOCALHOST, help="with --metrics-port: " + BIND_HELP)
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} is not positive")
-    return number
-
-
-def non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{number} is less than 0")
-    return number
-
-
-def number_of_seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
-    if value != value:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds")
-    return value
-
-
-def positive_seconds(raw: str) -> float:
-    value = number_of_seconds(raw)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {raw}")
-    return value
-
-
-def positive_gib(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of GiB") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 GiB, got {raw}")
-    return value
-
-
-def seconds_from_zero(raw: str) -> float:
-    value = number_of_seconds(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 seconds or more, got {raw}")
-    return value
 
 
 SETTING_DEFAULTS = Settings()
