@@ -89,22 +89,10 @@ def build_record(
     if output.extra:
         meta.update(output.extra)
     return CompletionRecord(
-        request_id=request.request_id,
-        status=status,
-        output_token_ids=ids,
-        finish_reasons=reasons,
-        output_logprobs=logprobs,
-        meta_info=meta,
-        error=None,
-        worker=worker,
-        callback=request.callback,
-        group_id=request.group_id,
-        requeued=request.requeued,
-        weight_versions=versions,
-        output_top_logprobs=top,
+        request_id=request.request_id, status=status, output_token_ids=ids, finish_reasons=reasons,
+        output_logprobs=logprobs, meta_info=meta, error=None, worker=worker, callback=request.callback,
+        group_id=request.group_id, requeued=request.requeued, weight_versions=versions, output_top_logprobs=top,
         input_logprobs=output.input_logprobs if keep_output and request.logprob_start_len is not None else None,
-        routed_experts=routed,
-        output_text=texts,
+        routed_experts=routed, output_text=texts,
         prompt_token_ids=output.prompt_token_ids if request.return_prompt_token_ids else None,
-        v=TEXT_SCHEMA_VERSION if texts is not None else FIRST_SCHEMA_VERSION,
-    )
+        v=TEXT_SCHEMA_VERSION if texts is not None else FIRST_SCHEMA_VERSION)

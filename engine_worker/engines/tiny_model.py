@@ -86,19 +86,10 @@ def build_tiny_model(seed: int = 0) -> "LlamaForCausalLM":
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=_HIDDEN,
-        intermediate_size=_INTERMEDIATE,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
-        max_position_embeddings=_MAX_POSITIONS,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=_HIDDEN, intermediate_size=_INTERMEDIATE, num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS, num_key_value_heads=_KV_HEADS, max_position_embeddings=_MAX_POSITIONS,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
+        attn_implementation="eager")
     # transformers draws its own init from the global RNG: keep that from leaking out, then
     # overwrite every parameter from a private generator so the weights depend on `seed` only.
     with torch.random.fork_rng(devices=[]):

@@ -15,26 +15,19 @@ import asyncio
 from typing import Any, Iterable, Sequence
 
 from redroll.engine_worker.engines.base import WeightsRefused
-from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
+from redroll.engine_worker.engines.weight_group_member import WeightGroupMember
+from redroll.shared.weight_group import joined, torch_dtype
 
 
-class TorchWeights:
+class TorchWeights(WeightGroupMember):
     """Mixin: needs ``self._model``, ``self._step_lock``, ``self.info`` and ``self._jobs``."""
 
     _model: Any
     _step_lock: asyncio.Lock
     info: Any
-    _group: WeightGroup | None = None
     _staged: tuple[str, dict[str, Any]] | None = None
 
     # ------------------------------------------------------------ a trainer's broadcast
-
-    async def join_weight_group(self, *, address: str, port: int, rank_offset: int, world_size: int,
-                                group_name: str, backend: str, timeout_s: float) -> None:
-        await self.leave_weight_group()
-        self._group = await asyncio.to_thread(WeightGroup.open, address=address, port=port, rank=rank_offset,
-                                              world_size=world_size, name=group_name, backend=backend,
-                                              timeout_s=timeout_s)
 
     async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
                               in_place: bool = True) -> None:
@@ -62,11 +55,6 @@ class TorchWeights:
         """Drop staged weights; the model was not touched (True: it still serves its version)."""
         self._staged = None
         return True
-
-    async def leave_weight_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            await asyncio.to_thread(group.close)
 
     # ------------------------------------------------------------ tensors in this process, a directory
 

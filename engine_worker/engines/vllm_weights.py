@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from redroll.engine_worker.engines.base import EngineCommandRefused, WeightUpdateError
-from redroll.shared.weight_group import WeightGroup, joined, torch_dtype
+from redroll.engine_worker.engines.weight_group_member import WeightGroupMember
+from redroll.shared.weight_group import joined, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from redroll.engine_worker.engines.base import EngineInfo
@@ -51,7 +52,7 @@ MEMORY_TAGS = ("weights", "kv_cache")
 """What vLLM's ``wake_up(tags)`` takes back (level 1 sleep offloads weights, discards the KV cache)."""
 
 
-class VLLMWeights:
+class VLLMWeights(WeightGroupMember):
     """Mixed into :class:`~.vllm_engine.VLLMEngine` (which sets ``process``, ``info``, ``pause_mode``)."""
 
     process: "VLLMProcess"
@@ -59,7 +60,6 @@ class VLLMWeights:
     pause_mode: str
     loaded_model_path: str
     _released: bool = False
-    _group: "WeightGroup | None" = None
     _staged: "tuple[str, dict[str, Any], bool] | None" = None
     _ipc_ready: bool = False
 
@@ -90,13 +90,8 @@ class VLLMWeights:
 
     # ------------------------------------------------------------------ a trainer's push
 
-    async def join_weight_group(self, *, address: str, port: int, rank_offset: int, world_size: int,
-                                group_name: str, backend: str, timeout_s: float) -> None:
+    def _check_can_join(self) -> None:
         self.process.require()
-        await self.leave_weight_group()
-        self._group = await asyncio.to_thread(WeightGroup.open, address=address, port=port, rank=rank_offset,
-                                              world_size=world_size, name=group_name, backend=backend,
-                                              timeout_s=timeout_s)
 
     async def receive_weights(self, specs: Sequence[Any], *, group_name: str, version: str,
                               in_place: bool = True) -> None:
@@ -185,11 +180,6 @@ class VLLMWeights:
         """Drop the staged tensors; vLLM was not touched (True: it serves its version still)."""
         self._staged = None
         return True
-
-    async def leave_weight_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            await asyncio.to_thread(group.close)
 
     # ------------------------------------------------------------------ memory
 

@@ -199,23 +199,9 @@ async def wait_for_memory_command(r: Redis, keys: Keys, kind: str, sent_id: str,
     """After broadcasting a memory command (entry ``sent_id``): wait until every live worker is in
     ``want_state`` or reported ``command_failed`` for ``kind``. Returns (workers done, worker →
     error); on timeout, what is known by then."""
-    import asyncio
-
-    failed: dict[str, str] = {}
-    position = sent_id
-    deadline = time.monotonic() + timeout
-    while True:
-        for _stream, entries in await r.xread({keys.control: position}, count=100) or []:
-            for entry_id, fields in entries:
-                position = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                cmd = parse_command(fields)
-                if isinstance(cmd, CommandFailed) and cmd.command == kind:
-                    failed[cmd.worker] = cmd.error
-        workers = await live_workers(r, keys, stale_after_s)
-        done = sorted(n for n, b in workers.items() if b.get("state") == want_state and n not in failed)
-        if set(done) | set(failed) >= set(workers) or time.monotonic() > deadline:
-            return done, failed
-        await asyncio.sleep(0.1)
+    done, failed, _behind = await wait_for_workers(r, keys, kind, sent_id, lambda beat: beat.get("state") == want_state,
+                                                   timeout=timeout, stale_after_s=stale_after_s)
+    return done, failed
 
 
 async def pause_fleet(r: Redis, keys: Keys, mode: PauseMode = "keep") -> str:
