@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from redroll.cli.options import BIND_HELP, LOCALHOST, add_connection_options, listening_socket, settings_from_args
+from redroll.cli.options import (
+    BIND_HELP,
+    LOCALHOST,
+    add_connection_options,
+    listening_socket,
+    settings_from_args,
+    usage_error,
+)
 
 log = logging.getLogger("redroll.web.dashboard.app")
 
@@ -83,8 +90,7 @@ async def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     problem = refusal(args)
     if problem:
-        print(f"redroll dashboard: {problem}", file=sys.stderr)
-        return 2
+        return usage_error("dashboard", problem)
     try:
         import uvicorn
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from redroll.cli.options import add_connection_options, positive_int, seconds_from_zero, settings_from_args
+from redroll.cli.options import add_connection_options, positive_int, seconds_from_zero, settings_from_args, usage_error
 from redroll.shared.connection import connect
 
 
@@ -78,8 +78,7 @@ async def run(args: argparse.Namespace) -> int:
             return 0
         if args.dead_command == "requeue":
             if not args.ids and not args.all:
-                print("redroll dead requeue: name entry ids or --all", file=sys.stderr)
-                return 2
+                return usage_error("dead requeue", "name entry ids or --all")
             done, refused = await dead.requeue(r, settings, None if args.all else args.ids,
                                                patches=dead.parse_patches(args.set))
             for msg in refused:
@@ -87,8 +86,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"requeued {len(done)} dead letter(s)")
             return 0 if not refused else 3
         if not args.ids and args.older_than is None and not args.all:
-            print("redroll dead purge: name entry ids, --older-than SECONDS or --all", file=sys.stderr)
-            return 2
+            return usage_error("dead purge", "name entry ids, --older-than SECONDS or --all")
         n = 0
         for part in settings.partition_keys:
             n += await dead.purge(r, part, args.ids or None, older_than_s=args.older_than)

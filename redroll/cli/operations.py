@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from redroll.cli.options import add_connection_options, seconds_from_zero, settings_from_args
+from redroll.cli.options import add_connection_options, seconds_from_zero, settings_from_args, usage_error
 from redroll.shared.connection import connect
 
 
@@ -107,8 +107,7 @@ async def run_repair(args: argparse.Namespace) -> int:
     from redroll.ops.repair import MAX_REBUILD_ENTRIES, pipeline_streams, repair_stream
 
     if not args.streams and not args.all:
-        print("redroll repair: name stream keys or --all", file=sys.stderr)
-        return 2
+        return usage_error("repair", "name stream keys or --all")
     settings = settings_from_args(args)
     async with connect(settings) as r:
         keys = args.streams or await pipeline_streams(r, settings.keys, settings.partition_keys)
@@ -145,8 +144,7 @@ async def run_drain(args: argparse.Namespace) -> int:
     from redroll.shared.commands import Drain
 
     if not args.workers and not args.all:
-        print("redroll drain: name workers or --all", file=sys.stderr)
-        return 2
+        return usage_error("drain", "name workers or --all")
     from redroll.ops.control import live_workers
 
     settings = settings_from_args(args)
@@ -168,8 +166,7 @@ async def run_abort(args: argparse.Namespace) -> int:
     from redroll.ops.control import abort_requests
 
     if not args.request_ids and not args.group:
-        print("redroll abort: name request ids or --group G", file=sys.stderr)
-        return 2
+        return usage_error("abort", "name request ids or --group G")
     settings = settings_from_args(args)
     async with connect(settings) as r:
         cancelled = await abort_requests(r, settings.keys, args.request_ids, group_ids=args.group,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from typing import Any
 
 from redroll.cli import sentinel_options
@@ -51,6 +52,13 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
                    help="log level (env REDROLL_LOG_LEVEL; default info)")
     g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
                    help="log lines as text or one JSON object each (env REDROLL_LOG_FORMAT; default text)")
+
+
+def usage_error(command: str, message: str) -> int:
+    """Say why ``redroll COMMAND`` with these arguments cannot run (one line on stderr); the exit
+    status of a usage error, 2."""
+    print(f"redroll {command}: {message}", file=sys.stderr)
+    return 2
 
 
 LOCALHOST = "127.0.0.1"

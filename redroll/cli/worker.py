@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import sys
 from typing import Any
 
 from redroll.cli.burst import add_burst_flag
@@ -17,6 +16,7 @@ from redroll.cli.options import (
     non_negative_int,
     positive_int,
     settings_from_args,
+    usage_error,
 )
 from redroll.cli.process import serve
 from redroll.engine_worker.engines.registry import ENGINES, engine_spec
@@ -66,8 +66,7 @@ def add_parser(sub: Any) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     if refusal := worker_refusal(args):
-        print(f"redroll worker: {refusal}", file=sys.stderr)
-        return 2
+        return usage_error("worker", f"{refusal}")
     return await run_worker(args)
 
 
