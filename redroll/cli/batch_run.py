@@ -288,9 +288,12 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
             async def write_as_they_arrive() -> None:
                 warned = False
                 while pending:
+                    # (asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                    # that comes as the wait ends, and a Ctrl-C then did not stop the run)
                     try:
-                        await asyncio.wait_for(wake.wait(), QUIET_CHECK_S)
-                    except asyncio.TimeoutError:  # nothing arrived for a while: say so, and why if we can
+                        async with asyncio.timeout(QUIET_CHECK_S):
+                            await wake.wait()
+                    except TimeoutError:  # nothing arrived for a while: say so, and why if we can
                         bar.tick()
                         if not warned and not await _any_live_worker(producer.redis, settings):
                             warned = True
@@ -302,8 +305,9 @@ async def _submit_and_write(settings: Settings, requests: list[GenerationRequest
                     write_arrived()
 
             try:
-                await asyncio.wait_for(write_as_they_arrive(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):
+                    await write_as_they_arrive()
+            except TimeoutError:
                 bar.close()
                 print(f"timed out after {timeout:g} s: {pending} of {len(requests)} record(s) not received (their "
                       f"requests stay queued or in flight; `redroll abort` stops them"
