@@ -21,7 +21,7 @@ from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid
+from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid, response_format_schema
 
 FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages", "tools": "tools",
                "sampling_params.max_new_tokens": "max_tokens", "sampling_params.n": "n",
@@ -36,7 +36,8 @@ FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages"
                "return_prompt_token_ids": "return_token_ids", "sampling_params.regex": "structured_outputs.regex",
                "sampling_params.json_schema": "structured_outputs.json",
                "sampling_params.ebnf": "structured_outputs.grammar",
-               "sampling_params.structural_tag": "structured_outputs.structural_tag"}
+               "sampling_params.structural_tag": "structured_outputs.structural_tag", "tool_choice": "tool_choice",
+               "tool_choice.function.name": "tool_choice", "prefix_ids": "session_id"}
 """redroll's field names (in a ValidationError) as the OpenAI body names them."""
 
 META = "gateway"
@@ -106,9 +107,16 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         if top and not body.logprobs:
             raise invalid("top_logprobs", "needs logprobs=true")
         want_logprobs = bool(body.logprobs)
-        inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools,
-                                         "chat_template": body.chat_template,
-                                         "chat_template_kwargs": template_variables(body)}]
+        fmt = response_format_schema(body)
+        if fmt is not None:
+            if "json_schema" in sampling:
+                raise invalid("response_format", "not with structured_outputs.json (one schema per call)")
+            sampling["json_schema"] = fmt
+        chat: dict[str, Any] = {"messages": body.messages, "tools": body.tools, "chat_template": body.chat_template,
+                                "chat_template_kwargs": template_variables(body)}
+        if body.tools and body.tool_choice is not None:
+            chat["tool_choice"] = body.tool_choice
+        inputs: list[dict[str, Any]] = [chat]
     else:
         max_tokens = body.max_tokens
         top = body.logprobs or 0
@@ -119,6 +127,8 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
     with_prompt_logprobs = body.prompt_logprobs is not None
     facts: dict[str, Any] = {"created": int(time.time()), "model": model or body.model, "fp": fingerprint,
                              "ids": bool(body.return_token_ids)}
+    if isinstance(body, ChatBody) and body.tools and body.tool_choice != "none":
+        facts["tc"] = "named" if isinstance(body.tool_choice, dict) else body.tool_choice or "auto"
     if with_prompt_logprobs:  # (the record then has output logprobs the call did not ask for: say which)
         facts.update(lp=want_logprobs, plp=True)
     meta = {META: facts}
@@ -253,6 +263,32 @@ def _tops_of(rec: CompletionRecord, j: int) -> Any:
     return rec.output_top_logprobs[j] if rec.output_top_logprobs else None
 
 
+def sample_calls(rec: CompletionRecord, j: int) -> Any:
+    """The parsed tool calls of sample ``j`` (None when it made none)."""
+    return rec.tool_calls[j] if rec.tool_calls else None
+
+
+def assistant_message(rec: CompletionRecord, j: int) -> dict[str, Any]:
+    """A sample as OpenAI's assistant message: its text, or (a sample that called tools) the text
+    outside its calls and the calls, as the worker's parser read them."""
+    text = (rec.output_text or [""] * (j + 1))[j]
+    calls = sample_calls(rec, j)
+    if calls is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": calls.content,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls.calls]}
+
+
+def chat_finish_reason(rec: CompletionRecord, j: int) -> str | None:
+    """OpenAI's rule, as vLLM applies it: ``tool_calls`` for a sample that called tools under an
+    ``auto`` or ``required`` choice, ``stop`` under a named one."""
+    reason = rec.finish_reasons[j]
+    if reason == "stop" and sample_calls(rec, j) is not None and gateway_meta(rec).get("tc") in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
 def completion_response(call_id: str, model: str, records: list[CompletionRecord],
                         prompts: list[list[int] | None], top: int = 0) -> dict[str, Any]:
     """A ``text_completion`` object from a call's records (one per prompt, in order); ``top``: the
@@ -289,8 +325,8 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
     choices = []
     for index, k, rec, j in _samples(records):
         choice: dict[str, Any] = {
-            "index": index, "message": {"role": "assistant", "content": (rec.output_text or [""] * (j + 1))[j]},
-            "finish_reason": rec.finish_reasons[j], "stop_reason": None, "logprobs": None}
+            "index": index, "message": assistant_message(rec, j),
+            "finish_reason": chat_finish_reason(rec, j), "stop_reason": None, "logprobs": None}
         if _shows_logprobs(rec):
             choice["logprobs"] = chat_logprobs(rec.output_token_ids[j], rec.output_logprobs[j],  # type: ignore[index]
                                                _tops_of(rec, j), top)
