@@ -192,6 +192,8 @@ def tool_names(tools: Any) -> list[str]:
 def _check_agent_fields(req: GenerationRequest) -> None:
     """``tool_choice`` goes with ``tools`` (a named one names one of them); ``prefix_ids`` with a
     text or chat prompt (it is the part before it)."""
+    if req.parallel_tool_calls is not None and req.tools is None:
+        raise ValidationError("parallel_tool_calls", "needs tools")
     choice = req.tool_choice
     if choice is not None:
         if req.tools is None:

@@ -250,6 +250,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     ``required`` and a named function (``{"type": "function", "function": {"name": ...}}``)
     constrain the output to calls with the engine's structured output (an engine without one
     refuses them, naming the field)."""
+    parallel_tool_calls: Optional[bool] = None
+    """With ``tools`` (schema 5): false allows one call per sample (a ``required`` choice's schema
+    holds one item, as vLLM's); nil or true: any number."""
     prefix_ids: Optional[Annotated[list[TokenId], Meta(min_length=1)]] = None
     """With ``messages`` or ``prompt`` (schema 5): the conversation so far as token ids (a previous
     turn's prompt + completion). The prompt is these ids + the new part alone, rendered by the
@@ -276,7 +279,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 def request_schema_version(request: GenerationRequest) -> int:
     """The lowest schema version that carries every field ``request`` uses: a worker that knows
     only an older one would silently drop such a field, so it hands the entry back instead."""
-    if request.tool_choice is not None or request.prefix_ids is not None:
+    if request.tool_choice is not None or request.prefix_ids is not None or request.parallel_tool_calls is not None:
         return AGENT_SCHEMA_VERSION
     if request.return_prompt_token_ids or request.chat_template is not None \
             or request.chat_template_kwargs is not None:

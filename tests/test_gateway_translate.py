@@ -62,8 +62,6 @@ def test_a_chat_body_becomes_a_chat_request():
     (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": false}}', ChatBody,
      "chat_template_kwargs.tokenize"),
     (b'{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}', ChatBody, "reasoning_effort"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
-     b'"tool_choice": "auto", "parallel_tool_calls": false}', ChatBody, "parallel_tool_calls"),
     (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', ChatBody, "tool_choice"),
     (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
      b'"tool_choice": "sometimes"}', ChatBody, "tool_choice"),

@@ -64,8 +64,9 @@ def llguidance_grammar(request: GenerationRequest) -> tuple[str, str] | None:
     if field is None:
         return None
     sp = request.sampling_params
-    if field == "tool_choice":
-        return field, llguidance.LLMatcher.grammar_from_json_schema(tool_choice_schema(request))
+    if field == "tool_choice":  # (compact JSON, as vLLM's guidance backend writes it by default)
+        return field, llguidance.LLMatcher.grammar_from_json_schema(tool_choice_schema(request),
+                                                                    defaults={"whitespace_flexible": False})
     if sp.json_schema is not None:
         try:
             schema = json.loads(sp.json_schema)

@@ -116,7 +116,7 @@ def tool_choice_schema(request: GenerationRequest) -> dict[str, Any] | None:
     name = named_tool(request.tool_choice)
     if name is not None:
         return params(next(f for f in functions if f.get("name") == name))
-    return {"type": "array", "minItems": 1,
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if request.parallel_tool_calls is False else {}),
             "items": {"type": "object", "anyOf": [
                 {"properties": {"name": {"type": "string", "enum": [f.get("name")]}, "parameters": params(f)},
                  "required": ["name", "parameters"]} for f in functions]}}

@@ -130,7 +130,7 @@ class ChatBody(_Sampling, kw_only=True):
     "function": {"name": ...}}``: handed to the workers (``required`` and a named function
     constrain the output with the engine's structured output)."""
     parallel_tool_calls: Optional[bool] = None
-    """Only true (or null): a turn may hold several calls."""
+    """False: one call per choice at most (a ``required`` choice's schema holds one, as vLLM's)."""
     max_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
     max_completion_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
     logprobs: Optional[bool] = None
@@ -221,9 +221,6 @@ def _check_tool_choice(body: ChatBody) -> None:
         raise invalid("tool_choice", "a named choice is {\"type\": \"function\", \"function\": {\"name\": NAME}}")
     if not body.tools and choice != "none":
         raise invalid("tool_choice", "needs tools")
-    if body.parallel_tool_calls is False:
-        raise invalid("parallel_tool_calls", "only true: a turn may hold several calls (a required choice allows "
-                                             "several, as vLLM's)")
     if body.response_format is not None and (choice == "required" or isinstance(choice, dict)):
         if response_format_schema(body) is not None:
             raise invalid("response_format", "not with a required or named tool_choice (it constrains the output "

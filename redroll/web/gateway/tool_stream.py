@@ -33,7 +33,7 @@ def sendable(text: str) -> int:
             if text.endswith(marker[:k]):
                 cut = min(cut, len(text) - k)
                 break
-    return cut
+    return cut if text[:cut].strip() else 0  # (leading whitespace waits: a call may follow it)
 
 
 class ToolCallStream:

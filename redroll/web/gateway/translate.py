@@ -116,6 +116,8 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
                                 "chat_template_kwargs": template_variables(body)}
         if body.tools and body.tool_choice is not None:
             chat["tool_choice"] = body.tool_choice
+        if body.tools and body.parallel_tool_calls is not None:
+            chat["parallel_tool_calls"] = body.parallel_tool_calls
         inputs: list[dict[str, Any]] = [chat]
     else:
         max_tokens = body.max_tokens
