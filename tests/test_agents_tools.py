@@ -136,8 +136,8 @@ async def test_required_and_named_choices_constrain_the_transformers_engine(clie
     model = f"transformers-{family}"
     for choice, reason in (("required", "tool_calls"), ({"type": "function", "function": {"name": "add"}}, "stop")):
         for stream in (False, True):
-            kw = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=3, parallel_tool_calls=False,
-                      max_tokens=120)
+            kw = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=3,
+                      parallel_tool_calls=False, max_tokens=120)
             if stream:
                 _, calls, finish = await streamed(client, **kw)
             else:

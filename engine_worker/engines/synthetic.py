@@ -315,7 +315,8 @@ def _prompt_ids(request: GenerationRequest) -> list[int]:
     chat, of its encoded messages, tools and template)."""
     if request.input_ids is not None:
         return list(request.input_ids)
-    return list(request.prompt.encode() if request.prompt is not None else _text_source(request))
+    new = list(request.prompt.encode() if request.prompt is not None else _text_source(request))
+    return list(request.prefix_ids or ()) + new
 
 
 def _hash_source(request: GenerationRequest) -> bytes:
@@ -324,6 +325,8 @@ def _hash_source(request: GenerationRequest) -> bytes:
         source = b"ids:" + array("q", request.input_ids).tobytes()
     else:
         source = _text_source(request)
+        if request.prefix_ids is not None:
+            source = b"prefix:" + array("q", request.prefix_ids).tobytes() + source
     seed = request.sampling_params.sampling_seed
     return b"%s|seed:%s" % (source, str(seed if seed is not None else request.request_id).encode())
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, Tokenizer
 from redroll.engine_worker.engines.checks import check_context, check_token_ids, refuse_extras
 from redroll.engine_worker.engines.prefix_cache import PrefixCache
-from redroll.engine_worker.engines.text import add_text, find_stop, render_chat
+from redroll.engine_worker.engines.text import add_text, find_stop, prompt_token_ids
 from redroll.engine_worker.engines.tiny_model import TINY_RANDOM
 from redroll.engine_worker.engines.torch_weights import TorchWeights
 from redroll.engine_worker.engines.transformers_batch import _Job, _Row, _Sampling
@@ -233,10 +233,8 @@ class TransformersEngine(TransformersSteps, TransformersStructured, TorchWeights
             if not request.input_ids:
                 raise ValidationError("input_ids", "must not be empty")
             return list(request.input_ids)
-        if request.messages is not None:
-            ids = render_chat(tokenizer, request, ENGINE_NAME)
-        elif request.prompt:
-            ids = list(tokenizer.encode(request.prompt))
+        if request.messages is not None or request.prompt:
+            ids = prompt_token_ids(tokenizer, request, ENGINE_NAME) or []
         else:
             raise ValidationError("input_ids/prompt/messages", "exactly one of input_ids, prompt or messages is required")
         if not ids:
