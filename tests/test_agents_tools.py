@@ -33,7 +33,7 @@ from tests.agents_support import (  # noqa: E402
 from tests.conftest import spawn, stop_process  # noqa: E402
 from tests.gateway_support import Served  # noqa: E402
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
 FAMILIES = ("hermes", "llama3_json")
 MODELS = [f"{engine}-{family}" for engine in ("synthetic", "transformers") for family in FAMILIES]

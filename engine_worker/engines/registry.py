@@ -81,10 +81,10 @@ def _memory_saver(kwarg: str) -> EngineOption:
                         "training; GPU only)", type=None)
 
 
-def _tool_call_parser(engine: str, choices: tuple[str, ...] | None = None) -> EngineOption:
-    return EngineOption("--tool-call-parser", "tool_call_parser", f"read tool calls out of the model's text with "
-                        f"{engine}'s parser of this name (as vllm serve --tool-call-parser; e.g. hermes for Qwen and "
-                        "Hermes, llama3_json for Llama 3): records carry tool_calls", choices=choices)
+def _tool_call_parser(choices: tuple[str, ...]) -> EngineOption:
+    return EngineOption("--tool-call-parser", "tool_call_parser", "read tool calls out of the model's text with the "
+                        "parser of this family (vllm serve --tool-call-parser's names: hermes for Qwen and Hermes, "
+                        "llama3_json for Llama 3): records carry tool_calls", choices=choices)
 
 
 _FAMILIES = ("hermes", "llama3_json")
@@ -106,7 +106,7 @@ ENGINES: dict[str, EngineSpec] = {
             _capacity("max_num_seqs"), _context_length("max_model_len"),
             _memory_fraction("gpu_memory_utilization", "--gpu-memory-utilization"), _dtype("auto"),
             _seed("seed"), _tp_size("tensor_parallel_size"), _memory_saver("enable_sleep_mode"), _PAUSE_MODE,
-            _WEIGHT_VERSION, _tool_call_parser("vLLM"),
+            _WEIGHT_VERSION,
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
                          "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=_positive_gib),
             EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "
@@ -143,7 +143,7 @@ ENGINES: dict[str, EngineSpec] = {
         loads_model=True, builtin_models=("tiny-random",),
         options=(
             _capacity("max_batch_size", 32, aliases=("--max-batch-size",)), _dtype("float32"), _seed("seed"),
-            _WEIGHT_VERSION, _tool_call_parser("redroll", _FAMILIES),
+            _WEIGHT_VERSION, _tool_call_parser(_FAMILIES),
             EngineOption("--device", "device", "torch device", default="cpu"),
             EngineOption("--prefix-cache-tokens", "prefix_cache_tokens", "keep the KV of recent prompts and "
                          "conversations, up to this many tokens (0: off); records report meta_info.cached_tokens",
@@ -156,7 +156,7 @@ ENGINES: dict[str, EngineSpec] = {
         summary="no model: deterministic tokens at a set time per token (tests, benchmarks, the queue alone)",
         loads_model=False,
         options=(
-            _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION, _tool_call_parser("redroll", _FAMILIES),
+            _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION, _tool_call_parser(_FAMILIES),
             EngineOption("--script", "script", "a JSON list of texts the engine replies with, one per turn of a chat "
                          "(the model's output scripted: tests and examples of tool calls)"),
             EngineOption("--token-ms", "token_ms", "milliseconds per token", type=float, default=0.0),

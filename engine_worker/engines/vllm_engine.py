@@ -50,7 +50,7 @@ from redroll.engine_worker.engines.base import (
     EngineRequestError,
     SampleOutput,
 )
-from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text, refuse_tool_choice
 from redroll.engine_worker.engines.text import prompt_token_ids
 from redroll.engine_worker.engines.vllm_process import VLLMProcess
 from redroll.engine_worker.engines.vllm_weights import VLLMWeights
@@ -171,6 +171,7 @@ class VLLMEngine(VLLMWeights):
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what vLLM would refuse (or what this adapter does not map), naming the field."""
         refuse_extras(request, ENGINE_NAME, top_logprobs=True, prompt_logprobs=True)
+        refuse_tool_choice(request, ENGINE_NAME)
         check_token_ids(request, self.info.vocab_size, None)
         if request.lora_path is not None:
             raise ValidationError("lora_path", "the vllm engine serves no LoRA adapters")
