@@ -88,6 +88,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
     OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
     prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order. ``model``:
     the name the response gives (the call's ``model`` when None)."""
+    facts_extra: dict[str, Any] = {}
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
                                 "skip_special_tokens": body.skip_special_tokens, **structured(body)}
     top_k = -1 if body.top_k == 0 else body.top_k  # (vLLM's 0 and -1 are both "off"; redroll's off is -1)
@@ -109,6 +110,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         want_logprobs = bool(body.logprobs)
         fmt = response_format_schema(body)
         if fmt is not None:
+            facts_extra["rf"] = True
             if "json_schema" in sampling:
                 raise invalid("response_format", "not with structured_outputs.json (one schema per call)")
             sampling["json_schema"] = fmt
@@ -128,7 +130,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         sampling["max_new_tokens"] = max_tokens
     with_prompt_logprobs = body.prompt_logprobs is not None
     facts: dict[str, Any] = {"created": int(time.time()), "model": model or body.model, "fp": fingerprint,
-                             "ids": bool(body.return_token_ids)}
+                             "ids": bool(body.return_token_ids), **facts_extra}
     if isinstance(body, ChatBody) and body.tools and body.tool_choice != "none":
         facts["tc"] = "named" if isinstance(body.tool_choice, dict) else body.tool_choice or "auto"
     if with_prompt_logprobs:  # (the record then has output logprobs the call did not ask for: say which)
@@ -202,6 +204,8 @@ def check_records(records: list[CompletionRecord], names: dict[str, str] = FIELD
         if rec.status is RecordStatus.ERROR and message.startswith("invalid "):
             field, _, rule = message[len("invalid "):].partition(":")
             param = names.get(field, field)
+            if field == "sampling_params.json_schema" and gateway_meta(rec).get("rf"):
+                param = "response_format"  # (the call's schema came from its response_format)
             raise GatewayError(400, f"invalid {param}:{rule}", param=param, code="invalid_value")
         raise GatewayError(500 if rec.status is RecordStatus.ERROR else 503, message, kind="server_error",
                            code=rec.status.value)
