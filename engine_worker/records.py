@@ -50,6 +50,7 @@ def build_record(
     top: list[Any] | None = None
     routed: list[Any] | None = None
     texts: list[str] | None = None
+    tool_calls: list[Any] | None = None
     if keep_output:
         ids = [_as_list(s.token_ids) for s in samples]
         reasons: list[str | None] = [s.finish_reason for s in samples]
@@ -64,6 +65,10 @@ def build_record(
             routed = [s.routed_experts for s in samples]
         if request.wants_text and all(s.text is not None for s in samples):
             texts = [s.text for s in samples]  # type: ignore[misc]
+        if info.tool_calls is not None and request.tools is not None and request.tool_choice != "none":
+            calls = [info.tool_calls(request, i, s.token_ids) if s.finish_reason != "abort" else None
+                     for i, s in enumerate(samples)]
+            tool_calls = calls if any(c is not None for c in calls) else None
     else:
         n = max(len(samples), request.n)
         ids = [[] for _ in range(n)]
@@ -93,6 +98,6 @@ def build_record(
         output_logprobs=logprobs, meta_info=meta, error=None, worker=worker, callback=request.callback,
         group_id=request.group_id, requeued=request.requeued, weight_versions=versions, output_top_logprobs=top,
         input_logprobs=output.input_logprobs if keep_output and request.logprob_start_len is not None else None,
-        routed_experts=routed, output_text=texts,
+        routed_experts=routed, output_text=texts, tool_calls=tool_calls,
         prompt_token_ids=output.prompt_token_ids if request.return_prompt_token_ids else None,
         v=TEXT_SCHEMA_VERSION if texts is not None else FIRST_SCHEMA_VERSION)

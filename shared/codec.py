@@ -27,6 +27,7 @@ import msgspec
 
 from redroll.shared.record_codec import decode_record, encode_record, record_to_map
 from redroll.shared.types import (
+    AGENT_SCHEMA_VERSION,
     PROMPT_SCHEMA_VERSION,
     REQUEST_ID_PATTERN,
     REQUEST_ID_RULE,
@@ -116,6 +117,7 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
         elif req.tools is not None:
             raise ValidationError("tools", "needs messages (tools are handed to the chat template)")
         _check_chat_template(req)
+        _check_agent_fields(req)
         needed = request_schema_version(req)
         if req.v < needed:
             raise ValidationError("v", f"must be at least {needed} for a request with {_NEEDS[needed]}, got {req.v}")
@@ -149,7 +151,8 @@ def _check_request(req: GenerationRequest, limits: Limits) -> GenerationRequest:
 
 
 _NEEDS = {STREAM_SCHEMA_VERSION: "stream", TEXT_SCHEMA_VERSION: "messages, tools or return_text",
-          PROMPT_SCHEMA_VERSION: "return_prompt_token_ids, chat_template or chat_template_kwargs"}
+          PROMPT_SCHEMA_VERSION: "return_prompt_token_ids, chat_template or chat_template_kwargs",
+          AGENT_SCHEMA_VERSION: "tool_choice or prefix_ids"}
 """What makes a request need each schema version, as a refusal says it."""
 
 
@@ -165,6 +168,46 @@ def _check_chat_template(req: GenerationRequest) -> None:
         if key in RESERVED_CHAT_TEMPLATE_KWARGS:
             raise ValidationError(f"chat_template_kwargs.{key}",
                                   "is apply_chat_template's own parameter, set by the worker (not a template variable)")
+
+
+def named_tool(tool_choice: Any) -> str | None:
+    """The function a named ``tool_choice`` names (None for a word or nil)."""
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return function["name"]
+    return None
+
+
+def tool_names(tools: Any) -> list[str]:
+    """The function names of a request's ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``)."""
+    names = []
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
+
+
+def _check_agent_fields(req: GenerationRequest) -> None:
+    """``tool_choice`` goes with ``tools`` (a named one names one of them); ``prefix_ids`` with a
+    text or chat prompt (it is the part before it)."""
+    if req.parallel_tool_calls is not None and req.tools is None:
+        raise ValidationError("parallel_tool_calls", "needs tools")
+    choice = req.tool_choice
+    if choice is not None:
+        if req.tools is None:
+            raise ValidationError("tool_choice", "needs tools")
+        if isinstance(choice, dict):
+            name = named_tool(choice)
+            if choice.get("type") != "function" or name is None or set(choice) - {"type", "function"} \
+                    or set(choice["function"]) != {"name"}:
+                raise ValidationError("tool_choice", "a named choice is {\"type\": \"function\", \"function\": "
+                                                     "{\"name\": NAME}}")
+            if name not in tool_names(req.tools):
+                raise ValidationError("tool_choice.function.name", f"{name!r} is not one of the tools")
+    if req.prefix_ids is not None and req.input_ids is not None:
+        raise ValidationError("prefix_ids", "goes with messages or prompt (with input_ids, send the whole prompt)")
 
 
 def _check_messages(req: GenerationRequest) -> None:

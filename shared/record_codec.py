@@ -154,6 +154,7 @@ def _check_extras(data: RecordData) -> None:
     """The shapes of the per-request extras: one entry per sample, one per token."""
     ids = data.output_token_ids
     _per_sample("output_text", data.output_text, ids)
+    _per_sample("tool_calls", data.tool_calls, ids)
     _per_sample("output_top_logprobs", data.output_top_logprobs, ids, "must have one entry per token id")
     routed = data.routed_experts
     _per_sample("routed_experts", routed, ids)

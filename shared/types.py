@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The newest schema version this code reads and writes. A request is written with the lowest
 version that carries every field it uses (:func:`request_schema_version`)."""
 
@@ -33,6 +33,13 @@ PROMPT_SCHEMA_VERSION = 4
 """The version that added ``return_prompt_token_ids``, ``chat_template`` and
 ``chat_template_kwargs`` (requests); records carry ``prompt_token_ids`` (an optional field: any
 record reader skips it)."""
+
+AGENT_SCHEMA_VERSION = 5
+"""The version that added ``tool_choice`` and ``prefix_ids`` (requests); records carry
+``tool_calls`` (an optional field: any record reader skips it)."""
+
+TOOL_CHOICES = ("none", "auto", "required")
+"""``tool_choice``'s words; a named function is ``{"type": "function", "function": {"name": ...}}``."""
 
 MAX_CHAT_TEMPLATE_CHARS = 65_536
 """The longest ``chat_template`` a request may carry."""
@@ -237,6 +244,20 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: Optional[Annotated[dict[str, Any], Meta(max_length=64)]] = None
     """With ``messages`` (schema 4): extra template variables (``enable_thinking``, ...), passed to
     ``apply_chat_template`` as keyword arguments; its own parameters are refused."""
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    """With ``tools`` (schema 5), as OpenAI's: ``auto`` (nil: the default) lets the model call tools
+    and the worker parse its calls (record ``tool_calls``); ``none`` leaves the output as text;
+    ``required`` and a named function (``{"type": "function", "function": {"name": ...}}``)
+    constrain the output to calls with the engine's structured output (an engine without one
+    refuses them, naming the field)."""
+    parallel_tool_calls: Optional[bool] = None
+    """With ``tools`` (schema 5): false allows one call per sample (a ``required`` choice's schema
+    holds one item, as vLLM's); nil or true: any number."""
+    prefix_ids: Optional[Annotated[list[TokenId], Meta(min_length=1)]] = None
+    """With ``messages`` or ``prompt`` (schema 5): the conversation so far as token ids (a previous
+    turn's prompt + completion). The prompt is these ids + the new part alone, rendered by the
+    worker (the chat template's rendering of ``messages`` as a continuation, or ``prompt``
+    encoded): never the history re-rendered (docs/agents.md, "Sessions")."""
     v: Annotated[int, Meta(ge=0)] = 0
 
     @property
@@ -258,6 +279,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 def request_schema_version(request: GenerationRequest) -> int:
     """The lowest schema version that carries every field ``request`` uses: a worker that knows
     only an older one would silently drop such a field, so it hands the entry back instead."""
+    if request.tool_choice is not None or request.prefix_ids is not None or request.parallel_tool_calls is not None:
+        return AGENT_SCHEMA_VERSION
     if request.return_prompt_token_ids or request.chat_template is not None \
             or request.chat_template_kwargs is not None:
         return PROMPT_SCHEMA_VERSION
@@ -291,6 +314,25 @@ class RoutedExperts(msgspec.Struct, kw_only=True):
 TopLogprob = tuple[TokenId, float]
 
 
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call a sample made, parsed by the worker (OpenAI's ``tool_calls[i]``)."""
+
+    id: str
+    """``call_<24 hex digits>``, derived from the request_id, the sample and the call's index (the
+    same on every attempt and every gateway replica)."""
+    name: str
+    arguments: str
+    """The arguments as a JSON object's text."""
+
+
+class SampleToolCalls(msgspec.Struct, kw_only=True):
+    """A sample's output read as a tool-calling assistant turn."""
+
+    calls: list[ToolCall] = []
+    content: Optional[str] = None
+    """The text outside the calls (nil when there is none)."""
+
+
 class RecordData(msgspec.Struct, kw_only=True):
     """The ``data`` map of a result entry (``status`` and ``worker`` are plain stream fields)."""
 
@@ -321,6 +363,9 @@ class RecordData(msgspec.Struct, kw_only=True):
     prompt_token_ids: Optional[list[TokenId]] = None
     """The prompt's token ids as the engine ran them, when the request asked
     (``return_prompt_token_ids``)."""
+    tool_calls: Optional[list[Optional[SampleToolCalls]]] = None
+    """Per sample, its tool calls as the worker's parser read them from its text (a request with
+    ``tools`` and a ``tool_choice`` other than ``none``; nil for a sample that called none)."""
     traceparent: Optional[TraceParent] = None
     """The W3C trace context of the worker's publish (OpenTelemetry, optional): consumer groups'
     callbacks trace under it."""

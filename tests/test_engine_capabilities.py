@@ -33,7 +33,7 @@ from tests.conftest import running, wait_until
                                  "progress_counters", "tokenizer"}),
     (lambda: TransformersEngine(), {"weights_from_disk", "weights_in_place", "weights_from_push",
                                     "weights_from_tensor", "partial_output", "progress_counters", "prefill_counters",
-                                    "tokenizer"}),
+                                    "tokenizer", "grammar_resume"}),
     (lambda: SGLangEngine("some/model"), {"weights_from_disk", "weights_in_place", "weights_from_push",
                                           "weights_from_tensor", "memory_release", "partial_output", "tokenizer"}),
 ], ids=["synthetic", "transformers", "sglang"])

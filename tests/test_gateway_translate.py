@@ -62,8 +62,13 @@ def test_a_chat_body_becomes_a_chat_request():
     (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": false}}', ChatBody,
      "chat_template_kwargs.tokenize"),
     (b'{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}', ChatBody, "reasoning_effort"),
-    (b'{"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": true}', ChatBody,
-     "parallel_tool_calls"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', ChatBody, "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], '
+     b'"tool_choice": "sometimes"}', ChatBody, "tool_choice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "grammar"}}', ChatBody,
+     "response_format"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+     b'{"name": "a", "schema": {}, "x": 1}}}', ChatBody, "response_format.json_schema.x"),
     (b'{"prompt": "x", "stream_options": {"include_usage": true}}', CompletionBody, "stream_options"),
     (b'{"prompt": "x", "stream": true, "seed": 9223372036854775807, "n": 2}', CompletionBody, "seed"),
     (b'{"prompt": []}', CompletionBody, "prompt"),

@@ -853,7 +853,7 @@ def test_property_plain_values_are_refused_exactly_as_their_encoding(m):
 
 
 def test_plain_values_over_the_payload_limit_are_refused_like_their_encoding():
-    limits = Limits(max_payload_bytes=480)  # (a request encodes every field: about 420 bytes here)
+    limits = Limits(max_payload_bytes=520)  # (a request encodes every field: about 450 bytes here)
     small, big = valid_map(meta_info={"x": "a"}), valid_map(meta_info={"x": "a" * 300})
     for m in (small, big):
         refused = []
@@ -906,7 +906,7 @@ def test_a_request_with_a_schema_4_field_is_stamped_4_and_a_v3_worker_hands_it_b
     body = {"messages": _CHAT} if "chat_template" in next(iter(fields)) else {"prompt": "x"}
     req = GenerationRequest(request_id="s4", **body, **fields)
     wire = encode_request(req)
-    assert decode_request(wire).v == 4 == SCHEMA_VERSION
+    assert decode_request(wire).v == 4 == SCHEMA_VERSION - 1
     with pytest.raises(NewerSchemaError) as ei:  # (a worker of schema 3 would drop the field without a word)
         decode_request(wire, Limits(schema_version=3))
     assert ei.value.field == "v" and ei.value.request_id == "s4"
@@ -915,6 +915,40 @@ def test_a_request_with_a_schema_4_field_is_stamped_4_and_a_v3_worker_hands_it_b
     assert err.field == "v" and "at least 4" in err.rule and "return_prompt_token_ids" in err.rule
     # (return_prompt_token_ids false, the default, needs nothing newer)
     assert decode_request(encode_request(GenerationRequest(request_id="s1", prompt="x"))).v == 1
+
+
+_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("fields", [{"messages": _CHAT, "tools": _TOOLS, "tool_choice": "required"},
+                                    {"messages": _CHAT, "prefix_ids": [1, 2]}, {"prompt": "x", "prefix_ids": [3]}])
+def test_a_request_with_a_schema_5_field_is_stamped_5_and_a_v4_worker_hands_it_back(fields):
+    req = GenerationRequest(request_id="s5", **fields)
+    wire = encode_request(req)
+    assert decode_request(wire).v == 5 == SCHEMA_VERSION
+    with pytest.raises(NewerSchemaError) as ei:
+        decode_request(wire, Limits(schema_version=4))
+    assert ei.value.field == "v" and ei.value.request_id == "s5"
+    err = field_error(valid_map(v=4, input_ids=_DROP, **fields))
+    assert err.field == "v" and "at least 5" in err.rule and "tool_choice or prefix_ids" in err.rule
+
+
+def test_tool_choice_needs_tools_and_names_one_of_them_and_prefix_ids_goes_with_text():
+    named = {"type": "function", "function": {"name": "add"}}
+    assert decode_request(encode_request(GenerationRequest(request_id="t", messages=_CHAT, tools=_TOOLS,
+                                                           tool_choice=named))).tool_choice == named
+    for fields, field, rule in (
+            ({"messages": _CHAT, "tool_choice": "auto"}, "tool_choice", "needs tools"),
+            ({"messages": _CHAT, "tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+             "tool_choice.function.name", "'mul' is not one of the tools"),
+            ({"messages": _CHAT, "tools": _TOOLS, "tool_choice": {"function": {"name": "add"}}}, "tool_choice",
+             "a named choice is"),
+            ({"prefix_ids": [1]}, "prefix_ids", "goes with messages or prompt")):
+        body = fields if "messages" in fields else {**fields}
+        err = field_error(valid_map(v=5, **({"input_ids": _DROP} if "messages" in body else {}), **body))
+        assert err.field == field and rule in err.rule, err
+    err = field_error(valid_map(v=5, input_ids=_DROP, messages=_CHAT, tools=_TOOLS, tool_choice="sometimes"))
+    assert err.field == "tool_choice"
 
 
 def test_chat_template_fields_need_messages_and_kwargs_are_template_variables_only():

@@ -57,7 +57,7 @@ def refusal(fields: dict[bytes, bytes], limits: Limits = Limits()) -> Validation
 
 
 def test_a_request_gets_the_lowest_version_that_carries_its_fields():
-    assert TEXT_SCHEMA_VERSION == 2 and SCHEMA_VERSION == 4
+    assert TEXT_SCHEMA_VERSION == 2 and SCHEMA_VERSION == 5
     plain = [make_request(prompt="hi"), make_request(input_ids=[1, 2]),
              make_request(input_ids=[1], return_logprob=True, group_id="g")]
     for req in plain:

@@ -81,6 +81,15 @@ class EngineInfo:
     logprob_mode: str = "temperature-scaled, before top-k/top-p"
     weight_ranks: int = 1
     """Ranks this engine takes in a trainer's weight-update group (SGLang: one per tensor-parallel GPU)."""
+    tool_call_parser: str | None = None
+    """The parser family the engine reads tool calls with (``--tool-call-parser``); None: none."""
+    tool_calls: Callable[[GenerationRequest, int, list[int]], Any] | None = None
+    """``tool_calls(request, sample index, its token ids)``: the sample's calls as the record
+    carries them (a :class:`redroll.shared.types.SampleToolCalls`, or None), read by the engine's
+    parser from its text. Called by the worker when it builds the record (after a resumed
+    request's parts are joined), for requests with ``tools`` and a ``tool_choice`` other than
+    ``none``. None: the engine reads no calls (texts stay texts; ``required`` and named choices
+    are refused by its ``validate``)."""
 
 
 # ---------------------------------------------------------------- errors
@@ -169,6 +178,11 @@ class EngineCapabilities:
     claim's entries in one pass, without a task and a future per request."""
     progress_counters: bool = False
     """:class:`ProgressCounters`: counts its decoded tokens (``tokens_decoded`` in the heartbeat)."""
+    grammar_resume: bool = False
+    """A structured request (a grammar: ``json_schema``, ``regex``, ``ebnf``, a required or named
+    ``tool_choice``) continued after saved tokens advances its grammar over them (the continuation
+    is marked with :func:`.grammar.mark_continued`). Without it such a request is not continued:
+    its worker starts it over (vLLM cannot start a grammar mid-completion)."""
     prefill_counters: bool = False
     """:class:`PrefillCounters`: counts its prefill, computed and served from a prefix cache
     (``prefill_tokens`` in the heartbeat, the ``redroll_worker_prefill_tokens`` metric)."""

@@ -22,6 +22,13 @@ def refuse_extras(request: GenerationRequest, engine: str, *, top_logprobs: bool
                               "enable_return_routed_experts has)")
 
 
+def refuse_tool_choice(request: GenerationRequest, engine: str) -> None:
+    """Refuse a tool choice this engine cannot honour (it reads no calls and builds no call grammar)."""
+    if request.tools is not None and request.tool_choice not in (None, "none"):
+        raise ValidationError("tool_choice", f"the {engine} engine reads no tool calls yet: send tool_choice none "
+                                             "(or none at all: the text comes back as text)")
+
+
 def refuse_text(request: GenerationRequest, engine: str, tokenizer: Any) -> None:
     """Refuse a chat request or one that asks for text when this engine has no tokenizer."""
     if tokenizer is not None:

@@ -50,6 +50,15 @@ def _memory_saver(kwarg: str) -> EngineOption:
                         "training; GPU only)", type=None)
 
 
+def _tool_call_parser(choices: tuple[str, ...]) -> EngineOption:
+    return EngineOption("--tool-call-parser", "tool_call_parser", "read tool calls out of the model's text with the "
+                        "parser of this family (vllm serve --tool-call-parser's names: hermes for Qwen and Hermes, "
+                        "llama3_json for Llama 3): records carry tool_calls", choices=choices)
+
+
+_FAMILIES = ("hermes", "llama3_json")
+"""The parser families of the transformers and synthetic engines (engine_worker/engines/tool_calls.py)."""
+
 _PAUSE_MODE = EngineOption("--pause-mode", "pause_mode", "how an in-place weight update pauses the engine: "
                            "in_place keeps the KV cache (computed with the old weights), retract recomputes it",
                            choices=("in_place", "retract"), default="in_place")
@@ -103,7 +112,7 @@ ENGINES: dict[str, EngineSpec] = {
         loads_model=True, builtin_models=("tiny-random",),
         options=(
             _capacity("max_batch_size", 32, aliases=("--max-batch-size",)), _dtype("float32"), _seed("seed"),
-            _WEIGHT_VERSION,
+            _WEIGHT_VERSION, _tool_call_parser(_FAMILIES),
             EngineOption("--device", "device", "torch device", default="cpu"),
             EngineOption("--prefix-cache-tokens", "prefix_cache_tokens", "keep the KV of recent prompts and "
                          "conversations, up to this many tokens (0: off); records report meta_info.cached_tokens",
@@ -116,7 +125,9 @@ ENGINES: dict[str, EngineSpec] = {
         summary="no model: deterministic tokens at a set time per token (tests, benchmarks, the queue alone)",
         loads_model=False,
         options=(
-            _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION,
+            _capacity("slots", aliases=("--slots",)), _WEIGHT_VERSION, _tool_call_parser(_FAMILIES),
+            EngineOption("--script", "script", "a JSON list of texts the engine replies with, one per turn of a chat "
+                         "(the model's output scripted: tests and examples of tool calls)"),
             EngineOption("--token-ms", "token_ms", "milliseconds per token", type=float, default=0.0),
             EngineOption("--vocab-size", "vocab_size", "vocabulary size", type=positive_int, default=32000),
             EngineOption("--jitter", "jitter", "per-request token time varies by this fraction", type=float,

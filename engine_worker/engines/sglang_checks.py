@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from redroll.engine_worker.engines.base import EngineInfo
-from redroll.engine_worker.engines.checks import check_token_ids, refuse_text
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_text, refuse_tool_choice
 from redroll.engine_worker.engines.text import render_chat
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
@@ -32,6 +32,10 @@ class SGLangChecks:
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what SGLang would refuse, so it is dead-lettered at once instead of retried."""
         check_token_ids(request, self.info.vocab_size, None)
+        refuse_tool_choice(request, ENGINE_NAME)
+        if request.prefix_ids is not None:
+            raise ValidationError("prefix_ids", "the sglang engine does not render a session's new part yet: send the "
+                                                "whole prompt")
         if request.prompt is not None and request.input_ids is None and self._started_without_tokenizer():
             # tokenizer_manager.py _tokenize_one_request: "The engine initialized with
             # skip_tokenizer_init=True cannot accept text prompts."

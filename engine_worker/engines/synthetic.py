@@ -23,12 +23,16 @@ import os
 import random
 import time
 from array import array
+from typing import Any
 
 import msgspec
 
 from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput
 from redroll.engine_worker.engines.checks import check_context, check_token_ids, refuse_extras
+from redroll.engine_worker.engines.synthetic_script import ScriptBytes, load_script, reply_for, scripted_ids
 from redroll.engine_worker.engines.text import find_stop, sample_text
+from redroll.engine_worker.engines.tool_calls import PARSERS, parser_text, read_calls
+from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SamplingParams
 
 SYNTHETIC_WORDS = ("the", "queue", "worker", "token", "record", "stream", "reply", "group",
@@ -69,7 +73,7 @@ class SyntheticEngine:
     def __init__(self, *, token_ms: float = 0.0, vocab_size: int = 32000, weight_version: str = "0",
                  model: str = "synthetic", max_context: int | None = None, jitter: float = 0.0,
                  raise_marker: str | None = None, exit_marker: str | None = None, slots: int | None = None,
-                 declare_instant: bool = True):
+                 script: str | None = None, tool_call_parser: str | None = None, declare_instant: bool = True):
         self.token_ms = float(token_ms)
         self.slots = slots
         """Continuous-batching capacity: at most this many requests generate at once (None: no limit)."""
@@ -88,6 +92,16 @@ class SyntheticEngine:
         self._running: dict[str, tuple[GenerationRequest, float, float]] = {}
         """handle → (request, start, ms per token) of generations under way (for :meth:`partial`)."""
         self._version_changes: list[tuple[float, str]] = []
+        self._script = load_script(script) if script is not None else None
+        """Scripted replies (``--script``): the engine then speaks bytes (:mod:`.synthetic_script`)."""
+        if self._script is not None:
+            self.tokenizer = ScriptBytes()  # type: ignore[assignment]
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_call_parser!r}: the synthetic engine reads "
+                             f"{', '.join(PARSERS)}")
+        self.tool_call_parser = tool_call_parser
+        self.info.tool_call_parser = tool_call_parser
+        self.info.tool_calls = self._read_tool_calls
         if self.instant and declare_instant:  # (False: the worker's general path, for benchmarks/worker_drain.py)
             self.capabilities = dataclasses.replace(type(self).capabilities, instant=True)
 
@@ -103,6 +117,17 @@ class SyntheticEngine:
         if request.input_ids is None:  # (a text prompt is one token per byte here)
             check_context(request, len((request.prompt or "").encode()), self.info.max_context)
         refuse_extras(request, "synthetic")
+        _refuse_structured(request)
+        if request.tool_choice == "auto" and self.tool_call_parser is None:
+            raise ValidationError("tool_choice", "this synthetic worker reads no tool calls: start it with "
+                                                 f"--tool-call-parser ({', '.join(PARSERS)})")
+
+    def _read_tool_calls(self, request: GenerationRequest, sample: int, token_ids: list[int]) -> Any:
+        family = PARSERS[self.tool_call_parser] if self.tool_call_parser else None
+        return read_calls(request, sample, parser_text(self.tokenizer, token_ids, set()), family)
+
+    def _reply(self, request: GenerationRequest) -> bytes | None:
+        return reply_for(self._script, request) if self._script is not None else None
 
     def abort(self, handle: str) -> None:
         ev = self._abort_events.get(handle)
@@ -115,9 +140,14 @@ class SyntheticEngine:
         ``with_logprobs``; the ids are the same either way)."""
         return self._tokens(_hash_source(request), sample, request.sampling_params.max_new_tokens, with_logprobs)
 
-    def _sample(self, source: bytes, sample: int, sp: SamplingParams, with_logprobs: bool) -> tuple[list[int], list[float], str]:
+    def _sample(self, source: bytes, sample: int, sp: SamplingParams, with_logprobs: bool,
+                reply: bytes | None = None) -> tuple[list[int], list[float], str]:
         """One sample as it ends: its tokens up to and with the first stop token or the token that
-        completes a stop string ("stop"), else all ``max_new_tokens`` of them ("length")."""
+        completes a stop string ("stop"), else all ``max_new_tokens`` of them ("length"); a
+        scripted ``reply``: its bytes."""
+        if reply is not None:
+            ids, reason = scripted_ids(reply, sp.max_new_tokens)
+            return ids, self._tokens(source, sample, len(ids), with_logprobs)[1], reason
         ids, lps = self._tokens(source, sample, sp.max_new_tokens, with_logprobs)
         if sp.stop_token_ids or sp.stop:
             text = ""
@@ -211,7 +241,8 @@ class SyntheticEngine:
             return None
         request, started, token_ms = running
         produced = int((time.monotonic() - started) * 1000.0 / token_ms) if token_ms > 0 else 0
-        ids, lps, reason = self._sample(_hash_source(request), 0, request.sampling_params, request.return_logprob)
+        ids, lps, reason = self._sample(_hash_source(request), 0, request.sampling_params, request.return_logprob,
+                                        self._reply(request))
         done = produced >= len(ids)  # (a sample that reached its stop token is finished, not partial)
         produced = min(produced, len(ids))
         return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None,
@@ -228,7 +259,7 @@ class SyntheticEngine:
         longest = sp.max_new_tokens
         if sp.stop_token_ids and token_ms > 0:  # (done when its longest sample reaches its stop token)
             source = _hash_source(request)
-            ends = [self._sample(source, i, sp, request.return_logprob) for i in range(sp.n)]
+            ends = [self._sample(source, i, sp, request.return_logprob, self._reply(request)) for i in range(sp.n)]
             longest = max(len(ids) for ids, _, _ in ends)
         budget = longest * token_ms / 1000.0
         if budget > 0:
@@ -254,7 +285,7 @@ class SyntheticEngine:
             produced = min(sp.max_new_tokens, int(elapsed_ms / token_ms)) if token_ms > 0 else 0
         if ends is None:
             source = _hash_source(request)
-            ends = [self._sample(source, i, sp, request.return_logprob) for i in range(sp.n)]
+            ends = [self._sample(source, i, sp, request.return_logprob, self._reply(request)) for i in range(sp.n)]
         samples = []
         made = 0
         for ids, lps, reason in ends:
@@ -262,11 +293,21 @@ class SyntheticEngine:
                 ids, lps, reason = ids[:produced], lps[:produced], "abort"
             samples.append(SampleOutput(ids, lps if request.return_logprob else None, reason,
                                         self._versions_of(started, token_ms / 1000.0, len(ids), weight_version),
-                                        text=sample_text(_WORDS, ids, sp, reason) if request.wants_text else None))
+                                        text=sample_text(self.tokenizer, ids, sp, reason) if request.wants_text else None))
             made += len(ids)
         self.tokens_decoded += made
         return EngineOutput(samples=samples, prompt_tokens=prompt_tokens, weight_version=self.info.weight_version,
                             prompt_token_ids=prompt)
+
+
+def _refuse_structured(request: GenerationRequest) -> None:
+    """The synthetic engine has no grammar: a structured request is refused, naming its field."""
+    for key in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(request.sampling_params, key) is not None:
+            raise ValidationError(f"sampling_params.{key}", "the synthetic engine has no structured output")
+    if request.tools is not None and (request.tool_choice == "required" or isinstance(request.tool_choice, dict)):
+        raise ValidationError("tool_choice", "a required or named tool choice needs structured output, which the "
+                              "synthetic engine does not have")
 
 
 def _prompt_ids(request: GenerationRequest) -> list[int]:
@@ -274,7 +315,8 @@ def _prompt_ids(request: GenerationRequest) -> list[int]:
     chat, of its encoded messages, tools and template)."""
     if request.input_ids is not None:
         return list(request.input_ids)
-    return list(request.prompt.encode() if request.prompt is not None else _text_source(request))
+    new = list(request.prompt.encode() if request.prompt is not None else _text_source(request))
+    return list(request.prefix_ids or ()) + new
 
 
 def _hash_source(request: GenerationRequest) -> bytes:
@@ -283,6 +325,8 @@ def _hash_source(request: GenerationRequest) -> bytes:
         source = b"ids:" + array("q", request.input_ids).tobytes()
     else:
         source = _text_source(request)
+        if request.prefix_ids is not None:
+            source = b"prefix:" + array("q", request.prefix_ids).tobytes() + source
     seed = request.sampling_params.sampling_seed
     return b"%s|seed:%s" % (source, str(seed if seed is not None else request.request_id).encode())
 

@@ -62,6 +62,71 @@ def render_chat(tokenizer: Any, request: GenerationRequest, engine: str) -> list
     return ids
 
 
+TURN_MARK = "\u2063redroll-turn\u2063"
+"""The content of the stand-in assistant turn a continuation is rendered after (a text no template
+changes and no tokenizer merges with what the template puts around it)."""
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s ids without the special tokens a tokenizer adds to a whole prompt (a BOS)."""
+    try:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    except TypeError:  # (a tokenizer without that keyword adds none)
+        return [int(t) for t in tokenizer.encode(text)]
+
+
+def render_continuation(tokenizer: Any, request: GenerationRequest, engine: str) -> list[int]:
+    """A session's next prompt: ``prefix_ids`` (the conversation so far: the last turn's prompt and
+    completion) + the new part alone, never the history re-rendered.
+
+    The new part of a chat is what the template renders after an assistant turn: the template is
+    rendered for a stand-in conversation (a user turn, an assistant turn whose content is
+    :data:`TURN_MARK`) with and without the new ``messages``; the new messages' rendering is the
+    difference (the template must render them as a suffix, or the request is refused naming
+    ``messages``). The end of the assistant turn the model did not write comes first: the template's
+    closing after the content (``<|im_end|>\n``, ``<|eot_id|>``) minus what the completion already
+    ends with (its end-of-turn token when it stopped on it; nothing when it was cut by
+    ``max_tokens``, so a truncated turn is closed as the template closes one). A text ``prompt``
+    is encoded and appended (no BOS)."""
+    prefix = list(request.prefix_ids or ())
+    if request.messages is None:
+        return prefix + encode_plain(tokenizer, request.prompt or "")
+    if not has_chat_template(tokenizer) and not request.chat_template:
+        raise ValidationError("messages", f"the {engine} engine's tokenizer has no chat template: send prompt or "
+                                          "input_ids")
+    kwargs: dict[str, Any] = {**(request.chat_template_kwargs or {}), "tokenize": False}
+    if request.tools is not None:
+        kwargs["tools"] = request.tools
+    if request.chat_template is not None:
+        kwargs["chat_template"] = request.chat_template
+    stand_in = [{"role": "user", "content": "."}, {"role": "assistant", "content": TURN_MARK}]
+    try:
+        before = tokenizer.apply_chat_template(stand_in, add_generation_prompt=False, **kwargs)
+        after = tokenizer.apply_chat_template(stand_in + chat_messages(request), add_generation_prompt=True, **kwargs)
+    except Exception as exc:
+        raise ValidationError("messages", f"the chat template refused them: {_one_line(exc)}") from None
+    if not isinstance(before, str) or not after.startswith(before) or TURN_MARK not in before:
+        raise ValidationError("messages", "the chat template does not render new messages as a suffix of the "
+                                          "conversation: send the whole conversation without prefix_ids")
+    closing = encode_plain(tokenizer, before[before.rindex(TURN_MARK) + len(TURN_MARK):])
+    written = next((k for k in range(min(len(closing), len(prefix)), 0, -1) if prefix[-k:] == closing[:k]), 0)
+    return prefix + closing[written:] + encode_plain(tokenizer, after[len(before):])
+
+
+def prompt_token_ids(tokenizer: Any, request: GenerationRequest, engine: str) -> list[int] | None:
+    """The prompt's ids as an engine with ``tokenizer`` runs them: ``input_ids``; a session's
+    continuation (``prefix_ids``); a chat rendered by its template; a text encoded."""
+    if request.input_ids is not None:
+        return list(request.input_ids)
+    if tokenizer is None:
+        return None
+    if request.prefix_ids is not None:
+        return render_continuation(tokenizer, request, engine)
+    if request.messages is not None:
+        return render_chat(tokenizer, request, engine)
+    return [int(t) for t in tokenizer.encode(request.prompt or "")]
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
@@ -105,4 +170,5 @@ def add_text(output: EngineOutput, request: GenerationRequest, tokenizer: Any) -
     return output
 
 
-__all__ = ["add_text", "chat_messages", "find_stop", "has_chat_template", "render_chat", "sample_text", "trim_stop"]
+__all__ = ["TURN_MARK", "add_text", "chat_messages", "encode_plain", "find_stop", "has_chat_template",
+           "prompt_token_ids", "render_chat", "render_continuation", "sample_text", "trim_stop"]

@@ -29,6 +29,8 @@ class _Row:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     """Per token, the most likely tokens and their logprobs (``top_logprobs_num``)."""
     finish_reason: str | None = None
+    grammar: Any = None
+    """The row's :class:`~.grammar.Grammar` (structured output), or None."""
 
     @property
     def params(self) -> SamplingParams:
@@ -69,6 +71,9 @@ class _Sampling:
     generators: list["torch.Generator"]
     top_logprobs: int = 0
     """The largest ``top_logprobs_num`` of the batch (0: none asked)."""
+    allowed: Any = None
+    """``[rows, vocab]`` bools for the next step: the tokens each row's grammar allows (None: no
+    grammar in the batch); set before every step."""
 
 
 @dataclass

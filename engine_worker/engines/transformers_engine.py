@@ -39,12 +39,13 @@ from typing import TYPE_CHECKING, Any
 from redroll.engine_worker.engines.base import EngineCapabilities, EngineInfo, EngineOutput, SampleOutput, Tokenizer
 from redroll.engine_worker.engines.checks import check_context, check_token_ids, refuse_extras
 from redroll.engine_worker.engines.prefix_cache import PrefixCache
-from redroll.engine_worker.engines.text import add_text, find_stop, render_chat
+from redroll.engine_worker.engines.text import add_text, find_stop, prompt_token_ids
 from redroll.engine_worker.engines.tiny_model import TINY_RANDOM
 from redroll.engine_worker.engines.torch_weights import TorchWeights
 from redroll.engine_worker.engines.transformers_batch import _Job, _Row, _Sampling
 from redroll.engine_worker.engines.transformers_sampling import _row_seed, _top_k
 from redroll.engine_worker.engines.transformers_steps import TransformersSteps, _check_prefix_cache_support
+from redroll.engine_worker.engines.transformers_structured import TransformersStructured
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
 
@@ -57,18 +58,19 @@ ENGINE_NAME = "transformers"
 
 # Sampling features this engine does not implement: refused by validate() rather than ignored.
 _UNSUPPORTED_DEFAULTS = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-_UNSUPPORTED_EXTRAS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias")
+_UNSUPPORTED_EXTRAS = ("structural_tag", "stop_regex", "logit_bias")
 
 
 # ---------------------------------------------------------------- the engine
 
 
-class TransformersEngine(TransformersSteps, TorchWeights):
+class TransformersEngine(TransformersSteps, TransformersStructured, TorchWeights):
     """Engine protocol on a transformers causal LM (``"tiny-random"`` or a local HF directory)."""
 
     capabilities = EngineCapabilities(weights_from_disk=True, weights_in_place=True, weights_from_push=True,
                                       weights_from_tensor=True, partial_output=True, progress_counters=True,
-                                      prefill_counters=True, tokenizer=True)
+                                      prefill_counters=True, tokenizer=True,
+                                      grammar_resume=True)
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         weight_version: str | None = None,
         seed: int = 0,
         prefix_cache_tokens: int = 0,
+        tool_call_parser: str | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -116,6 +119,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         """Prompt tokens whose KV prefill took from the prefix cache or from a same-prompt request."""
         self._weights_generation = 0
         """Bumped by every weight change: KV computed under an older generation is never stored."""
+        self._set_tool_call_parser(tool_call_parser)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -129,6 +133,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             await asyncio.to_thread(_check_prefix_cache_support, model)
         self._model, self._tokenizer = model, tokenizer
         self._fill_info(model, tokenizer)
+        self._tokens_changed()
         self._cache_kwarg, self._extra_forward_kwargs = _forward_conventions(model)
         self._batcher = asyncio.create_task(self._run_batcher(), name="transformers-engine-batcher")
 
@@ -190,6 +195,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             raise
         self._model, self._tokenizer = model, tokenizer
         self._fill_info(model, tokenizer)
+        self._tokens_changed()
         self.info.weight_version = weight_version if weight_version is not None else model_path
         self._weights_changed()
 
@@ -222,14 +228,13 @@ class TransformersEngine(TransformersSteps, TorchWeights):
         check_token_ids(request, self.info.vocab_size, self.info.max_context)
         _check_supported(request)
         refuse_extras(request, "transformers", top_logprobs=True, prompt_logprobs=True)
+        self._check_structured(request)
         if request.input_ids is not None:
             if not request.input_ids:
                 raise ValidationError("input_ids", "must not be empty")
             return list(request.input_ids)
-        if request.messages is not None:
-            ids = render_chat(tokenizer, request, ENGINE_NAME)
-        elif request.prompt:
-            ids = list(tokenizer.encode(request.prompt))
+        if request.messages is not None or request.prompt:
+            ids = prompt_token_ids(tokenizer, request, ENGINE_NAME) or []
         else:
             raise ValidationError("input_ids/prompt/messages", "exactly one of input_ids, prompt or messages is required")
         if not ids:
@@ -384,6 +389,8 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             job.rows = [row for row in rows if row.job is job]
         sampling = self._sampling_tensors(rows)
         banned = self._banned_tokens(rows)
+        self._attach_grammars(rows)
+        sampling.allowed = self._allowed(rows)
         # Each step runs under the step lock, with the version it ran on: an in-place weight swap
         # takes the lock, so it falls between two steps.
         async with self._step_lock:
@@ -399,6 +406,7 @@ class TransformersEngine(TransformersSteps, TorchWeights):
             if not any(active):
                 break
             banned = self._banned_tokens(rows)
+            sampling.allowed = self._allowed(rows)
             async with self._step_lock:
                 version = self.info.weight_version
                 tokens, logprobs, tops = await asyncio.to_thread(
@@ -418,6 +426,8 @@ class TransformersEngine(TransformersSteps, TorchWeights):
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            if row.grammar is not None:
+                row.grammar.advance(token)
             self.tokens_decoded += 1
             if tops is not None and row.job.request.top_logprobs_num:
                 row.top.append(tops[i][:row.job.request.top_logprobs_num])

@@ -35,26 +35,35 @@ def _prompt_logprobs(logits: "torch.Tensor", prompt: list[int], temperature: "to
 
 def _sample(
     logits: "torch.Tensor", sampling: _Sampling, active: list[bool], banned: list[tuple[int, int]],
-    top_logprobs: int = 0,
+    top_logprobs: int = 0, allowed: "torch.Tensor | None" = None,
 ) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
     """One token per row, and its logprob under ``softmax(logits / T)`` before any filtering (and
-    the ``top_logprobs`` most likely tokens of that distribution).
+    the ``top_logprobs`` most likely tokens of that distribution). ``allowed`` (``[rows, vocab]``
+    bools): the tokens each row's grammar allows; the others are masked before the draw, after
+    the logprobs (which stay the model's).
 
     Rows are independent: a row's draw depends only on its logits and its own generator, which
     is advanced once per step the row is active and sampling. Greedy rows (T == 0) take the argmax.
     """
     import torch
 
+    if allowed is None:
+        allowed = sampling.allowed
     temperature = sampling.temperature
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     logprobs = torch.log_softmax(scaled, dim=-1)
 
     masked = scaled
-    if banned:
+    if banned or allowed is not None:
         masked = scaled.clone()
+    if banned:
         index = torch.tensor(banned, dtype=torch.long, device=logits.device)
         masked[index[:, 0], index[:, 1]] = float("-inf")
+    if allowed is not None:
+        width = min(masked.shape[-1], allowed.shape[-1])
+        masked[:, :width].masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))
+        masked[:, width:] = float("-inf")
 
     uniforms = torch.zeros(len(active), dtype=torch.float32, device=logits.device)
     for i, (gen, on, is_greedy) in enumerate(zip(sampling.generators, active, greedy.tolist())):

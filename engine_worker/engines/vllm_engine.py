@@ -50,8 +50,8 @@ from redroll.engine_worker.engines.base import (
     EngineRequestError,
     SampleOutput,
 )
-from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text
-from redroll.engine_worker.engines.text import render_chat
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text, refuse_tool_choice
+from redroll.engine_worker.engines.text import prompt_token_ids
 from redroll.engine_worker.engines.vllm_process import VLLMProcess
 from redroll.engine_worker.engines.vllm_weights import VLLMWeights
 from redroll.shared.codec import ValidationError
@@ -171,6 +171,7 @@ class VLLMEngine(VLLMWeights):
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what vLLM would refuse (or what this adapter does not map), naming the field."""
         refuse_extras(request, ENGINE_NAME, top_logprobs=True, prompt_logprobs=True)
+        refuse_tool_choice(request, ENGINE_NAME)
         check_token_ids(request, self.info.vocab_size, None)
         if request.lora_path is not None:
             raise ValidationError("lora_path", "the vllm engine serves no LoRA adapters")
@@ -204,8 +205,8 @@ class VLLMEngine(VLLMWeights):
         if request.input_ids is not None:
             return len(request.input_ids)
         tokenizer = self.process.tokenizer
-        if request.messages is not None and tokenizer is not None:
-            return len(render_chat(tokenizer, request, ENGINE_NAME))  # (refuses a chat it cannot render)
+        if (request.messages is not None or request.prefix_ids is not None) and tokenizer is not None:
+            return len(prompt_token_ids(tokenizer, request, ENGINE_NAME) or ())  # (refuses a chat it cannot render)
         if request.prompt is None or tokenizer is None:
             return None
         try:
@@ -228,8 +229,8 @@ class VLLMEngine(VLLMWeights):
             job.aborted = True  # aborted before it reached the engine: start nothing
         seed = request.sampling_params.sampling_seed
         prompt: dict[str, Any] = {"cache_salt": f"w{self.info.weight_version}"}
-        if request.messages is not None:
-            prompt["prompt_token_ids"] = render_chat(self.process.tokenizer, request, ENGINE_NAME)
+        if request.messages is not None or request.prefix_ids is not None:
+            prompt["prompt_token_ids"] = prompt_token_ids(self.process.tokenizer, request, ENGINE_NAME)
         elif request.input_ids is not None:
             prompt["prompt_token_ids"] = list(request.input_ids)
         else:

@@ -7,7 +7,7 @@ Field names follow OpenAI's API; the RL extensions are named as vLLM's OpenAI se
 ``chat_template``, ``chat_template_kwargs``), plus redroll's own ``min_weight_version``. Every
 field is honoured or refused in one line naming it: an unknown field is refused (the Structs
 forbid unknown fields), and so is a value redroll cannot honour (``echo``, ``suffix``, ``best_of``
-other than ``n``, a ``response_format`` other than text, ``stream_options`` without ``stream``,
+other than ``n``, ``parallel_tool_calls`` false, ``stream_options`` without ``stream``,
 ``prompt_logprobs`` above 0, ...).
 """
 
@@ -126,6 +126,11 @@ class ChatBody(_Sampling, kw_only=True):
     messages: list[dict[str, Any]]
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None
+    """``none``, ``auto`` (the default with tools), ``required`` or ``{"type": "function",
+    "function": {"name": ...}}``: handed to the workers (``required`` and a named function
+    constrain the output with the engine's structured output)."""
+    parallel_tool_calls: Optional[bool] = None
+    """False: one call per choice at most (a ``required`` choice's schema holds one, as vLLM's)."""
     max_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
     max_completion_tokens: Optional[Annotated[int, Meta(ge=0)]] = None
     logprobs: Optional[bool] = None
@@ -178,6 +183,50 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
         raise GatewayError(400, f"invalid body: not JSON ({exc})", param=None, code="invalid_json") from None
 
 
+def response_format_schema(body: ChatBody) -> str | None:
+    """The JSON schema (its text) a chat's ``response_format`` asks for: ``json_object`` is any
+    object, ``json_schema`` its ``json_schema.schema`` (every schema is enforced: ``strict`` true or
+    not); None for ``text``. Anything else is refused naming the field."""
+    fmt = body.response_format
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if set(fmt) != {"type", "json_schema"} or not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise invalid("response_format.json_schema", "must be {\"name\": ..., \"schema\": {...}, \"strict\": ...}")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise invalid(f"response_format.json_schema.{sorted(unknown)[0]}", "unknown field")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema", "must be a JSON schema (an object)")
+        return msgspec.json.encode(schema).decode()
+    raise invalid("response_format", f"type {kind!r} is not one of text, json_object, json_schema")
+
+
+def _check_tool_choice(body: ChatBody) -> None:
+    choice = body.tool_choice
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid("tool_choice", f"{choice!r} is not one of none, auto, required or a named function")
+    elif not (isinstance(choice, dict) and choice.get("type") == "function"
+              and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
+        raise invalid("tool_choice", "a named choice is {\"type\": \"function\", \"function\": {\"name\": NAME}}")
+    if not body.tools and choice != "none":
+        raise invalid("tool_choice", "needs tools")
+    if body.response_format is not None and (choice == "required" or isinstance(choice, dict)):
+        if response_format_schema(body) is not None:
+            raise invalid("response_format", "not with a required or named tool_choice (it constrains the output "
+                                             "itself)")
+
+
 def refuse_unsupported(body: CompletionBody | ChatBody, *, trust_chat_template: bool = False) -> None:
     """The values this gateway cannot honour, each refused naming its field."""
     if body.stream_options is not None and not body.stream:
@@ -190,11 +239,8 @@ def refuse_unsupported(body: CompletionBody | ChatBody, *, trust_chat_template: 
         if body.best_of is not None and body.best_of != body.n:
             raise invalid("best_of", "best_of must equal n (every sample is returned)")
     else:
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise invalid("response_format", f"type {fmt!r} is not supported (only 'text')")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise invalid("tool_choice", "only 'auto' and 'none' are supported")
+        response_format_schema(body)
+        _check_tool_choice(body)
         if body.chat_template is not None and not trust_chat_template:
             raise invalid("chat_template", "a request's chat template is code the worker runs: this gateway takes one "
                                            "only when started with --trust-request-chat-template")

@@ -30,7 +30,8 @@ from redroll.shared.types import CompletionRecord, GenerationRequest
 from redroll.web.gateway.idempotency import KeyedCall, timed_out
 from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError
-from redroll.web.gateway.translate import check_records, choice_extensions
+from redroll.web.gateway.tool_stream import ToolCallStream
+from redroll.web.gateway.translate import chat_finish_reason, check_records, choice_extensions
 
 log = logging.getLogger("redroll.web.gateway")
 
@@ -142,6 +143,8 @@ class EventWriter:
         self.top = (body.top_logprobs or 0) if isinstance(body, ChatBody) else (body.logprobs or 0)
         self.records: dict[int, CompletionRecord] = {}
         self._started: set[int] = set()
+        self.tools = ToolCallStream.of(body)
+        """A chat whose text may hold tool calls: its content is held where a call may start."""
 
     def _object(self, choice: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -173,12 +176,18 @@ class EventWriter:
         if not chunk.token_ids and not chunk.text and rec is None:
             return b""
         choice: dict[str, Any] = {"index": index}
-        if self.chat:
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            content, calls = self.tools.take(index, chunk.text or "", rec)
+            choice["delta"] = {"content": content}
+        elif self.chat:
             choice["delta"] = {"content": chunk.text or ""}
         else:
             choice["text"] = chunk.text or ""
         choice["logprobs"] = self._logprobs(chunk, rec)
         choice["finish_reason"] = chunk.finish_reason if rec is not None else None
+        if rec is not None and self.chat:
+            choice["finish_reason"] = chat_finish_reason(rec, 0)
         choice["stop_reason"] = None
         top_level: dict[str, Any] = {}
         if self.with_ids:
@@ -192,6 +201,14 @@ class EventWriter:
         if rec is not None:
             choice.update(choice_extensions(rec, 0, False))
         self._started.add(index)
+        if calls:  # (OpenAI's shape: each call's head, then its arguments, then the finish)
+            finish = {k: choice.pop(k) for k in ("finish_reason", "stop_reason", "weight_version") if k in choice}
+            choice["finish_reason"] = None
+            out = [event({**self._object(choice), **top_level})]
+            out += [event(self._object({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                        "finish_reason": None})) for delta in calls]
+            out.append(event(self._object({"index": index, "delta": {}, "logprobs": None, **finish})))
+            return b"".join(out)
         return event({**self._object(choice), **top_level})
 
     def _logprobs(self, chunk: StreamChunk, rec: CompletionRecord | None) -> dict[str, Any] | None:

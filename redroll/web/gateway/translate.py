@@ -21,7 +21,7 @@ from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid
+from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid, response_format_schema
 
 FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages", "tools": "tools",
                "sampling_params.max_new_tokens": "max_tokens", "sampling_params.n": "n",
@@ -36,7 +36,8 @@ FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages"
                "return_prompt_token_ids": "return_token_ids", "sampling_params.regex": "structured_outputs.regex",
                "sampling_params.json_schema": "structured_outputs.json",
                "sampling_params.ebnf": "structured_outputs.grammar",
-               "sampling_params.structural_tag": "structured_outputs.structural_tag"}
+               "sampling_params.structural_tag": "structured_outputs.structural_tag", "tool_choice": "tool_choice",
+               "tool_choice.function.name": "tool_choice", "prefix_ids": "session_id"}
 """redroll's field names (in a ValidationError) as the OpenAI body names them."""
 
 META = "gateway"
@@ -87,6 +88,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
     OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
     prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order. ``model``:
     the name the response gives (the call's ``model`` when None)."""
+    facts_extra: dict[str, Any] = {}
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
                                 "skip_special_tokens": body.skip_special_tokens, **structured(body)}
     top_k = -1 if body.top_k == 0 else body.top_k  # (vLLM's 0 and -1 are both "off"; redroll's off is -1)
@@ -106,9 +108,19 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         if top and not body.logprobs:
             raise invalid("top_logprobs", "needs logprobs=true")
         want_logprobs = bool(body.logprobs)
-        inputs: list[dict[str, Any]] = [{"messages": body.messages, "tools": body.tools,
-                                         "chat_template": body.chat_template,
-                                         "chat_template_kwargs": template_variables(body)}]
+        fmt = response_format_schema(body)
+        if fmt is not None:
+            facts_extra["rf"] = True
+            if "json_schema" in sampling:
+                raise invalid("response_format", "not with structured_outputs.json (one schema per call)")
+            sampling["json_schema"] = fmt
+        chat: dict[str, Any] = {"messages": body.messages, "tools": body.tools, "chat_template": body.chat_template,
+                                "chat_template_kwargs": template_variables(body)}
+        if body.tools and body.tool_choice is not None:
+            chat["tool_choice"] = body.tool_choice
+        if body.tools and body.parallel_tool_calls is not None:
+            chat["parallel_tool_calls"] = body.parallel_tool_calls
+        inputs: list[dict[str, Any]] = [chat]
     else:
         max_tokens = body.max_tokens
         top = body.logprobs or 0
@@ -118,7 +130,9 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         sampling["max_new_tokens"] = max_tokens
     with_prompt_logprobs = body.prompt_logprobs is not None
     facts: dict[str, Any] = {"created": int(time.time()), "model": model or body.model, "fp": fingerprint,
-                             "ids": bool(body.return_token_ids)}
+                             "ids": bool(body.return_token_ids), **facts_extra}
+    if isinstance(body, ChatBody) and body.tools and body.tool_choice != "none":
+        facts["tc"] = "named" if isinstance(body.tool_choice, dict) else body.tool_choice or "auto"
     if with_prompt_logprobs:  # (the record then has output logprobs the call did not ask for: say which)
         facts.update(lp=want_logprobs, plp=True)
     meta = {META: facts}
@@ -190,6 +204,8 @@ def check_records(records: list[CompletionRecord], names: dict[str, str] = FIELD
         if rec.status is RecordStatus.ERROR and message.startswith("invalid "):
             field, _, rule = message[len("invalid "):].partition(":")
             param = names.get(field, field)
+            if field == "sampling_params.json_schema" and gateway_meta(rec).get("rf"):
+                param = "response_format"  # (the call's schema came from its response_format)
             raise GatewayError(400, f"invalid {param}:{rule}", param=param, code="invalid_value")
         raise GatewayError(500 if rec.status is RecordStatus.ERROR else 503, message, kind="server_error",
                            code=rec.status.value)
@@ -253,6 +269,32 @@ def _tops_of(rec: CompletionRecord, j: int) -> Any:
     return rec.output_top_logprobs[j] if rec.output_top_logprobs else None
 
 
+def sample_calls(rec: CompletionRecord, j: int) -> Any:
+    """The parsed tool calls of sample ``j`` (None when it made none)."""
+    return rec.tool_calls[j] if rec.tool_calls else None
+
+
+def assistant_message(rec: CompletionRecord, j: int) -> dict[str, Any]:
+    """A sample as OpenAI's assistant message: its text, or (a sample that called tools) the text
+    outside its calls and the calls, as the worker's parser read them."""
+    text = (rec.output_text or [""] * (j + 1))[j]
+    calls = sample_calls(rec, j)
+    if calls is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": calls.content,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls.calls]}
+
+
+def chat_finish_reason(rec: CompletionRecord, j: int) -> str | None:
+    """OpenAI's rule, as vLLM applies it: ``tool_calls`` for a sample that called tools under an
+    ``auto`` or ``required`` choice, ``stop`` under a named one."""
+    reason = rec.finish_reasons[j]
+    if reason == "stop" and sample_calls(rec, j) is not None and gateway_meta(rec).get("tc") in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
 def completion_response(call_id: str, model: str, records: list[CompletionRecord],
                         prompts: list[list[int] | None], top: int = 0) -> dict[str, Any]:
     """A ``text_completion`` object from a call's records (one per prompt, in order); ``top``: the
@@ -289,8 +331,8 @@ def chat_response(call_id: str, model: str, records: list[CompletionRecord],
     choices = []
     for index, k, rec, j in _samples(records):
         choice: dict[str, Any] = {
-            "index": index, "message": {"role": "assistant", "content": (rec.output_text or [""] * (j + 1))[j]},
-            "finish_reason": rec.finish_reasons[j], "stop_reason": None, "logprobs": None}
+            "index": index, "message": assistant_message(rec, j),
+            "finish_reason": chat_finish_reason(rec, j), "stop_reason": None, "logprobs": None}
         if _shows_logprobs(rec):
             choice["logprobs"] = chat_logprobs(rec.output_token_ids[j], rec.output_logprobs[j],  # type: ignore[index]
                                                _tops_of(rec, j), top)
