@@ -37,20 +37,29 @@ class Event(msgspec.Struct, kw_only=True):
 
 
 class Submitted(msgspec.Struct, kw_only=True):
+    """The request's submit, as its entry in the request stream tells it."""
+
     at: float
     """When the request entry was added (its id's time)."""
     entry: str
+    """The request entry's id."""
     stream: str
+    """The request stream it was queued on."""
     priority: str
     """``high`` or ``normal``."""
     lane: Optional[int] = None
+    """The affinity lane it was queued on (None: the shared or high-priority stream)."""
     producer: Optional[str] = None
     """The producer whose reply stream waits for the record (None: the record goes to the results stream)."""
 
 
 class DeliveryStep(msgspec.Struct, kw_only=True):
+    """One delivery of the request's entry to a worker, and how it ended."""
+
     worker: str
+    """The worker it was delivered to."""
     entry: str
+    """The request entry delivered."""
     n: int
     """The entry's delivery count with this delivery."""
     at: Optional[float] = None
@@ -62,6 +71,7 @@ class DeliveryStep(msgspec.Struct, kw_only=True):
     ended: str = REASON_UNKNOWN
     """finished, lease lost, handed back, worker died, dead-lettered, still in flight, or not in the log."""
     ended_at: Optional[float] = None
+    """When it ended, when the log says."""
 
 
 class CheckpointStep(msgspec.Struct, kw_only=True):
@@ -77,18 +87,29 @@ class CheckpointStep(msgspec.Struct, kw_only=True):
 
 
 class RecordStep(msgspec.Struct, kw_only=True):
+    """The request's record: the finish that published it."""
+
     at: float
+    """When it was published."""
     worker: str
+    """The worker whose finish published it."""
     entry: str
+    """The request entry it finished."""
     status: str
+    """finished, aborted, expired or error."""
     reply: str
     """The stream the record went to."""
     result_entry: str
+    """The record's entry id in ``reply``."""
     tokens: Optional[int] = None
+    """Output tokens, all samples."""
     engine_ms: Optional[float] = None
+    """Time in the engine (the record's ``meta_info.engine_ms``)."""
     queue_ms: Optional[float] = None
+    """Time from the submit to the claim (``meta_info.queue_ms``)."""
     weight_version: Optional[str] = None
     attempt: Optional[int] = None
+    """Which delivery of the entry made it (1: the first)."""
     requeued: int = 0
     """How often ``redroll dead requeue`` had given it another attempt."""
     error: Optional[str] = None
@@ -97,12 +118,19 @@ class RecordStep(msgspec.Struct, kw_only=True):
 
 
 class DeadStep(msgspec.Struct, kw_only=True):
+    """The request's entry (or its record, for a consumer group) dead-lettered."""
+
     at: float
+    """When it was dead-lettered."""
     entry: str
+    """The entry dead-lettered."""
     source: str
+    """Who dead-lettered it: worker, producer or consumer:<group>."""
     reason: str
+    """Why, naming the field and rule, or the deliveries and the last error."""
     deliveries: Optional[int] = None
     by: Optional[str] = None
+    """The process that wrote the letter."""
 
 
 class GroupStep(msgspec.Struct, kw_only=True):
@@ -127,9 +155,13 @@ class Now(msgspec.Struct, kw_only=True):
 
 
 class Timeline(msgspec.Struct, kw_only=True):
+    """The life of one request, in order: what ``redroll trace`` prints and the dashboard shows."""
+
     request_id: str
     events_key: str
+    """Its event log's key."""
     log_found: bool
+    """Whether the event log was there (a request with no incident has none under ``incidents``)."""
     events_kept: int = 0
     events_trimmed: int = 0
     """Events the log's cap (``event_log_max_bytes``) dropped, oldest first."""
