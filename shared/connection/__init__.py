@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,6 +26,7 @@ from redroll.shared.connection.sentinel import (
     SENTINEL_SCHEMES,
     connect_sentinel,
     connect_sentinel_sync,
+    credentials,
     is_sentinel_url,
     parse_sentinel_url,
     redact_sentinel_url,
@@ -59,16 +59,7 @@ def connection_kwargs(settings: Settings) -> dict[str, Any]:
     # half-dead connection; it is well above the longest blocking read (1 s).
     kw: dict[str, Any] = {"decode_responses": False, "health_check_interval": 30, "socket_timeout": 30,
                           "socket_connect_timeout": 5}
-    if settings.redis_username:
-        kw["username"] = settings.redis_username
-    password = settings.redis_password
-    if settings.redis_password_file:
-        try:
-            password = Path(settings.redis_password_file).read_text().strip()
-        except OSError as exc:
-            raise RedisConfigError(f"cannot read redis password file {settings.redis_password_file}: {exc}") from None
-    if password:
-        kw["password"] = password
+    kw.update(credentials(settings.redis_username, settings.redis_password, settings.redis_password_file, "redis"))
     if scheme in ("rediss", "rediss+sentinel"):
         if settings.tls_ca_file:
             kw["ssl_ca_certs"] = settings.tls_ca_file

@@ -109,23 +109,30 @@ def redact_sentinel_url(url: str) -> str:
     return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
+def credentials(username: str | None, password: str | None, password_file: str | None, whose: str
+                ) -> dict[str, str]:
+    """A client's ``username`` and ``password`` keywords (those given): the password read from
+    ``password_file`` when one is named (surrounding whitespace stripped; unreadable:
+    :class:`RedisConfigError` naming it)."""
+    kw = {"username": username} if username else {}
+    if password_file:
+        try:
+            password = Path(password_file).read_text().strip()
+        except OSError as exc:
+            raise RedisConfigError(f"cannot read {whose} password file {password_file}: {exc}") from None
+    if password:
+        kw["password"] = password
+    return kw
+
+
 def sentinel_connection_kwargs(settings: Settings, address: SentinelAddress, data_kwargs: dict[str, Any]
                                ) -> dict[str, Any]:
     """How to talk to the sentinels themselves: their own credentials, the same TLS files and
     socket timeouts as the primary."""
     kw: dict[str, Any] = {k: v for k, v in data_kwargs.items() if k.startswith("socket_")}
     kw["decode_responses"] = False
-    if settings.sentinel_username:
-        kw["username"] = settings.sentinel_username
-    password = settings.sentinel_password
-    if settings.sentinel_password_file:
-        try:
-            password = Path(settings.sentinel_password_file).read_text().strip()
-        except OSError as exc:
-            raise RedisConfigError(f"cannot read sentinel password file {settings.sentinel_password_file}: "
-                                   f"{exc}") from None
-    if password:
-        kw["password"] = password
+    kw.update(credentials(settings.sentinel_username, settings.sentinel_password, settings.sentinel_password_file,
+                          "sentinel"))
     if address.tls:
         kw["ssl"] = True
         kw.update({k: v for k, v in data_kwargs.items() if k.startswith("ssl_")})
