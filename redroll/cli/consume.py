@@ -9,8 +9,8 @@ from typing import Any
 
 from redroll.cli.burst import add_burst_flag
 from redroll.cli.options import (
-    SETTING_DEFAULTS,
     add_connection_options,
+    add_delivery_flags,
     add_metrics_flags,
     positive_int,
     settings_from_args,
@@ -27,12 +27,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--default-handler", default=None, metavar="module:function",
                    help="handler for records that name no callback")
     p.add_argument("--stream", default=None, help="reply stream to consume (default {ns}:results)")
-    p.add_argument("--claim-idle-ms", type=int, default=None,
-                   help="take over a record another consumer of the group has held this long "
-                        f"(env REDROLL_CLAIM_IDLE_MS; default {SETTING_DEFAULTS.claim_idle_ms})")
-    p.add_argument("--max-deliveries", type=int, default=None,
-                   help="dead-letter a record after this many deliveries "
-                        f"(env REDROLL_MAX_DELIVERIES; default {SETTING_DEFAULTS.max_deliveries})")
+    add_delivery_flags(p, "record", "another consumer of the group")
     p.add_argument("--batch", type=int, default=128,
                    help="most records per read (fewer after large ones: see --batch-bytes)")
     p.add_argument("--batch-bytes", type=positive_int, default=1 << 20,

@@ -85,6 +85,17 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def add_delivery_flags(p: argparse.ArgumentParser, item: str, holder: str) -> None:
+    """``--claim-idle-ms`` and ``--max-deliveries`` of a worker (``item`` "request") or a consumer
+    ("record"): when another ``holder``'s entry is taken over, and when one is dead-lettered."""
+    p.add_argument("--claim-idle-ms", type=int, default=None,
+                   help=f"take over a {item} {holder} has held this long without progress "
+                        f"(env REDROLL_CLAIM_IDLE_MS; default {SETTING_DEFAULTS.claim_idle_ms})")
+    p.add_argument("--max-deliveries", type=int, default=None,
+                   help=f"dead-letter a {item} after this many deliveries "
+                        f"(env REDROLL_MAX_DELIVERIES; default {SETTING_DEFAULTS.max_deliveries})")
+
+
 def add_metrics_flags(p: argparse.ArgumentParser) -> None:
     """``--metrics-port`` and ``--metrics-host`` of a long-running worker or consumer."""
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")

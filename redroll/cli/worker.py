@@ -12,6 +12,7 @@ from redroll.cli.engine_flags import add_engine_flags, engine_options, flag_refu
 from redroll.cli.options import (
     SETTING_DEFAULTS,
     add_connection_options,
+    add_delivery_flags,
     add_metrics_flags,
     non_negative_int,
     positive_int,
@@ -40,12 +41,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--only-partitions", default=os.environ.get("REDROLL_ONLY_PARTITIONS"),
                    help="claim only from these partitions, e.g. 0,2 (env REDROLL_ONLY_PARTITIONS; default: all)")
     add_engine_flags(p)
-    p.add_argument("--claim-idle-ms", type=int, default=None,
-                   help="take over a request another worker has held this long without progress "
-                        f"(env REDROLL_CLAIM_IDLE_MS; default {SETTING_DEFAULTS.claim_idle_ms})")
-    p.add_argument("--max-deliveries", type=int, default=None,
-                   help="dead-letter a request after this many deliveries "
-                        f"(env REDROLL_MAX_DELIVERIES; default {SETTING_DEFAULTS.max_deliveries})")
+    add_delivery_flags(p, "request", "another worker")
     p.add_argument("--claim-prefetch", type=non_negative_int, default=None, metavar="N",
                    help="claim what the engine can start now plus N more, so a freed slot is refilled without "
                         "waiting for a claim (env REDROLL_CLAIM_PREFETCH; default "
