@@ -79,5 +79,4 @@ def test_the_engines_page_holds_the_registrys_tables():
     page = (ROOT / "docs" / "engines.md").read_text(encoding="utf-8")
     (table,) = ENGINE_TABLE.findall(page)
     assert table == engine_table(), (
-        "docs/engines.md's engine tables differ from the registry: paste the output of "
-        "python -c 'from redroll.cli.engine_flags import engine_table; print(engine_table())' between its markers")
+        "docs/engines.md's engine tables differ from the registry: run python scripts/engine_tables.py")
