@@ -15,10 +15,6 @@ from tests.conftest import ROOT
 
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 
-NOT_YET = {ROOT / "docs" / "performance.md"}
-"""Pages that still carry the development log (the performance work rewrites them): checked by
-``test_pages_not_yet_clean_still_fail``, so an entry here goes once its page is clean."""
-
 PATTERNS = {
     "a round number": re.compile(r"(?<![\w/.-])R\d{1,3}(?![\w.])"),
     # 7 to 40 hex digits standing alone, at least one letter and one digit: a commit, not an entry
@@ -38,15 +34,9 @@ def offences(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p not in NOT_YET], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_user_pages_carry_no_development_log(page):
     assert offences(page) == []
-
-
-@pytest.mark.parametrize("page", sorted(NOT_YET), ids=lambda p: str(p.relative_to(ROOT)))
-def test_pages_not_yet_clean_still_fail(page):
-    """Once a page here is clean, take it out of NOT_YET (the test above then keeps it clean)."""
-    assert offences(page), f"{page.relative_to(ROOT)} is clean now: remove it from NOT_YET"
 
 
 @pytest.mark.parametrize("line, what", [
