@@ -46,10 +46,7 @@ class KeyedCalls:
 
     def __init__(self, settings: Settings, redis_client: Redis, scripts: Scripts, wait_client: Redis,
                  window_s: int):
-        self.settings = settings
-        self.redis = redis_client
-        self.wait_client = wait_client
-        self.scripts = scripts
+        self.settings, self.redis, self.wait_client, self.scripts = settings, redis_client, wait_client, scripts
         self.window_s = window_s
         self.durability = Durability.of(settings)
 

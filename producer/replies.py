@@ -44,17 +44,10 @@ class ReplyReader:
                  reply_streams: list[str], parts: list[Keys], pending: PendingRequests, read_count: int,
                  block_ms: int, before_ack: Callable[[], None] | None = None,
                  after_ack: Callable[[], Awaitable[None]] | None = None):
-        self.redis = redis_client
-        self.scripts = scripts
-        self.settings = settings
-        self.name = name
-        self.reply_streams = reply_streams
-        self.parts = parts
-        self.pending = pending
-        self.read_count = read_count
-        self.block_ms = block_ms
-        self._before_ack = before_ack
-        self._after_ack = after_ack
+        self.redis, self.scripts, self.settings, self.name = redis_client, scripts, settings, name
+        self.reply_streams, self.parts, self.pending = reply_streams, parts, pending
+        self.read_count, self.block_ms = read_count, block_ms
+        self._before_ack, self._after_ack = before_ack, after_ack
         self.closed = False
         self._last_expire = 0.0
 

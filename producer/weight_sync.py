@@ -101,14 +101,6 @@ class WeightSync:
     async def __aexit__(self, *exc: Any) -> None:
         return None
 
-    @property
-    def _redis(self) -> Any:
-        return self.producer.redis
-
-    @property
-    def _keys(self) -> Any:
-        return self.producer.keys
-
     async def push(self, named_tensors: Iterable[tuple[str, Any]], version: str, *,
                    checkpoint_path: str | None = None) -> PushReport:
         """Broadcast ``named_tensors`` (e.g. ``model.named_parameters()``) to every live worker as
@@ -121,7 +113,7 @@ class WeightSync:
         excluded: set[str] = set()
         last_error: BaseException | None = None
         for attempt in range(1, self.attempts + 1):
-            workers = {n: b for n, b in (await live_workers(self._redis, self._keys, self.stale_after_s)).items()
+            workers = {n: b for n, b in (await live_workers(self.producer.redis, self.producer.keys, self.stale_after_s)).items()
                        if n not in excluded}
             if not workers:
                 await self._set_desired(version, checkpoint_path)
@@ -154,7 +146,7 @@ class WeightSync:
             next_rank += max(1, int(workers[name].get("weight_ranks") or 1))
         port = self.port or free_port(self.address)
         group_name = f"redroll-{sync_id}-{attempt}"
-        await send_command(self._redis, self._keys, SyncWeights(
+        await send_command(self.producer.redis, self.producer.keys, SyncWeights(
             sync_id=sync_id, attempt=attempt, version=version, group_name=group_name, master_address=self.address,
             master_port=port, world_size=next_rank, backend=self.backend, ranks=ranks, tensors=specs,
             mode=self.mode, timeout_s=self.timeout_s, checkpoint_path=checkpoint_path))
@@ -170,13 +162,13 @@ class WeightSync:
 
             await asyncio.to_thread(broadcast_all)
             await self._wait_for(sync_id, attempt, ranks, "received")
-            await send_command(self._redis, self._keys, SyncCommit(sync_id=sync_id, attempt=attempt, version=version))
+            await send_command(self.producer.redis, self.producer.keys, SyncCommit(sync_id=sync_id, attempt=attempt, version=version))
             await self._set_desired(version, checkpoint_path)
             await self._wait_for(sync_id, attempt, ranks, "committed")
             return sorted(ranks)
         except BaseException:
             with contextlib.suppress(Exception):
-                await send_command(self._redis, self._keys, SyncAbort(sync_id=sync_id, attempt=attempt,
+                await send_command(self.producer.redis, self.producer.keys, SyncAbort(sync_id=sync_id, attempt=attempt,
                                                                        reason="the trainer's side failed"))
             raise
         finally:
@@ -184,7 +176,7 @@ class WeightSync:
                 await asyncio.to_thread(group.close)  # (the survivors' pending collectives end now)
 
     async def _progress(self, sync_id: str, attempt: int) -> dict[str, str]:
-        raw = await self._redis.hgetall(self._keys.weight_sync(sync_id))
+        raw = await self.producer.redis.hgetall(self.producer.keys.weight_sync(sync_id))
         suffix = f":{attempt}"
         return {text(k)[: -len(suffix)]: text(v) for k, v in raw.items() if text(k).endswith(suffix)}
 
@@ -214,14 +206,14 @@ class WeightSync:
             if not silent or time.monotonic() > deadline:
                 return silent
             # A silent worker whose heartbeat stopped too is gone (a SIGKILL): no need to wait on.
-            beats = await live_workers(self._redis, self._keys, quiet_s)
+            beats = await live_workers(self.producer.redis, self.producer.keys, quiet_s)
             if not silent & set(beats):
                 return silent
             await asyncio.sleep(0.05)
 
     async def _set_desired(self, version: str, checkpoint_path: str | None) -> None:
         """``{ns}:weights``: what a worker that joins later must serve (a checkpoint to load, or wait)."""
-        await self._redis.hset(self._keys.weights, mapping={
+        await self.producer.redis.hset(self.producer.keys.weights, mapping={
             "weight_version": version, "model_path": checkpoint_path or "", "source": "push",
             "updated_at": str(time.time())})
 

@@ -4,8 +4,9 @@ one line naming what is wrong (argparse shows it after the flag; a variable's re
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 
 def whole_number(least: int, name: str) -> Callable[[str], int]:
@@ -57,3 +58,20 @@ seconds_from_zero = amount("seconds", "seconds_from_zero", at_least=0)
 positive_gib = amount("GiB", "positive_gib", above=0)
 fraction = amount("", "fraction", above=0, at_most=1)
 """A share of something, in (0, 1]."""
+
+
+def key_values(pairs: Sequence[str], flag: str, form: str = "KEY=VALUE", *,
+               key: Callable[[str], str] = lambda k: k) -> dict[str, Any]:
+    """``["a=1", "b=true", "c=x"]`` → ``{"a": 1, "b": True, "c": "x"}``: each VALUE parsed as JSON
+    when it can be, else kept as text; ``key`` normalizes each key. A pair without ``=`` or a key
+    is refused naming ``flag`` and the ``form`` it must have."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{flag} {pair!r} must look like {form}")
+        try:
+            out[key(name)] = json.loads(raw)
+        except ValueError:
+            out[key(name)] = raw
+    return out

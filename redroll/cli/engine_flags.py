@@ -10,13 +10,13 @@ of the fleet is left alone).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, Sequence
 
 from redroll.engine_worker.engines.base import EngineOption, EngineSpec
 from redroll.engine_worker.engines.registry import ENGINES
 from redroll.shared.settings import Settings
+from redroll.shared.values import key_values
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -88,17 +88,8 @@ def flag_refusal(args: argparse.Namespace, spec: EngineSpec) -> str | None:
 
 
 def parse_key_values(pairs: Sequence[str], flag: str) -> dict[str, Any]:
-    """``["a=1", "b=true", "c=x"]`` → ``{"a": 1, "b": True, "c": "x"}`` (JSON when it parses)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} {pair!r} must look like KEY=VALUE")
-        try:
-            out[key.replace("-", "_")] = json.loads(raw)
-        except ValueError:
-            out[key.replace("-", "_")] = raw
-    return out
+    """``["a=1", "b-c=true"]`` → ``{"a": 1, "b_c": True}`` (JSON when it parses)."""
+    return key_values(pairs, flag, key=lambda k: k.replace("-", "_"))
 
 
 def _from_env(option: EngineOption) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
 from redroll.shared.settings import Settings
 from redroll.shared.streams import id_tuple, text
+from redroll.shared.values import key_values
 
 PLAIN = ("reason", "source", "entry", "deliveries", "reply_error")
 
@@ -176,13 +176,4 @@ async def purge(r: Redis, keys: Keys, ids: Sequence[str] | None = None, *, older
 
 def parse_patches(pairs: Sequence[str]) -> dict[str, Any]:
     """``["sampling_params.temperature=0.7"]`` → ``{"sampling_params.temperature": 0.7}`` (JSON values)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {pair!r} must look like FIELD.PATH=JSON")
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
-    return out
+    return key_values(pairs, "--set", "FIELD.PATH=JSON")
