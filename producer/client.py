@@ -149,10 +149,6 @@ class Producer:
     # ------------------------------------------------------------------ lifecycle
 
     @property
-    def max_inflight(self) -> int | None:
-        return self.admission.max_inflight
-
-    @property
     def weight_version(self) -> int:
         """The trainer's weight version, as :meth:`set_weight_version` or :meth:`update_weights` set it."""
         return self.admission.weight_version
