@@ -77,10 +77,6 @@ ENGINES: dict[str, EngineSpec] = {
             _memory_fraction("gpu_memory_utilization", "--gpu-memory-utilization"), _dtype("auto"),
             _seed("seed"), _tp_size("tensor_parallel_size"), _memory_saver("enable_sleep_mode"), _PAUSE_MODE,
             _WEIGHT_VERSION, _tool_call_parser(None),
-            EngineOption("--tool-strict-level", "tool_strict_level", "what vLLM's tool-call grammar pins (vllm serve's "
-                         "flag): auto (a required or named call's name; arguments of strict tools), function (the "
-                         "call envelope of every request with tools), parameter (also every tool's arguments)",
-                         choices=("auto", "function", "parameter"), default="auto"),
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
                          "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=positive_gib),
             EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "

