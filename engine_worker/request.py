@@ -19,6 +19,7 @@ from redroll.engine_worker.checkpoints import (
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.control import AbortedSet
 from redroll.engine_worker.engines.base import EngineDeadError, EngineOutput, SampleOutput
+from redroll.engine_worker.engines.grammar import is_structured, mark_continued
 from redroll.engine_worker.flights import Flights, InFlight
 from redroll.engine_worker.outcomes import Outcomes
 from redroll.engine_worker.records import build_record
@@ -226,6 +227,7 @@ class RequestRunner:
         resume = saver = None
         if is_resumed(request):
             resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
+            resume = await self._grammar_allows(flight, request, resume)
             if resume is not None:
                 ctx.stats.resumed += 1
                 log.info("request %s: resuming after %d saved token(s)", request.request_id, resume.tokens,
@@ -280,8 +282,8 @@ class RequestRunner:
             return EngineOutput(samples=[SampleOutput([], [] if request.return_logprob else None, "abort")],
                                 prompt_tokens=len(request.input_ids or []),
                                 weight_version=ctx.engine.info.weight_version)
-        generating = (resume_request(request, resume, ctx.tokenizer, ctx.engine.info.name) if resume is not None
-                      else request)
+        generating = (mark_continued(resume_request(request, resume, ctx.tokenizer, ctx.engine.info.name), request,
+                                     resume.tokens) if resume is not None else request)
         task = asyncio.create_task(saver.run()) if saver is not None else None
         try:
             return await ctx.engine.generate(generating, flight.handle)
@@ -290,6 +292,26 @@ class RequestRunner:
                 saver.stop()  # type: ignore[union-attr]
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def _grammar_allows(self, flight: InFlight, request: GenerationRequest,
+                              resume: Checkpoint | None) -> Checkpoint | None:
+        """The checkpoint ``request`` continues from. A structured one (a grammar or a constraining
+        tool choice) continues only on an engine that advances its grammar over the saved tokens
+        (``grammar_resume``: the continuation is marked, see :meth:`_generate`). On any other (vLLM:
+        no grammar can be started mid-output) its checkpoint is deleted and it starts over from its
+        prompt, under its whole grammar; a streamed one cannot (its reader holds the saved tokens),
+        so it is refused naming ``stream``."""
+        if resume is None or not resume.tokens or self.ctx.capabilities.grammar_resume or not is_structured(request):
+            return resume
+        engine = self.ctx.engine.info.name
+        if request.stream:
+            raise ValidationError("stream", f"a streamed structured request cannot go on after {resume.tokens} "
+                                            f"token(s) on the {engine} engine (it cannot take its grammar up "
+                                            "mid-output, and its reader has those tokens): send it again")
+        log.info("request %s: starting over (the %s engine cannot take a grammar up after %d saved token(s))",
+                 request.request_id, engine, resume.tokens, extra=flight.context())
+        await self.checkpoints.discard(self.ctx.part_of[flight.stream], {"rid": request.request_id}, flight.entry_id)
+        return None
 
     def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
         """The record of a request stopped before it reached the engine (aborted, expired)."""

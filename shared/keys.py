@@ -206,6 +206,11 @@ class Keys:
         """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""
         return f"{self.tag}:partial:{request_id}"
 
+    def session(self, name: str) -> str:
+        """String: a gateway session's conversation as token ids (``redroll serve``'s token-exact
+        sessions, see redroll/web/gateway/sessions.py); expires with the session's window."""
+        return f"{self.tag}:session:{name}"
+
     def chunks(self, producer: str, request_id: str) -> str:
         """Stream: the chunks of a streamed request (``stream``) of ``producer``, each one part of its
         checkpoint (see engine_worker/settled_text.py). The producer's name and the request_id are joined

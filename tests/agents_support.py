@@ -41,3 +41,4 @@ def scripted_checkpoint(directory: Path, family: str) -> Path:
 
     return save_agent_checkpoint(directory / f"tiny-{family}", family, scripted=[
         (QUESTION, TOOLS, CALL_TEXT[family]), (after_call("call_x"), TOOLS, ANSWER)])
+

@@ -50,10 +50,11 @@ def _memory_saver(kwarg: str) -> EngineOption:
                         "training; GPU only)", type=None)
 
 
-def _tool_call_parser(choices: tuple[str, ...]) -> EngineOption:
+def _tool_call_parser(choices: tuple[str, ...] | None) -> EngineOption:
     return EngineOption("--tool-call-parser", "tool_call_parser", "read tool calls out of the model's text with the "
                         "parser of this family (vllm serve --tool-call-parser's names: hermes for Qwen and Hermes, "
-                        "llama3_json for Llama 3): records carry tool_calls", choices=choices)
+                        "llama3_json for Llama 3" + ("" if choices else "; any parser vLLM registers") +
+                        "): records carry tool_calls", choices=choices)
 
 
 _FAMILIES = ("hermes", "llama3_json")
@@ -84,6 +85,7 @@ ENGINES: dict[str, EngineSpec] = {
             *_gpu_engine_options(capacity="max_num_seqs", context="max_model_len",
                                  memory=("gpu_memory_utilization", "--gpu-memory-utilization"), seed="seed",
                                  tp="tensor_parallel_size", memory_saver="enable_sleep_mode"),
+            _tool_call_parser(None),
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
                          "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=positive_gib),
             EngineOption("--no-prefix-caching", "enable_prefix_caching", "turn vLLM's prefix cache off (on by "

@@ -25,6 +25,9 @@ What the adapter does, and why:
   it), the token ids run up to and including the token that completed it. Other requests are not
   detokenized (``detokenize=False``: RL's token-id requests spend nothing on text). A chat request
   is rendered here with the tokenizer's chat template and sent as token ids.
+* **Tool calls and structured output** are vLLM's own (its parsers, its structured outputs with
+  the xgrammar backend): see :mod:`.vllm_tools`, which also says what logprobs are under a grammar
+  (the masked distribution) and why a continued structured request starts over.
 * **Weight versions** are vLLM's own: the engine stamps every output with its current version
   (``update_weight_version``) and reports spans per sample, so an in-place update inside a
   generation shows in the record's per-token ``weight_versions``. Every request's prefix cache is
@@ -50,9 +53,10 @@ from redroll.engine_worker.engines.base import (
     EngineRequestError,
     SampleOutput,
 )
-from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text, refuse_tool_choice
+from redroll.engine_worker.engines.checks import check_token_ids, refuse_extras, refuse_text
 from redroll.engine_worker.engines.text import prompt_token_ids
 from redroll.engine_worker.engines.vllm_process import VLLMProcess
+from redroll.engine_worker.engines.vllm_tools import VLLMTools
 from redroll.engine_worker.engines.vllm_weights import VLLMWeights
 from redroll.shared.codec import ValidationError
 from redroll.shared.types import GenerationRequest
@@ -67,8 +71,7 @@ _ABORT_RETRY_S = 0.05
 after tokenizing it (an abort sent before that is dropped), so the abort repeats until it lands."""
 
 _REFUSED_SAMPLING_KEYS = {
-    "json_schema": "structured output", "regex": "structured output", "ebnf": "structured output",
-    "structural_tag": "structured output", "stop_regex": "stop regexes", "custom_params": "custom logit processors",
+    "structural_tag": "SGLang's structural tags", "stop_regex": "stop regexes", "custom_params": "custom logit processors",
 }
 
 
@@ -110,7 +113,8 @@ class VLLMEngine(VLLMWeights):
                                       tokenizer=True)
 
     def __init__(self, model_path: str, *, checkpoint_stream_interval: int = 256, pause_mode: str = "in_place",
-                 weight_version: str | None = None, **engine_options: Any) -> None:
+                 weight_version: str | None = None, tool_call_parser: str | None = None,
+                 **engine_options: Any) -> None:
         if pause_mode not in ("in_place", "retract"):
             raise ValueError(f"pause_mode {pause_mode!r} is not in_place or retract")
         self.process = VLLMProcess(model_path, weight_version=weight_version, **engine_options)
@@ -118,6 +122,10 @@ class VLLMEngine(VLLMWeights):
         self.info.name = ENGINE_NAME
         self.info.logprob_mode = LOGPROB_MODE
         self.pause_mode = pause_mode
+        self.tools = VLLMTools(tool_call_parser)
+        self.info.tool_call_parser = tool_call_parser
+        if tool_call_parser is not None:
+            self.info.tool_calls = self.tools.parse
         self.stream_interval = max(1, int(checkpoint_stream_interval))
         self.model_path = model_path
         self.loaded_model_path = model_path
@@ -155,6 +163,11 @@ class VLLMEngine(VLLMWeights):
 
     async def start(self) -> None:
         await self.process.start()
+        try:
+            self.tools.bind(self.process.tokenizer, self.info.eos_token_id)
+        except BaseException:
+            await self.process.close()
+            raise
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Abort what is in flight, give it ``timeout_s`` to end, stop vLLM's processes."""
@@ -171,7 +184,6 @@ class VLLMEngine(VLLMWeights):
     def validate(self, request: GenerationRequest) -> None:
         """Refuse what vLLM would refuse (or what this adapter does not map), naming the field."""
         refuse_extras(request, ENGINE_NAME, top_logprobs=True, prompt_logprobs=True)
-        refuse_tool_choice(request, ENGINE_NAME)
         check_token_ids(request, self.info.vocab_size, None)
         if request.lora_path is not None:
             raise ValidationError("lora_path", "the vllm engine serves no LoRA adapters")
@@ -179,6 +191,7 @@ class VLLMEngine(VLLMWeights):
         for key, what in _REFUSED_SAMPLING_KEYS.items():
             if key in extra:
                 raise ValidationError(f"sampling_params.{key}", f"the vllm engine does not take {what} ({key})")
+        self.tools.check(request)
         if request.prompt is not None and request.input_ids is None and self.process.started \
                 and self.process.tokenizer is None:
             raise ValidationError("prompt", "this vLLM engine runs without a tokenizer: send input_ids")
@@ -235,9 +248,10 @@ class VLLMEngine(VLLMWeights):
             prompt["prompt_token_ids"] = list(request.input_ids)
         else:
             prompt["prompt"] = request.prompt
+        structured = self.tools.structured_outputs(request)
         self._jobs[handle] = job
         tasks = [asyncio.ensure_future(self._run_sample(llm, job, request, s, None if seed is None else seed + i,
-                                                        prompt))
+                                                        prompt, structured))
                  for i, s in enumerate(job.samples)]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -256,13 +270,14 @@ class VLLMEngine(VLLMWeights):
         return self._engine_output(request, job)
 
     async def _run_sample(self, llm: Any, job: _Job, request: GenerationRequest, sample: _Sample,
-                          seed: int | None, prompt: dict[str, Any]) -> None:
+                          seed: int | None, prompt: dict[str, Any], structured: Any) -> None:
         if job.aborted:
             return
         streaming = (request.resumable or request.stream) and request.n == 1
         # (a streamed request: every token, as `vllm serve` streams; the worker makes the chunks)
         interval = 1 if request.stream else self.stream_interval
-        params = self.process.sampling_params(request, seed, stream_interval=interval if streaming else None)
+        params = self.process.sampling_params(request, seed, stream_interval=interval if streaming else None,
+                                              structured_outputs=structured)
         sample.started = True
         try:
             async for out in llm.generate(dict(prompt), params, sample.rid):

@@ -25,6 +25,7 @@ from redroll.engine_worker.engines.base import EngineInfo
 from redroll.engine_worker.engines.child_guard import ChildGuard
 from redroll.engine_worker.engines.vllm_contract import SUPPORTED, check_version
 from redroll.engine_worker.engines.vllm_extension import EXTENSION_CLASS
+from redroll.engine_worker.engines.vllm_tools import STRUCTURED_OUTPUTS_CONFIG
 from redroll.shared.types import MAX_TOP_LOGPROBS, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class VLLMProcess:
                                         "worker_extension_cls": EXTENSION_CLASS}
         self._kwargs.update({k: v for k, v in named.items() if v is not None})
         self._kwargs.update(extra)
+        self._kwargs.setdefault("structured_outputs_config", dict(STRUCTURED_OUTPUTS_CONFIG))
         # (one rank in a trainer's push whatever the tensor-parallel size: this process receives it)
         self.info = EngineInfo(name="vllm", model=model_path, weight_version=weight_version or "0",
                                max_context=max_model_len, weight_ranks=1)
@@ -178,9 +180,11 @@ class VLLMProcess:
 
     # ------------------------------------------------------------------ sampling parameters
 
-    def sampling_params(self, request: GenerationRequest, seed: int | None, *, stream_interval: int | None) -> Any:
+    def sampling_params(self, request: GenerationRequest, seed: int | None, *, stream_interval: int | None,
+                        structured_outputs: Any = None) -> Any:
         """vLLM ``SamplingParams`` for one sample of ``request``: its final output only, or deltas every
-        ``stream_interval`` tokens."""
+        ``stream_interval`` tokens; ``structured_outputs``: its grammar (vLLM's ``StructuredOutputsParams``,
+        copied: vLLM notes its backend in it)."""
         sp = request.sampling_params
         kwargs: dict[str, Any] = {vllm_name: getattr(sp, name) for name, vllm_name in _SAMPLING_NAMES.items()}
         kwargs["top_k"] = 0 if sp.top_k in (-1, 0) else sp.top_k
@@ -202,6 +206,10 @@ class VLLMProcess:
             kwargs["logprobs"] = request.top_logprobs_num
             if request.logprob_start_len is not None:
                 kwargs["prompt_logprobs"] = 0
+        if structured_outputs is not None:
+            import dataclasses
+
+            kwargs["structured_outputs"] = dataclasses.replace(structured_outputs)
         kinds = self._request_output_kind
         if stream_interval is not None:
             kwargs["output_kind"] = kinds.DELTA

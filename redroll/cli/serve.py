@@ -51,6 +51,10 @@ def add_parser(sub: Any) -> None:
                         "more: new calls get 429 with Retry-After (default: no bound)")
     p.add_argument("--idempotency-window", type=positive_int, default=86_400,
                    help="seconds a call made with an Idempotency-Key keeps its completion for retries")
+    p.add_argument("--session-window", type=positive_int, default=3600, metavar="SECONDS",
+                   help="seconds a session (X-Session-Id, session_id) keeps its conversation's token ids after "
+                        "its last turn: a chat that extends the session's messages then runs on exactly those "
+                        "ids + the new messages' (default: 3600)")
     p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
                    help="seconds a call waits for its records before a 504 (a stream that began ends with a "
                         "504 error event instead; the requests go on)")
@@ -85,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     config = GatewayConfig(model_name=args.model_name, api_keys=keys, max_backlog=args.max_backlog,
                            max_queued=args.max_queued, default_model=args.default_model,
                            trust_request_chat_template=args.trust_request_chat_template,
-                           idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout)
+                           idempotency_window_s=args.idempotency_window, request_timeout_s=args.request_timeout,
+                           session_window_s=args.session_window)
     sock = listening_socket(host, args.port)  # (before anything starts: a port in use is one line)
     server = uvicorn.Server(uvicorn.Config(build_app(settings, config), log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S))

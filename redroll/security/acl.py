@@ -110,6 +110,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     chunks = f"{pt}:chunks:*"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
+    sessions = f"{t}:session:*"
     conn = connection_commands(server_version)
     rw = lambda *ks: tuple(READ_WRITE + k for k in ks)  # noqa: E731
     rd = lambda *ks: tuple(READ + k for k in ks)  # noqa: E731
@@ -124,7 +125,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                       "a keyed call's reply stream: WATCH it around the submit, XREAD its records"),
                 Grant(("xlen",), rd(requests, requests_high, lanes), "--max-queued: the pipeline's backlog"),
                 Grant(("xread",), rd(control), "fleet control: the workers' command_failed reports after a pause, "
-                                               "resume or weight update")]
+                                               "resume or weight update"),
+                Grant(("get", "set"), rw(sessions), "token-exact sessions: a session's conversation ids, read at a "
+                                                    "turn's start and written (with its window's expiry) at its end")]
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners

@@ -3,12 +3,11 @@ with a chat template), driven by the official ``openai`` SDK: completions and ch
 logprobs and top_logprobs, token ids, stop strings, usage, and a worker's refusal as a 400.
 
 Every text is checked against the checkpoint's own tokenizer (the gateway holds none: the worker
-detokenizes). One worker and one gateway serve the module (a vLLM start costs tens of seconds).
+detokenizes). The session's one vLLM worker and gateway serve it (``vllm_gateway``: a vLLM start
+costs tens of seconds).
 """
 
 from __future__ import annotations
-
-import uuid
 
 import pytest
 import pytest_asyncio
@@ -17,11 +16,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from redroll.engine_worker.engines.tiny_checkpoint import TINY_CHAT_TEMPLATE, save_tiny_checkpoint  # noqa: E402
-from redroll.shared.settings import Settings  # noqa: E402
-from tests.conftest import spawn, stop_process  # noqa: E402
-from tests.gateway_support import Served  # noqa: E402
-
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a queue of requests"}]
@@ -29,8 +23,8 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-gw"), 0, chat_template=TINY_CHAT_TEMPLATE)
+def checkpoint(vllm_gateway):
+    return vllm_gateway.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +35,14 @@ def tokenizer(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def settings(redis_server):
-    return Settings(redis_url=redis_server.url, namespace="gv" + uuid.uuid4().hex[:10])
+def settings(vllm_gateway):
+    return vllm_gateway.settings
 
 
 @pytest.fixture(scope="module")
-def gateway(settings, checkpoint, tmp_path_factory):
-    """One vLLM worker process and one gateway, for the module."""
-    logs = tmp_path_factory.mktemp("gw-vllm")
-    worker = spawn(settings, "worker", "--engine", "vllm", "--model-path", str(checkpoint), "--dtype", "float32",
-                   "--context-length", "1024", "--max-running-requests", "64", "--kv-cache-gib", "0.25",
-                   "--max-inflight", "64", "--name", "gw-vllm", log=logs / "worker.log")
-    served = None
-    try:
-        served = Served(settings, "--model-name", MODEL, "--request-timeout", "300", log=logs / "serve.log")
-        yield served
-    finally:
-        if served is not None:
-            served.stop()
-        stop_process(worker, 60)
+def gateway(vllm_gateway):
+    """The session's vLLM worker process and gateway (tests/vllm/conftest.py)."""
+    return vllm_gateway.served
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

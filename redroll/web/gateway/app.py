@@ -32,14 +32,22 @@ from redroll.producer.client import Producer
 from redroll.shared.connection import connect
 from redroll.shared.errors import ConnectionUnavailableError
 from redroll.shared.settings import Settings
-from redroll.shared.types import CompletionRecord, GenerationRequest
+from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 from redroll.web.gateway.fleet import Fleet
 from redroll.web.gateway.generate import generate
 from redroll.web.gateway.idempotency import GatewayKeyedCalls, call_name, fingerprint
 from redroll.web.gateway.pipelines import Pipeline, Pipelines, model_namespaces
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, decode_body, refuse_unsupported
+from redroll.web.gateway.sessions import DEFAULT_WINDOW_S, Sessions, SessionTurn
 from redroll.web.gateway.sse import EventStream, EventWriter, open_choices, respond
-from redroll.web.gateway.translate import META, build_requests, chat_response, completion_response, prompt_token_ids
+from redroll.web.gateway.translate import (
+    META,
+    assistant_message,
+    build_requests,
+    chat_response,
+    completion_response,
+    prompt_token_ids,
+)
 
 log = logging.getLogger("redroll.web.gateway")
 
@@ -69,6 +77,8 @@ class GatewayConfig:
     """How long a fleet-control call (pause, update_weights, resume) waits for the workers."""
     trust_request_chat_template: bool = False
     """Take a call's ``chat_template`` (code the worker runs, in Jinja's sandbox); refused otherwise."""
+    session_window_s: int = DEFAULT_WINDOW_S
+    """How long a session's token ids are kept after its last turn (see :mod:`.sessions`)."""
 
 
 class Metrics:
@@ -257,12 +267,13 @@ class Gateway:
         key = request.headers.get("idempotency-key")
         keyed_name = call_name(key, scope) if key else None
         call_id = keyed_name or f"g-{uuid.uuid4().hex}"
-        session = request.headers.get("x-session-id") or body.session_id or body.user
+        session = request.headers.get("x-session-id") or body.session_id
+        turn = await self.session_turn(pipeline, scope, session, body)
         fp = fingerprint(raw)
-        requests = build_requests(body, base_id=call_id, session=session, settings=pipeline.settings, fingerprint=fp,
-                                  model=body.model or pipeline.name)
+        requests = build_requests(body, base_id=call_id, session=session or body.user, settings=pipeline.settings,
+                                  fingerprint=fp, model=body.model or pipeline.name, turn=turn)
         if body.stream:
-            return await self.stream(body, call_id, requests, keyed_name, fp, pipeline)
+            return await self.stream(body, call_id, requests, keyed_name, fp, pipeline, turn)
         self._waiting(+1)
         try:
             records = await self.records(requests, keyed_name, fp, pipeline)
@@ -271,13 +282,32 @@ class Gateway:
         prompts = prompt_token_ids(body)
         if isinstance(body, ChatBody):
             response = chat_response(call_id, pipeline.name, records, prompts, body.top_logprobs or 0)
+            await self.keep_session(pipeline, turn, records[0])
         else:
             response = completion_response(call_id, pipeline.name, records, prompts, body.logprobs or 0)
         self.metrics.tokens.inc(response["usage"]["completion_tokens"])
         return response
 
+    async def session_turn(self, pipeline: Pipeline, scope: str, session: str | None,
+                           body: CompletionBody | ChatBody) -> SessionTurn | None:
+        """The session turn a chat with one choice and a session id makes (None for any other call:
+        a session id then only keeps its calls on one worker)."""
+        if not session or not isinstance(body, ChatBody) or body.n != 1:
+            return None
+        return await self.sessions(pipeline).begin(scope, session, body.messages)
+
+    async def keep_session(self, pipeline: Pipeline, turn: SessionTurn | None, record: CompletionRecord | None) -> None:
+        """Keep a session's turn once its record is finished (before the response goes out)."""
+        if turn is None or record is None or record.status is not RecordStatus.FINISHED:
+            return
+        await self.sessions(pipeline).keep(turn, record, assistant_message(record, 0))
+
+    def sessions(self, pipeline: Pipeline) -> Sessions:
+        return Sessions(pipeline.producer.redis, pipeline.settings.keys, self.config.session_window_s)
+
     async def stream(self, body: CompletionBody | ChatBody, call_id: str, requests: list[GenerationRequest],
-                     keyed_name: str | None, body_fingerprint: str, pipeline: Pipeline | None = None) -> EventStream:
+                     keyed_name: str | None, body_fingerprint: str, pipeline: Pipeline | None = None,
+                     turn: SessionTurn | None = None) -> EventStream:
         """A streamed call's response, once its first chunk is here: a keyed call attaches to the
         requests of its key (submitting what was not), a call without a key submits them."""
         pipeline = pipeline or self.pipelines.policy
@@ -297,11 +327,15 @@ class Gateway:
             raise
         created = requests[0].meta_info[META]["created"]
         writer = EventWriter(body, call_id, pipeline.name, created, prompt_token_ids(body))
+        writer.with_ids = writer.with_ids or turn is not None  # (a session's every response has its ids)
 
         def ended(tokens: int) -> None:
             self._waiting(-1)
             self.metrics.tokens.inc(tokens)
-        return await respond(writer, choices, ended)
+
+        async def keep() -> None:
+            await self.keep_session(pipeline, turn, writer.records.get(0))
+        return await respond(writer, choices, ended, before_done=keep if turn is not None else None)
 
     def _waiting(self, change: int) -> None:
         self.waiting += change

@@ -265,9 +265,12 @@ class EventStream(StreamingResponse):
             await self._finish()
 
 
-async def respond(writer: EventWriter, choices: ChoiceStreams, on_end: Callable[[int], None]) -> EventStream:
+async def respond(writer: EventWriter, choices: ChoiceStreams, on_end: Callable[[int], None],
+                  before_done: Callable[[], Awaitable[None]] | None = None) -> EventStream:
     """The call's response once its first chunk is here (a failure before it raises, for a JSON
-    error); ``on_end(completion tokens)`` runs once when the stream ends, however it ends."""
+    error); ``on_end(completion tokens)`` runs once when the stream ends, however it ends;
+    ``before_done()`` once the last chunk is sent, before ``[DONE]`` (a session's turn is kept
+    then, so that the client's next call finds it)."""
     items = merge(choices.streams)
     ended = False
 
@@ -296,6 +299,8 @@ async def respond(writer: EventWriter, choices: ChoiceStreams, on_end: Callable[
                     yield data
             if writer.include_usage:
                 yield writer.usage_event()
+            if before_done is not None:
+                await before_done()
         except GatewayError as exc:
             yield error_event(exc)
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:

@@ -22,6 +22,7 @@ from redroll.shared.settings import Settings
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 from redroll.web.gateway.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from redroll.web.gateway.protocol import ChatBody, CompletionBody, GatewayError, invalid, response_format_schema
+from redroll.web.gateway.sessions import SessionTurn
 
 FIELD_NAMES = {"prompt": "prompt", "input_ids": "prompt", "messages": "messages", "tools": "tools",
                "sampling_params.max_new_tokens": "max_tokens", "sampling_params.n": "n",
@@ -83,11 +84,13 @@ def template_variables(body: ChatBody) -> dict[str, Any] | None:
 
 
 def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
-                   settings: Settings, fingerprint: str, model: str | None = None) -> list[GenerationRequest]:
+                   settings: Settings, fingerprint: str, model: str | None = None,
+                   turn: SessionTurn | None = None) -> list[GenerationRequest]:
     """The requests of one call (checked against the wire contract; a break is a 400 naming the
     OpenAI field). ``base_id`` names the call: its requests are ``<base_id>-<i>``, ``i`` the
     prompt's index, or (streamed) the choice's: ``n`` choices of each prompt, in order. ``model``:
-    the name the response gives (the call's ``model`` when None)."""
+    the name the response gives (the call's ``model`` when None). ``turn``: the session turn of
+    a chat (its ``prefix_ids`` and new messages; its ids come back in the response)."""
     facts_extra: dict[str, Any] = {}
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
                                 "skip_special_tokens": body.skip_special_tokens, **structured(body)}
@@ -116,6 +119,8 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
             sampling["json_schema"] = fmt
         chat: dict[str, Any] = {"messages": body.messages, "tools": body.tools, "chat_template": body.chat_template,
                                 "chat_template_kwargs": template_variables(body)}
+        if turn is not None and turn.prefix_ids is not None:
+            chat.update(messages=turn.new_messages, prefix_ids=turn.prefix_ids)
         if body.tools and body.tool_choice is not None:
             chat["tool_choice"] = body.tool_choice
         if body.tools and body.parallel_tool_calls is not None:
@@ -130,13 +135,13 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
         sampling["max_new_tokens"] = max_tokens
     with_prompt_logprobs = body.prompt_logprobs is not None
     facts: dict[str, Any] = {"created": int(time.time()), "model": model or body.model, "fp": fingerprint,
-                             "ids": bool(body.return_token_ids), **facts_extra}
+                             "ids": bool(body.return_token_ids) or turn is not None, **facts_extra}
     if isinstance(body, ChatBody) and body.tools and body.tool_choice != "none":
         facts["tc"] = "named" if isinstance(body.tool_choice, dict) else body.tool_choice or "auto"
     if with_prompt_logprobs:  # (the record then has output logprobs the call did not ask for: say which)
         facts.update(lp=want_logprobs, plp=True)
     meta = {META: facts}
-    ask_prompt_ids = bool(body.return_token_ids) or with_prompt_logprobs
+    ask_prompt_ids = bool(body.return_token_ids) or with_prompt_logprobs or turn is not None
     streamed = bool(body.stream)
     samples = body.n if streamed else 1
     group_id = base_id if len(inputs) * samples > 1 else None
