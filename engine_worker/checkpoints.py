@@ -3,14 +3,15 @@
 A request with ``resumable`` (single-sample, token-id prompt, ``max_new_tokens`` at least the
 pipeline's ``checkpoint_min_new_tokens``) has its partial output saved next to it, under its hash
 tag, in ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens or
-``checkpoint_interval_s`` seconds, whichever comes later, one fenced append (``checkpoint.lua``:
-only the lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
+``checkpoint_interval_s`` seconds, whichever comes later, one fenced append (``checkpoint_many.lua``,
+with every other save of the worker's tick in one call: see :mod:`.checkpoint_writes`; only the
+lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
 resubmit never resumes a stale one). A drain saves what the engine made before handing the entry
 back. The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
 
 A streamed request (``stream``: any prompt, one sample) is checkpointed the same way, more often:
 every ``stream_chunk_tokens`` tokens or ``stream_chunk_ms`` ms, whichever comes first, and only
-as far as its text is settled (:mod:`.streaming`). Each part is also the request's next chunk,
+as far as its text is settled (:mod:`.settled_text`). Each part is also the request's next chunk,
 added to its chunk stream in the same call: what a reader was sent is what was saved, so a
 continuation on another worker (greedy or sampled) goes on after exactly what the reader has.
 
@@ -30,15 +31,16 @@ from typing import Any
 import msgspec
 import redis
 
+from redroll.engine_worker.checkpoint_writes import CheckpointWriter, Prepared
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
 from redroll.engine_worker.engines.text import render_chat, sample_text
-from redroll.engine_worker.flights import DEATHS_SUFFIX
 from redroll.engine_worker.settled_text import settled
 from redroll.shared.chunks import Part, decode_part, encode_part
 from redroll.shared.codec import ValidationError
 from redroll.shared.continuing import continue_after, join_parts
-from redroll.shared.keys import WORKERS_GROUP, Keys, chunks_key_for, owner_key_for
+from redroll.shared.keys import Keys, chunks_key_for, owner_key_for
+from redroll.shared.scripts import CheckpointSave
 from redroll.shared.types import GenerationRequest
 
 log = logging.getLogger("redroll.worker")
@@ -165,10 +167,11 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
 
 
 class Checkpoints:
-    """Loading, saving and the save loop for one worker."""
+    """Loading checkpoints, and the savers of one worker (written by its :class:`~.checkpoint_writes.CheckpointWriter`)."""
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        self.writer = CheckpointWriter(ctx)
 
     async def load(self, part: Keys, request: GenerationRequest, entry_id: str) -> Checkpoint | None:
         raw = await self.ctx.redis.get(part.partial(request.request_id))
@@ -178,30 +181,6 @@ class Checkpoints:
         if cp is None or cp.entry_id != entry_id:
             return None  # another entry's (a requeue, a resubmit) or not readable: start over
         return cp
-
-    async def append(self, stream: str, part: Keys, request: GenerationRequest, entry_id: str, saved: int,
-                     piece: Part) -> bool:
-        """One fenced append (and a streamed request's chunk); False when the lease or the count
-        says this worker may not write."""
-        ctx = self.ctx
-        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
-        try:
-            ok, detail = await ctx.scripts.checkpoint(
-                requests_key=stream, partial_key=part.partial(request.request_id), group=WORKERS_GROUP,
-                consumer=ctx.name, entry_id=entry_id, saved=saved, adding=len(piece.token_ids),
-                part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s, chunks_key=chunks,
-                chunks_ttl_s=ctx.settings.stream_chunk_ttl_s,
-                owner_key=owner_key_for(request.reply_to) if chunks else None,
-                # (a streamed request's chunks are its normal course, not an incident to log)
-                logged=not request.stream or ctx.settings.event_log == "all")
-        except redis.RedisError as exc:
-            log.warning("checkpoint of %s not saved: %s", request.request_id, exc)
-            return False
-        if ok != 1:
-            log.warning("checkpoint of %s not saved: %s", request.request_id, detail)
-            return False
-        ctx.stats.checkpoints += 1
-        return True
 
     async def discard(self, part: Keys, fields: dict, entry_id: str) -> None:
         """Delete the checkpoint of the entry in ``fields`` if it names this entry (a hand-back to
@@ -220,11 +199,15 @@ class Checkpoints:
     def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None) -> "Saver":
         return Saver(self, flight, request, base)
 
+    async def close(self) -> None:
+        await self.writer.close()
+
 
 class Saver:
-    """Saves one flight's new tokens while the engine generates it: :meth:`run` as a task
-    (cancelled when the generation returns), :meth:`flush` for what a drain cut short. A streamed
-    request's saves are its chunks (see :mod:`.streaming` for where one may end)."""
+    """Saves one flight's new tokens while the engine generates it: registered with the worker's
+    writer (:meth:`start`, :meth:`stop`), which asks it every tick whether a save is :meth:`due`;
+    :meth:`flush` for what a drain or a notice cut short. A streamed request's saves are its
+    chunks (see :mod:`.settled_text` for where one may end)."""
 
     def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None):
         self.checkpoints = checkpoints
@@ -235,64 +218,85 @@ class Saver:
         """Tokens in the checkpoint before this worker's generation began."""
         self.base_ids = list(base.token_ids) if base else []
         self.sent_text = base.text if base else ""
-        """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.streaming`)."""
+        """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.settled_text`)."""
         self.tokenizer = self.ctx.tokenizer if request.stream else None
         self.done = 0
         """Tokens of this worker's generation saved so far."""
         self.broken = False
         """A write was fenced or refused: this worker writes no more of it."""
-        self.stopped = False
-        """Set by :meth:`stop`: the loop ends at its next step (a cancellation alone can be lost
-        inside a Redis call on Python 3.11, whose ``asyncio.wait_for`` may swallow it)."""
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    async def run(self) -> None:
-        ctx = self.ctx
-        if not ctx.capabilities.partial_output:
-            return  # this engine cannot show partial output: nothing to save while it runs
-        partial = ctx.engine.partial
-        settings = ctx.settings
-        if self.request.stream:  # every K tokens or T ms, whichever comes first
-            every_tokens, every_s, first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000.0, True
-            pause = min(every_s, 0.02)
+        self.writing: asyncio.Future | None = None
+        """The write of its last save, while it is under way."""
+        settings = self.ctx.settings
+        if request.stream:  # every K tokens or T ms, whichever comes first
+            self.every_tokens, self.every_s, self.first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000, True
         else:  # every N tokens or S seconds, whichever comes later
-            every_tokens, every_s, first = settings.checkpoint_tokens, settings.checkpoint_interval_s, False
-            pause = min(every_s, 1.0) if every_s > 0 else 0.05
-        last_save = time.monotonic()
-        while not self.broken and not self.stopped:
-            await asyncio.sleep(pause)
-            if self.stopped:
-                return
-            snap = partial(self.flight.handle)
-            new = 0 if snap is None else len(snap.token_ids) - self.done
-            if new <= 0:
-                continue
-            enough, due = new >= every_tokens, time.monotonic() - last_save >= every_s
-            if (enough or due) if first else (enough and due):
-                if await self.save(snap):
-                    last_save = time.monotonic()
+            self.every_tokens, self.every_s, self.first = settings.checkpoint_tokens, settings.checkpoint_interval_s, False
+        self.last_save = time.monotonic()
+        self.ttl_set_at = -float("inf")
+        """When a save of this worker last set the chunk stream's TTL (a streamed request)."""
+        self.next_look = 0.0
+        """When :meth:`due` looks at the engine's partial output next."""
 
-    async def flush(self, sample: SampleOutput) -> None:
-        """Save the rest of ``sample`` (a drain's aborted output) before the entry goes back."""
-        if not self.broken:
-            await self.save(sample)
+    def start(self) -> None:
+        """Save while the generation runs (an engine without partial output saves only at a flush)."""
+        if self.ctx.capabilities.partial_output:
+            self.checkpoints.writer.add(self)
 
-    async def save(self, sample: SampleOutput) -> bool:
-        """Save what ``sample`` has past what was saved (a streamed request's: as far as it is
-        settled); True when something was."""
+    async def stop(self) -> None:
+        """No more saves while it runs; returns once a write under way settled (the finish that
+        follows then never races it)."""
+        self.checkpoints.writer.remove(self)
+        if self.writing is not None:
+            await asyncio.shield(self.writing)
+
+    def due(self, now: float, beat: bool = False) -> Prepared | None:
+        """The save to make now, if one is due (a write of this saver's still under way: none).
+        ``beat``: the streams' shared timer beats now (a streamed request sends what it has)."""
+        if self.broken or self.writing is not None or now < self.next_look:
+            return None
+        if not self.first:
+            # (a checkpoint is due only once its interval passed; then the engine's partial output,
+            # which may copy it, is looked at a few times a second, not every tick)
+            if now - self.last_save < self.every_s:
+                self.next_look = self.last_save + self.every_s
+                return None
+            self.next_look = now + min(0.25, max(self.every_s / 4, 0.0))
+        snap = self.ctx.engine.partial(self.flight.handle)
+        new = 0 if snap is None else len(snap.token_ids) - self.done
+        if new <= 0:
+            return None
+        enough = new >= self.every_tokens
+        if not ((enough or beat) if self.first else (enough and now - self.last_save >= self.every_s)):
+            return None
+        return self.prepare(snap)
+
+    async def flush(self, sample: SampleOutput) -> bool:
+        """Save the rest of ``sample`` (the output a drain or a notice cut short) before the entry
+        goes back; True when nothing of it is left unsaved."""
+        if self.writing is not None:
+            await asyncio.shield(self.writing)
+        if self.broken:
+            return False
+        prepared = self.prepare(sample)
+        if prepared is not None:
+            await self.checkpoints.writer.write([prepared])
+        return not self.broken and self.done >= len(sample.token_ids)
+
+    def prepare(self, sample: SampleOutput) -> Prepared | None:
+        """What ``sample`` has past what was saved (a streamed request's: as far as it is settled),
+        ready to write; None when there is nothing."""
         start, end = self.done, len(sample.token_ids)
         text: str | None = None
+        cut_text: str | None = None
         if self.request.stream:
             cut = settled(self.tokenizer, self.request, self.base_ids + list(sample.token_ids), self.base + start,
                           self.sent_text)
-            end = cut.tokens - self.base
+            end, cut_text = cut.tokens - self.base, cut.text
             if cut.text is not None and self.request.wants_text:
                 text = cut.text[len(self.sent_text):]
         ids = list(sample.token_ids[start:end])
         if not ids:
-            return False
+            return None
         version = str(self.ctx.engine.info.weight_version)
         versions = list(sample.weight_versions[start:end]) if sample.weight_versions else [version] * len(ids)
         mixed = len(set(versions)) > 1
@@ -305,21 +309,37 @@ class Saver:
                      if self.request.stream and sample.top_logprobs is not None
                      and len(sample.top_logprobs) >= end else None,
                      finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
-        flight = self.flight
-        if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,
-                                         flight.entry_id, self.base + start, piece):
-            self.done = end
-            if self.request.stream and cut.text is not None:
-                self.sent_text = cut.text
-            if getattr(flight, "suspect_cap", None) is not None:
-                # Its checkpoint advanced here, after the death of a worker that ran it: it is no
-                # suspect of that death any more (the next death counts from scratch), nor does it
-                # bound the group of the suspects running beside it.
-                flight.suspect_cap = None
-                try:
-                    await self.ctx.redis.hdel(self.ctx.keys.errors, flight.key + DEATHS_SUFFIX)
-                except redis.RedisError as exc:
-                    log.warning("death note of %s not cleared: %s", flight.entry_id, exc)
-            return True
-        self.broken = True
-        return False
+        request, flight = self.request, self.flight
+        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
+        save = CheckpointSave(requests_key=flight.stream, partial_key=self.ctx.part_of[flight.stream].partial(
+                                  request.request_id), entry_id=flight.entry_id, saved=self.base + start,
+                              adding=len(ids), part=encode_part(piece), chunks_key=chunks,
+                              owner_key=owner_key_for(request.reply_to) if chunks else None,
+                              # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
+                              refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
+                              # (a streamed request's chunks are its normal course, not an incident to log)
+                              logged=not request.stream or self.ctx.settings.event_log == "all")
+        self.writing = asyncio.get_running_loop().create_future()
+        return Prepared(self, save, end, cut_text)
+
+    def settle(self, prepared: Prepared, outcome: tuple[int, int | str] | None) -> bool:
+        """Take the write's ``outcome`` (None: not known, the connection failed: tried again at the
+        next save); True when it was saved."""
+        writing, self.writing = self.writing, None
+        if writing is not None and not writing.done():
+            writing.set_result(None)
+        if outcome is None:
+            return False
+        code, detail = outcome
+        if code != 1:
+            log.warning("checkpoint of %s not saved: %s", self.request.request_id, detail)
+            self.broken = True
+            return False
+        self.done = prepared.end
+        self.last_save = time.monotonic()
+        if prepared.save.refresh_ttl:
+            self.ttl_set_at = self.last_save
+        if self.request.stream and prepared.text is not None:
+            self.sent_text = prepared.text
+        self.ctx.stats.checkpoints += 1
+        return True

@@ -288,14 +288,13 @@ class RequestRunner:
                                 weight_version=ctx.engine.info.weight_version)
         generating = (resume_request(request, resume, ctx.tokenizer, ctx.engine.info.name) if resume is not None
                       else request)
-        task = asyncio.create_task(saver.run()) if saver is not None else None
+        if saver is not None:
+            saver.start()
         try:
             return await ctx.engine.generate(generating, flight.handle)
         finally:
-            if task is not None:
-                saver.stop()  # type: ignore[union-attr]
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            if saver is not None:
+                await saver.stop()
 
     def _not_started(self, flight: InFlight, request: GenerationRequest, queue_ms: float) -> CompletionRecord:
         """The record of a request stopped before it reached the engine (aborted, expired)."""

@@ -304,6 +304,8 @@ class Worker:
             except redis.RedisError as exc:
                 log.warning("could not deregister heartbeat: %s", exc)
             await self.engine.close()
+            if self._requests is not None:
+                await self._requests.checkpoints.close()
             await ctx.close()
             if self._owns_redis:
                 await self.redis.aclose()

@@ -119,10 +119,13 @@ class Settings:
     """Streamed requests (``stream``): send a chunk every this many new tokens ..."""
     stream_chunk_ms: float = 50.0
     """... or every this many milliseconds with at least one new token, whichever comes first (each
-    chunk is one write, which also checkpoints it)."""
+    chunk also checkpoints the request; a worker writes all its chunks and checkpoints of one tick
+    in one call, and its streams' timers beat together, so that the chunks they send on the timer
+    go in one write)."""
     stream_chunk_ttl_s: int = 600
-    """A streamed request's chunk stream expires this long after its last chunk (readers that come
-    later, a gateway's retry say, take the whole output from the record)."""
+    """A streamed request's chunk stream expires this long after its last chunk (between 0.9 and 1
+    times it: its worker sets the TTL again every tenth of it; readers that come later, a gateway's
+    retry say, take the whole output from the record)."""
     affinity_lanes: int = 0
     """L > 0: requests with an affinity key (a session id; a group's ``group_id``) queue on one
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""

@@ -185,11 +185,12 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "or a dead letter; housekeeping releases those whose entry is gone (release_rids.lua: a "
                   "request cancelled while queued) and asks whether a checkpoint's request is still there"),
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
-                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
+                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint_many.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
-            Grant(("type", "xadd", "expire", "del"), rw(chunks),
-                  "streamed requests' chunks: each added with its checkpoint part (checkpoint.lua), the chunks "
-                  "of an earlier entry of the request_id deleted when its checkpoint starts over"),
+            Grant(("type", "xadd", "xdel", "expire", "del"), rw(chunks),
+                  "streamed requests' chunks: each added with its checkpoint part (checkpoint_many.lua; taken "
+                  "out again if that part is refused), the chunks of an earlier entry of the request_id deleted "
+                  "when its checkpoint starts over"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; the finish or dead letter turns "
