@@ -41,7 +41,7 @@ log = logging.getLogger("redroll.worker")
 
 TICK_S = 0.02
 """How often the writer looks at what its requests made (a streamed request's first chunk comes
-at most this much after it is due)."""
+at most this much after it is due); ``stream_chunk_ms`` when that is shorter."""
 MAX_BATCH = 1024
 """The most saves in one round trip."""
 
@@ -102,7 +102,8 @@ class CheckpointWriter(Coalescer[Prepared]):
             if not self.savers:
                 self._has_savers.clear()
                 await self._has_savers.wait()
-            await asyncio.sleep(TICK_S)
+            # (a stream timer set shorter than the tick: the tick follows it)
+            await asyncio.sleep(min(TICK_S, self.ctx.settings.stream_chunk_ms / 1000.0))
             now = time.monotonic()
             beat = now >= self._stream_beat
             if beat:

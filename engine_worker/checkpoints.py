@@ -61,6 +61,8 @@ class Checkpoint:
     finish_reason: str | None = None
     text: str = ""
     """The text the parts carried (a streamed request's: what its readers were sent)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
+    """Per token, the k most likely (token id, logprob) pairs (``top_logprobs_num``); None when a part had none."""
 
     @property
     def tokens(self) -> int:
@@ -100,17 +102,60 @@ def parse_checkpoint(raw: bytes) -> Checkpoint | None:
             cp.segments.append({"worker": part.worker, "weight_version": version, "tokens": len(part.token_ids)})
         cp.finish_reason = part.finish_reason
         cp.text += part.text or ""
+        if cp.top_logprobs is not None and part.top_logprobs is not None:
+            cp.top_logprobs += [[(int(t), float(lp)) for t, lp in pairs] for pairs in part.top_logprobs]
+        else:
+            cp.top_logprobs = None
     if cp.tokens != count:
         return None
     return cp
 
 
-def is_checkpointed(request: GenerationRequest, min_new_tokens: int) -> bool:
-    return request.stream or (request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens)
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""The sampling keys that constrain the output to a grammar (the gateway's ``structured_outputs``
+arrive as these)."""
+
+
+def starts_over(request: GenerationRequest, settings: Any, tokenizer: Any) -> str | None:
+    """Why ``request``, handed back or taken from a dead worker, starts over from token 0; None
+    when it continues from its saved tokens (see docs/spot.md). A streamed or ``resumable`` request
+    always continues (a reader has its tokens, or its submitter asked for it); any other does under
+    ``settings.continuation`` when continuing samples from the distribution it would have:"""
+    if request.stream or request.resumable:
+        return None
+    if not settings.continuation:
+        return "continuation is off"
+    sp = request.sampling_params
+    if sp.n != 1:
+        return "n > 1: its samples are made together, and start over together"
+    grammar = [key for key in GRAMMAR_KEYS if getattr(sp, key) is not None]
+    if grammar:
+        return f"sampling_params.{grammar[0]}: a grammar cannot be taken up in the middle of an output"
+    if sp.stop_regex is not None:
+        return "sampling_params.stop_regex: a match may straddle the saved tokens"
+    if sp.frequency_penalty or sp.presence_penalty:
+        return "frequency or presence penalty: it counts the output's tokens, and saved ones would count as prompt"
+    if sp.custom_params is not None:
+        return "sampling_params.custom_params: a custom logit processor may depend on the whole output"
+    if request.logprob_start_len is not None:
+        return "logprob_start_len: the prompt's logprobs would run into the saved tokens"
+    if request.return_routed_experts:
+        return "return_routed_experts: the saved tokens' routing is not kept"
+    if request.input_ids is None and tokenizer is None:
+        return "a text or chat prompt, on an engine without a tokenizer to render it as token ids"
+    return None
+
+
+def is_checkpointed(request: GenerationRequest, settings: Any) -> bool:
+    """Whether ``request`` (one that continues: :func:`starts_over`) is saved while it runs, not
+    only when a drain or a notice hands it back: a streamed one always, any other from
+    ``checkpoint_min_new_tokens`` new tokens on."""
+    return request.stream or request.sampling_params.max_new_tokens >= settings.checkpoint_min_new_tokens
 
 
 def is_resumed(request: GenerationRequest) -> bool:
-    """Whether a checkpoint of ``request`` is looked for when its entry is taken."""
+    """Whether the request itself asks to continue after a hand-back or a death (``stream`` or
+    ``resumable``; others do by the worker's ``continuation`` setting: :func:`starts_over`)."""
     return request.resumable or request.stream
 
 
@@ -139,7 +184,8 @@ def resume_request(request: GenerationRequest, cp: Checkpoint, tokenizer: Any = 
     seed = request.sampling_params.sampling_seed
     fields: dict[str, Any] = {}
     if request.input_ids is None:
-        fields = {"prompt": None, "messages": None, "tools": None, "return_text": request.wants_text}
+        fields = {"prompt": None, "messages": None, "tools": None, "chat_template": None,
+                  "chat_template_kwargs": None, "return_text": request.wants_text}
         request = msgspec.structs.replace(request, input_ids=prompt_ids(request, tokenizer, engine))
     return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens, **fields)
 
@@ -153,8 +199,11 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
     new_versions = list(new.weight_versions) if new.weight_versions else [str(version)] * len(new.token_ids)
     joined = join_parts([(cp.token_ids, cp.logprobs, cp.weight_versions),
                          (new.token_ids, None if new.logprobs is None else list(new.logprobs), new_versions)])
+    tops = None
+    if request.top_logprobs_num and cp.top_logprobs is not None and new.top_logprobs is not None:
+        tops = [*cp.top_logprobs, *new.top_logprobs]
     sample = SampleOutput(token_ids=joined.token_ids, logprobs=joined.logprobs, finish_reason=new.finish_reason,
-                          weight_versions=joined.weight_versions)
+                          weight_versions=joined.weight_versions, top_logprobs=tops)
     if request.wants_text and tokenizer is not None:
         sample.text = sample_text(tokenizer, sample.token_ids, request.sampling_params, sample.finish_reason)
     segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
@@ -196,8 +245,9 @@ class Checkpoints:
         except redis.RedisError as exc:
             log.warning("checkpoint %s not deleted: %s", key, exc)
 
-    def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None) -> "Saver":
-        return Saver(self, flight, request, base)
+    def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None,
+              periodic: bool = True) -> "Saver":
+        return Saver(self, flight, request, base, periodic)
 
     async def close(self) -> None:
         await self.writer.close()
@@ -209,8 +259,11 @@ class Saver:
     :meth:`flush` for what a drain or a notice cut short. A streamed request's saves are its
     chunks (see :mod:`.settled_text` for where one may end)."""
 
-    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None):
+    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None,
+                 periodic: bool = True):
         self.checkpoints = checkpoints
+        self.periodic = periodic
+        """Saved while it runs (else only by :meth:`flush`)."""
         self.ctx = checkpoints.ctx
         self.flight = flight
         self.request = request
@@ -219,7 +272,10 @@ class Saver:
         self.base_ids = list(base.token_ids) if base else []
         self.sent_text = base.text if base else ""
         """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.settled_text`)."""
-        self.tokenizer = self.ctx.tokenizer if request.stream else None
+        self.settles = request.stream or bool(request.sampling_params.stop)
+        """Saves end where the text is settled (:mod:`.settled_text`): a streamed request's, and one
+        with stop strings (a continuation sees every stop string whole in its own output)."""
+        self.tokenizer = self.ctx.tokenizer if self.settles else None
         self.done = 0
         """Tokens of this worker's generation saved so far."""
         self.broken = False
@@ -239,7 +295,7 @@ class Saver:
 
     def start(self) -> None:
         """Save while the generation runs (an engine without partial output saves only at a flush)."""
-        if self.ctx.capabilities.partial_output:
+        if self.periodic and self.ctx.capabilities.partial_output:
             self.checkpoints.writer.add(self)
 
     async def stop(self) -> None:
@@ -288,11 +344,11 @@ class Saver:
         start, end = self.done, len(sample.token_ids)
         text: str | None = None
         cut_text: str | None = None
-        if self.request.stream:
+        if self.settles:
             cut = settled(self.tokenizer, self.request, self.base_ids + list(sample.token_ids), self.base + start,
                           self.sent_text)
             end, cut_text = cut.tokens - self.base, cut.text
-            if cut.text is not None and self.request.wants_text:
+            if cut.text is not None and self.request.wants_text and self.request.stream:
                 text = cut.text[len(self.sent_text):]
         ids = list(sample.token_ids[start:end])
         if not ids:
@@ -306,7 +362,7 @@ class Saver:
                      weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
                      worker=self.ctx.name, text=text,
                      top_logprobs=[list(t) for t in sample.top_logprobs[start:end]]
-                     if self.request.stream and sample.top_logprobs is not None
+                     if self.request.top_logprobs_num and sample.top_logprobs is not None
                      and len(sample.top_logprobs) >= end else None,
                      finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
         request, flight = self.request, self.flight
@@ -339,7 +395,8 @@ class Saver:
         self.last_save = time.monotonic()
         if prepared.save.refresh_ttl:
             self.ttl_set_at = self.last_save
-        if self.request.stream and prepared.text is not None:
+        if self.settles and prepared.text is not None:
             self.sent_text = prepared.text
         self.ctx.stats.checkpoints += 1
+        self.flight.checkpointed = True
         return True

@@ -190,15 +190,19 @@ async def test_an_abort_or_deadline_while_the_checkpoint_loads_stops_the_request
         return await load(self, *args, **kwargs)
 
     monkeypatch.setattr(Checkpoints, "load", slow_load)
-    s = checkpointing(settings)
+    s = checkpointing(settings, claim_idle_ms=300)
     worker = Worker(s, SyntheticEngine(token_ms=10), max_inflight=4, block_ms=100)
     deadline = {"deadline": deadline_at} if stop == "deadline" else {}
-    async with running(worker), Producer(s) as p:
+    async with Producer(s) as p:
         future = await p.submit(resumable(f"{stop}-1", 300, **deadline))
-        await asyncio.wait_for(loading.wait(), 10)
-        if stop == "abort":
-            await p.abort(request_ids=[f"{stop}-1"])
-        record = await asyncio.wait_for(future, 10)
+        # (a checkpoint is looked for only when the entry is taken back: a worker that died took it first)
+        await ensure_group(r, s.keys.requests, WORKERS_GROUP)
+        await r.xreadgroup(WORKERS_GROUP, "died", {s.keys.requests: ">"})
+        async with running(worker):
+            await asyncio.wait_for(loading.wait(), 10)
+            if stop == "abort":
+                await p.abort(request_ids=[f"{stop}-1"])
+            record = await asyncio.wait_for(future, 10)
     assert record.status is (RecordStatus.ABORTED if stop == "abort" else RecordStatus.EXPIRED)
     assert record.finish_reasons == [None] and worker.engine.tokens_decoded == 0
 
