@@ -1,7 +1,7 @@
 """A spot fleet under preemption: goodput, makespan, lost and duplicated records.
 
-    python -m benchmarks.spot [--workers 4] [--requests 48] [--tokens 2000] [--life-s 60] [--runs 3]
-                              [--scale 10] [--curve 15,30,60,120] [--json-out spot.json]
+    python -m benchmarks.spot [--workers 4] [--requests 32] [--tokens 2000] [--life-s 60] [--runs 3]
+                              [--scale 10] [--curve 15,60,240] [--json-out spot.json]
 
 N workers, real processes (``redroll worker`` on :mod:`benchmarks.spot_engine`, the synthetic
 engine with a ledger outside the worker), run ``--requests`` generations of ``--tokens`` tokens
@@ -98,7 +98,7 @@ class Fleet:
 
     @property
     def ledger(self) -> Path:
-        return self.workdir / f"{self.mode}.ledger"
+        return self.workdir / f"{self.settings.namespace}.ledger"
 
     def env(self) -> dict[str, str]:
         a, k = self.args, self.args.scale
@@ -253,7 +253,11 @@ def draw_lives(args: argparse.Namespace, seed: int, mean_s: float) -> list[list[
 async def one_run(args: argparse.Namespace, url: str, seed: int, modes: tuple[str, ...], mean_s: float,
                   workdir: Path) -> dict[str, dict]:
     lives = draw_lives(args, seed, mean_s)
-    return {mode: await one_mode(args, url, mode, lives, workdir) for mode in modes}
+    out = {}
+    for mode in modes:
+        out[mode] = await one_mode(args, url, mode, lives, workdir)
+        print(json.dumps({"life_s": mean_s, "seed": seed, **out[mode]}), file=sys.stderr, flush=True)
+    return out
 
 
 def summarize(runs: list[dict[str, dict]], modes: tuple[str, ...]) -> dict:
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--slots", type=int, default=8, help="generations a worker runs at once (its engine's batch)")
-    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--token-ms", type=float, default=30.0, help="per request, at real scale")
     p.add_argument("--life-s", type=float, default=60.0, help="mean worker life, at real scale")
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scale", type=float, default=10.0, help="real time over benchmark time")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--curve", default="15,30,60,120",
+    p.add_argument("--curve", default="15,60,240",
                    help="mean lives (real seconds) for the goodput curve, one run each ('' for none)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="benchmark seconds a mode may take")
     p.add_argument("--seed", type=int, default=1)

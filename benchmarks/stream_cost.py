@@ -82,7 +82,9 @@ async def one_run(url: str, args) -> dict[str, float]:
     try:
         async with Producer(settings, block_ms=100) as producer:
             r = producer.redis
-            await one_pass(producer, r, argparse.Namespace(**{**vars(args), "tokens": 16}), "plain")  # warm-up
+            warm = argparse.Namespace(**{**vars(args), "tokens": 16})
+            await one_pass(producer, r, warm, "plain")  # warm-up: connections, the function library
+            await one_pass(producer, r, warm, "streamed")  # (and the stream readers' connections)
             for kind in passes:
                 saves = worker.stats.checkpoints
                 out[kind] = await one_pass(producer, r, args, kind)

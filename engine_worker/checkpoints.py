@@ -1,23 +1,29 @@
-"""Checkpoints of resumable and streamed requests: save partial output while generating, resume it elsewhere.
+"""Checkpoints: a request's partial output saved while it generates, continued elsewhere.
 
-A request with ``resumable`` (single-sample, token-id prompt, ``max_new_tokens`` at least the
-pipeline's ``checkpoint_min_new_tokens``) has its partial output saved next to it, under its hash
-tag, in ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens or
-``checkpoint_interval_s`` seconds, whichever comes later, one fenced append (``checkpoint_many.lua``,
-with every other save of the worker's tick in one call: see :mod:`.checkpoint_writes`; only the
-lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
-resubmit never resumes a stale one). A drain saves what the engine made before handing the entry
-back. The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
+A request that continues after a hand-back or a death (:func:`starts_over` says which: any
+single-sample one without a grammar, ... under the worker's ``continuation`` setting; a streamed or
+``resumable`` one always) has its partial output saved next to it, under its hash tag, in
+``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens and ``checkpoint_interval_s``
+seconds, whichever comes later (from ``checkpoint_min_new_tokens`` on), one fenced append
+(``checkpoint_many.lua``, with every other save of the worker's tick in one call: see
+:mod:`.checkpoint_writes`; only the lease owner writes, and the checkpoint names the entry it
+belongs to, so a requeue or a resubmit never resumes a stale one). A request with stop strings is
+saved only as far as its text is settled (:mod:`.settled_text`), so a continuation sees every stop
+string whole. A worker given notice saves what the engine made before handing the entry back
+(:mod:`.notice`). The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
 
 A streamed request (``stream``: any prompt, one sample) is checkpointed the same way, more often:
 every ``stream_chunk_tokens`` tokens or ``stream_chunk_ms`` ms, whichever comes first, and only
-as far as its text is settled (:mod:`.settled_text`). Each part is also the request's next chunk,
-added to its chunk stream in the same call: what a reader was sent is what was saved, so a
-continuation on another worker (greedy or sampled) goes on after exactly what the reader has.
+as far as its text is settled. Each part is also the request's next chunk, added to its chunk
+stream in the same call: what a reader was sent is what was saved, so a continuation on another
+worker (greedy or sampled) goes on after exactly what the reader has.
 
-A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt +
-saved tokens with the remaining budget and publishes one stitched record: ids, logprobs,
-per-token ``weight_versions`` and ``meta_info.segments`` (which worker and version made which part).
+A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt
+(a text encoded, a chat rendered: :func:`prompt_ids`) + saved tokens with the remaining budget and
+publishes one stitched record: ids, logprobs, top logprobs, per-token ``weight_versions`` and
+``meta_info.segments`` (which worker and version made which part). It samples from the
+distribution the uninterrupted run would have had there, not the same bytes: a seeded request
+continues with ``sampling_seed + tokens saved``.
 """
 
 from __future__ import annotations
@@ -373,6 +379,7 @@ class Saver:
                               owner_key=owner_key_for(request.reply_to) if chunks else None,
                               # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
                               refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
+                              check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
                               # (a streamed request's chunks are its normal course, not an incident to log)
                               logged=not request.stream or self.ctx.settings.event_log == "all")
         self.writing = asyncio.get_running_loop().create_future()

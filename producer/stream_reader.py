@@ -30,6 +30,9 @@ log = logging.getLogger("redroll.producer")
 
 READ_BLOCK_MS = 1000
 """How long one XREAD waits for chunks (the record's arrival ends the wait sooner)."""
+REJOIN_S = 0.002
+"""A stream opened while the shared read is under way waits this long before that read is let go
+for one that names it, so that streams opened together cost one new read."""
 
 
 class StreamChunk(msgspec.Struct, kw_only=True):
@@ -110,8 +113,6 @@ class _Reader:
         """The last entry handed out (entries at or before it are dropped: two reads may bring one twice)."""
         self.queued_to: bytes | str = "0-0"
         """The last entry the shared read queued for it (the next shared read goes on after it)."""
-        self.included = False
-        """Whether the shared read names this stream (until then it reads alone)."""
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def fresh(self, entries: list) -> list:
@@ -131,8 +132,8 @@ class ChunkReads:
     a gateway) streaming many requests at once is woken once per batch of chunks its workers wrote
     (a worker writes all its chunks of one tick in one call), not once per chunk, and holds one
     connection for them instead of one each. A stream that opens while the shared read is under
-    way reads alone until the next shared read names it (at the next batch, or within
-    :data:`READ_BLOCK_MS`)."""
+    way is named by the next one: the read under way is let go (after :data:`REJOIN_S`, so that
+    streams opening together cost one new read) and a new one, naming them all, takes its place."""
 
     _all: "weakref.WeakKeyDictionary[Any, dict[str, ChunkReads]]" = weakref.WeakKeyDictionary()
 
@@ -140,6 +141,9 @@ class ChunkReads:
         self.redis = redis
         self.readers: list[_Reader] = []
         self._task: asyncio.Task | None = None
+        self._rejoin: asyncio.TimerHandle | None = None
+        self._joined = asyncio.Event()
+        """Set when streams opened since the read under way began: read again, naming them."""
         self.reads = 0
         """Shared reads made (each one XREAD for every stream open then)."""
 
@@ -157,9 +161,14 @@ class ChunkReads:
         reader = _Reader(key)
         self.readers.append(reader)
         if self._task is None or self._task.done():
-            reader.included = True  # (the read that starts now names it)
             self._task = asyncio.ensure_future(self._run())
+        elif self._rejoin is None:
+            self._rejoin = asyncio.get_running_loop().call_later(REJOIN_S, self._rejoined)
         return reader
+
+    def _rejoined(self) -> None:
+        self._rejoin = None
+        self._joined.set()
 
     def close(self, reader: _Reader) -> None:
         if reader in self.readers:
@@ -168,21 +177,32 @@ class ChunkReads:
     async def _run(self) -> None:
         """Read while streams are open (the last read ends by itself within its block)."""
         while self.readers:
+            self._joined.clear()
             readers = list(self.readers)
             positions: dict[str, Any] = {}
             for r in readers:  # (a stream read twice at once: from the earlier place of the two)
-                r.included = True
                 at = max(r.last_id, r.queued_to, key=_id_of)
                 if r.key not in positions or _id_of(at) < _id_of(positions[r.key]):
                     positions[r.key] = at
+            read = asyncio.ensure_future(self.redis.xread(positions, block=READ_BLOCK_MS))
+            joined = asyncio.ensure_future(self._joined.wait())
             try:
-                got = await self.redis.xread(positions, block=READ_BLOCK_MS)
-            except Exception as exc:  # (every stream reading now meets it, as each read alone did)
+                await asyncio.wait({read, joined}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                joined.cancel()
+            if not read.done():
+                # Streams opened since: read again, naming them. This read is let go (not awaited:
+                # a cancellation inside a Redis call can be swallowed on Python 3.11; it ends by
+                # itself within READ_BLOCK_MS, its result dropped: the next read brings its entries).
+                read.cancel()
+                read.add_done_callback(_drop)
+                continue
+            if read.exception() is not None:  # (every stream reading now meets it, as each read alone did)
                 for r in readers:
-                    r.queue.put_nowait(exc)
+                    r.queue.put_nowait(read.exception())
                 return
             self.reads += 1
-            by_key = {as_text(key): entries for key, entries in got or ()}
+            by_key = {as_text(key): entries for key, entries in read.result() or ()}
             for r in readers:
                 entries = by_key.get(r.key)
                 if entries:
@@ -199,7 +219,7 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
                         record: Awaitable[CompletionRecord]) -> AsyncIterator[StreamChunk]:
     """The chunks of ``request`` (submitted, its ``reply_to`` set), ending with the one made from
     ``record`` (what resolves to its record: a producer's future, a keyed call's reader). ``redis``:
-    the client whose connections the blocking XREADs hold (one shared read for all the streams it
+    the client whose connection the shared blocking XREAD holds (one read for all the streams it
     reads: :class:`ChunkReads`)."""
     key = chunks_key(request)
     assembler = StreamAssembler(request.request_id)
@@ -208,18 +228,13 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
     reads = ChunkReads.of(redis, key)
     reader = reads.open(key)
     read: asyncio.Future | None = None
-
-    async def alone() -> list:
-        got = await redis.xread({key: reader.last_id}, block=READ_BLOCK_MS)
-        return [entry for _, entries in got or () for entry in entries]
-
     try:
         while not waiting.done():
             if read is None:
-                read = asyncio.ensure_future(reader.queue.get() if reader.included else alone())
+                read = asyncio.ensure_future(reader.queue.get())
             await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
-                break  # (the record came: it holds the rest; the read is let go in ``finally``)
+                break  # (the record came: it holds the rest)
             got, read = read.result(), None
             if isinstance(got, Exception):
                 raise got
@@ -235,11 +250,7 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
     finally:
         reads.close(reader)
         if read is not None and not read.done():
-            # Not awaited: a cancellation that lands inside a Redis call can be swallowed there
-            # (asyncio.wait_for on Python 3.11), and the read would then hold the stream's end for
-            # the rest of its block. It ends by itself within READ_BLOCK_MS; its result is dropped.
             read.cancel()
-            read.add_done_callback(_drop)
         if owned and not waiting.done():
             waiting.cancel()
 

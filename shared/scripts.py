@@ -143,6 +143,8 @@ class CheckpointSave:
     """The save goes into the request's event log (when the log is on)."""
     refresh_ttl: bool = True
     """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
+    check_owner: bool = True
+    """With ``chunks_key``: check that ``owner_key`` names the entry (a writer's first save of it)."""
 
 
 def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:
@@ -426,7 +428,8 @@ class Scripts:
             request_id = save.partial_key.split(":partial:", 1)[-1]
             keys += [save.partial_key, events_key(save.requests_key, request_id), save.chunks_key or save.partial_key,
                      save.owner_key or save.partial_key]
-            flags = (("c" + ("t" if save.refresh_ttl else "")) if save.chunks_key else "") + (
+            flags = (("c" + ("t" if save.refresh_ttl else "") + ("o" if save.check_owner or not save.saved else ""))
+                     if save.chunks_key else "") + (
                 "l" if save.logged and self.events is not None else "")
             args += [index[save.requests_key], save.entry_id, save.saved, save.adding, large_argument(save.part),
                      request_id, submitted_as(save.requests_key, save.entry_id), flags or "-"]

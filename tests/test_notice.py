@@ -115,3 +115,32 @@ async def test_a_worker_given_notice_hands_over_at_once_and_the_survivor_continu
     # The survivor decoded what was left of the ones that continued, and the others whole.
     left = sum(LONG - saved[rid].tokens for rid in ("ids", "chat", "streamed"))
     assert survivor.engine.tokens_decoded == left + 2 * LONG + LONG
+
+
+async def test_a_worker_joining_mid_run_loads_the_desired_weights_and_takes_work_within_a_second(settings, r):
+    """Scale-up: a worker that joins takes what waits at once — queued requests, and the ones a
+    worker given notice handed back with no other worker alive — on the fleet's desired weights."""
+    from redroll.ops.control import update_weights
+
+    s = settings.with_(claim_idle_ms=30_000, notice_s=0.0)  # (the default claim_idle: no reclaim poll helps)
+    first = Worker(s, SyntheticEngine(token_ms=10), max_inflight=8, block_ms=200, name="first")
+    sp = {"max_new_tokens": 3000, "ignore_eos": True}
+    async with Producer(s) as p:
+        handed = [await p.submit(input_ids=[1, i], sampling_params=sp) for i in range(2)]
+        async with running(first):
+            await wait_until(lambda: first.generating_count == 2, 10)
+        assert first.stats.handed_back == 2  # (given notice with nobody to take them: they wait, saved)
+        await update_weights(r, s.keys, "/models/step-7", "7", wait=False)
+        queued = [await p.submit(input_ids=[2, i], sampling_params={"max_new_tokens": 20}) for i in range(2)]
+        joiner = Worker(s, SyntheticEngine(token_ms=1), max_inflight=8, block_ms=200, name="joiner")
+        versions_at_start: list = []
+        async with running(joiner):
+            await wait_until(lambda: joiner.started.is_set(), 20)
+            joined = time.monotonic()
+            versions_at_start.append(joiner.engine.info.weight_version)
+            await wait_until(lambda: joiner.stats.claimed + joiner.stats.reclaimed >= 4, 1.0, interval=0.01)
+            took = time.monotonic() - joined
+            records = [await asyncio.wait_for(f, 30) for f in handed + queued]
+    assert took <= 1.0 and versions_at_start == ["7"]
+    assert all(rec.status is RecordStatus.FINISHED and rec.meta_info["weight_version"] == "7" for rec in records)
+    assert [x["worker"] for x in records[0].meta_info["segments"]] == ["first", "joiner"]

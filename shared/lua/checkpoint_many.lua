@@ -11,7 +11,8 @@
 -- 8 values: the index of its request stream in KEYS (1..S), its entry id, the tokens its writer has
 -- saved so far, the tokens in this part, the part (8 hex digits of length + one MessagePack map),
 -- its request_id, the entry as its submit noted it ('<stream> <entry id>'), flags ('c': streamed,
--- 't': the chunk stream's TTL is set again, 'l': logged in the event log).
+-- 'o': check the producer's ownership hash, 't': the chunk stream's TTL is set again, 'l': logged in
+-- the event log).
 -- Returns two values per item: {1, tokens saved} | {0, 'fenced'} (this consumer no longer owns the
 -- entry) | {0, 'stale'} (the checkpoint holds another count: another writer) | {2, error}
 -- (refused: nothing of that item written).
@@ -26,7 +27,9 @@
 -- the writer asks ('t': it does every tenth of the TTL, so a stream expires between 0.9 and 1 TTL
 -- after its last chunk). A chunk goes into a producer's chunk stream only for an
 -- entry that producer submitted (its ownership hash names it; else {2, 'ownership check failed
--- ...'}). Readers blocked on the chunk streams are woken once, after the call.
+-- ...'}): a writer asks for that check ('o') with its first save of an entry (which, refused, is
+-- its last: the hash names an entry from its submit until its record) and any save that starts
+-- over. Readers blocked on the chunk streams are woken once, after the call.
 --
 -- Fencing: which entries this consumer still owns is read once per request stream, one XPENDING
 -- over the batch's id range filtered by consumer (its own pending entries there: at most what it
@@ -84,7 +87,7 @@ local function save(i)
   local partial, evkey, chunks, ownkey = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
   if not owned[s][entry] then return {0, 'fenced'} end
   local chunked = string.find(flags, 'c', 1, true) ~= nil
-  if chunked and redis.pcall('HGET', ownkey, rid) ~= submitted then
+  if chunked and string.find(flags, 'o', 1, true) and redis.pcall('HGET', ownkey, rid) ~= submitted then
     return {2, 'ownership check failed: ' .. ownkey .. ' does not name this entry'}
   end
   -- (a key of another type answers WRONGTYPE: nothing of the item is written)
