@@ -1,14 +1,19 @@
-"""What streaming costs: the same requests streamed and not, side by side.
+"""What streaming and checkpoints cost Redis: the same requests streamed, checkpointed and plain, side by side.
 
-    python -m benchmarks.stream_cost [--requests 200] [--tokens 64] [--chunk-tokens 8] [--runs 3]
+    python -m benchmarks.stream_cost [--requests 64] [--tokens 256] [--token-ms 1] [--runs 3]
+                                     [--chunk-tokens 8] [--chunk-ms 50] [--checkpointed]
 
 On a private redis-server, one in-process worker on the synthetic engine (``--token-ms`` per
 token, so chunks really come while a request runs) serves ``--requests`` requests of
-``--tokens`` tokens, all submitted at once, twice per run: plain (``Producer.generate``) and
-streamed (``Producer.stream``, every chunk read). Reported per run: the wall time of each, the
-chunks written, and the Redis command time (``INFO commandstats``: usec) per request of each and
-per chunk (the difference over the chunks); then the median and range over the runs. Not part of
-the test suite.
+``--tokens`` tokens, all submitted at once, in passes per run: plain (``Producer.generate``),
+streamed (``Producer.stream``, every chunk read) and, with ``--checkpointed``, plain requests
+that the worker checkpoints (``resumable``, at the pipeline's checkpoint interval). Reported per
+run: the wall time of each pass, the chunks written, the first chunk's latency (median over the
+streamed requests, from the call to its first chunk), redis-server's command time (``INFO
+commandstats``: usec) and CPU (user + system) per request of each pass, and per token the extra
+of a streamed (checkpointed) token over a plain one; then the median and range over the runs.
+The passes of a run have the same wall time within a few percent (the engine's pace decides it),
+so the server's idle work cancels out of the difference. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -33,54 +38,89 @@ async def command_usec(r) -> float:
     return sum(float(v.get("usec", 0)) for v in stats.values() if isinstance(v, dict))
 
 
-async def one_pass(producer: Producer, r, args, streamed: bool) -> dict[str, float]:
+async def server_cpu_usec(r) -> float:
+    cpu = await r.info("cpu")
+    return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6
+
+
+async def one_pass(producer: Producer, r, args, kind: str) -> dict[str, float]:
     sp = {"max_new_tokens": args.tokens, "ignore_eos": True}
     tag = uuid.uuid4().hex[:6]
-    before, started = await command_usec(r), time.perf_counter()
+    usec, cpu, started = await command_usec(r), await server_cpu_usec(r), time.perf_counter()
     chunks = 0
+    first: list[float] = []
 
     async def one(i: int) -> None:
         nonlocal chunks
-        if streamed:
+        if kind == "streamed":
+            begun, seen = time.perf_counter(), False
             async for _ in producer.stream(request_id=f"s-{tag}-{i}", prompt="x", sampling_params=sp, timeout=600):
+                if not seen:
+                    first.append(time.perf_counter() - begun)
+                    seen = True
                 chunks += 1
+        elif kind == "checkpointed":
+            await producer.generate(request_id=f"c-{tag}-{i}", input_ids=[1, 2, 3], sampling_params=sp,
+                                    resumable=True, timeout=600)
         else:
             await producer.generate(request_id=f"p-{tag}-{i}", prompt="x", sampling_params=sp, timeout=600)
 
     await asyncio.gather(*(one(i) for i in range(args.requests)))
     wall = time.perf_counter() - started
-    return {"wall_s": wall, "redis_usec": await command_usec(r) - before, "chunks": chunks}
+    return {"wall_s": wall, "redis_usec": await command_usec(r) - usec, "redis_cpu_usec": await server_cpu_usec(r) - cpu,
+            "chunks": chunks, "first_chunk_ms": statistics.median(first) * 1000.0 if first else 0.0}
 
 
 async def one_run(url: str, args) -> dict[str, float]:
     settings = Settings(redis_url=url, namespace="sc" + uuid.uuid4().hex[:8], stream_chunk_tokens=args.chunk_tokens,
-                        stream_chunk_ms=args.chunk_ms)
-    worker = Worker(settings, SyntheticEngine(token_ms=args.token_ms), max_inflight=args.requests, block_ms=100)
+                        stream_chunk_ms=args.chunk_ms, checkpoint_min_new_tokens=0)
+    engine = SyntheticEngine(token_ms=args.token_ms)
+    worker = Worker(settings, engine, max_inflight=args.requests, block_ms=100)
     task = asyncio.create_task(worker.run())
+    passes = ["plain", "streamed"] + (["checkpointed"] if args.checkpointed else [])
+    out: dict[str, dict[str, float]] = {}
     try:
         async with Producer(settings, block_ms=100) as producer:
             r = producer.redis
-            await one_pass(producer, r, args, False)  # warm-up
-            plain = await one_pass(producer, r, args, False)
-            streamed = await one_pass(producer, r, args, True)
+            warm = argparse.Namespace(**{**vars(args), "tokens": 16})
+            await one_pass(producer, r, warm, "plain")  # warm-up: connections, the function library
+            await one_pass(producer, r, warm, "streamed")  # (and the stream readers' connections)
+            for kind in passes:
+                saves = worker.stats.checkpoints
+                out[kind] = await one_pass(producer, r, args, kind)
+                out[kind]["saves"] = worker.stats.checkpoints - saves
     finally:
         worker.request_stop()
         await task
-    written = streamed["chunks"] - args.requests  # (each stream's last chunk comes from its record)
-    return {"plain_wall_s": plain["wall_s"], "streamed_wall_s": streamed["wall_s"],
-            "chunks_written": written,
-            "plain_redis_usec_per_request": plain["redis_usec"] / args.requests,
-            "streamed_redis_usec_per_request": streamed["redis_usec"] / args.requests,
-            "redis_usec_per_chunk": (streamed["redis_usec"] - plain["redis_usec"]) / max(1, written)}
+    tokens = args.requests * args.tokens
+    plain = out["plain"]
+    result = {"plain_wall_s": plain["wall_s"], "streamed_wall_s": out["streamed"]["wall_s"],
+              "chunks_written": out["streamed"]["saves"],
+              "tokens_per_chunk": tokens / max(1, out["streamed"]["saves"]),
+              "first_chunk_ms": out["streamed"]["first_chunk_ms"],
+              "plain_redis_usec_per_request": plain["redis_usec"] / args.requests,
+              "plain_redis_usec_per_token": plain["redis_usec"] / tokens,
+              "plain_redis_cpu_usec_per_token": plain["redis_cpu_usec"] / tokens}
+    for kind in passes[1:]:
+        extra, extra_cpu = out[kind]["redis_usec"] - plain["redis_usec"], out[kind]["redis_cpu_usec"] - plain["redis_cpu_usec"]
+        result.update({f"{kind}_redis_usec_per_request": out[kind]["redis_usec"] / args.requests,
+                       f"{kind}_extra_redis_usec_per_token": extra / tokens,
+                       f"{kind}_extra_redis_cpu_usec_per_token": extra_cpu / tokens,
+                       f"{kind}_redis_usec_per_write": extra / max(1, out[kind]["saves"])})
+    if args.checkpointed:
+        result.update({"checkpointed_wall_s": out["checkpointed"]["wall_s"], "checkpoints": out["checkpointed"]["saves"]})
+    return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--chunk-tokens", type=int, default=8)
     p.add_argument("--chunk-ms", type=float, default=50.0)
-    p.add_argument("--token-ms", type=float, default=2.0)
+    p.add_argument("--token-ms", type=float, default=1.0)
+    p.add_argument("--checkpointed", action="store_true",
+                   help="a third pass: plain requests checkpointed at the pipeline's default interval")
     p.add_argument("--runs", type=int, default=3)
     print_runs(p.parse_args(), one_run)
 

@@ -1,22 +1,29 @@
-"""Checkpoints of resumable and streamed requests: save partial output while generating, resume it elsewhere.
+"""Checkpoints: a request's partial output saved while it generates, continued elsewhere.
 
-A request with ``resumable`` (single-sample, token-id prompt, ``max_new_tokens`` at least the
-pipeline's ``checkpoint_min_new_tokens``) has its partial output saved next to it, under its hash
-tag, in ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens or
-``checkpoint_interval_s`` seconds, whichever comes later, one fenced append (``checkpoint.lua``:
-only the lease owner writes, and the checkpoint names the entry it belongs to, so a requeue or a
-resubmit never resumes a stale one). A drain saves what the engine made before handing the entry
-back. The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
+A request that continues after a hand-back or a death (:func:`starts_over` says which: any
+single-sample one without a grammar, ... under the worker's ``continuation`` setting; a streamed or
+``resumable`` one always) has its partial output saved next to it, under its hash tag, in
+``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens and ``checkpoint_interval_s``
+seconds, whichever comes later (from ``checkpoint_min_new_tokens`` on), one fenced append
+(``checkpoint_many.lua``, with every other save of the worker's tick in one call: see
+:mod:`.checkpoint_writes`; only the lease owner writes, and the checkpoint names the entry it
+belongs to, so a requeue or a resubmit never resumes a stale one). A request with stop strings is
+saved only as far as its text is settled (:mod:`.settled_text`), so a continuation sees every stop
+string whole. A worker given notice saves what the engine made before handing the entry back
+(:mod:`.notice`). The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
 
 A streamed request (``stream``: any prompt, one sample) is checkpointed the same way, more often:
 every ``stream_chunk_tokens`` tokens or ``stream_chunk_ms`` ms, whichever comes first, and only
-as far as its text is settled (:mod:`.streaming`). Each part is also the request's next chunk,
-added to its chunk stream in the same call: what a reader was sent is what was saved, so a
-continuation on another worker (greedy or sampled) goes on after exactly what the reader has.
+as far as its text is settled. Each part is also the request's next chunk, added to its chunk
+stream in the same call: what a reader was sent is what was saved, so a continuation on another
+worker (greedy or sampled) goes on after exactly what the reader has.
 
-A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt +
-saved tokens with the remaining budget and publishes one stitched record: ids, logprobs,
-per-token ``weight_versions`` and ``meta_info.segments`` (which worker and version made which part).
+A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt
+(a text encoded, a chat rendered: :func:`prompt_ids`) + saved tokens with the remaining budget and
+publishes one stitched record: ids, logprobs, top logprobs, per-token ``weight_versions`` and
+``meta_info.segments`` (which worker and version made which part). It samples from the
+distribution the uninterrupted run would have had there, not the same bytes: a seeded request
+continues with ``sampling_seed + tokens saved``.
 """
 
 from __future__ import annotations
@@ -30,15 +37,16 @@ from typing import Any
 import msgspec
 import redis
 
+from redroll.engine_worker.checkpoint_writes import CheckpointWriter, Prepared
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
 from redroll.engine_worker.engines.text import render_chat, sample_text
-from redroll.engine_worker.flights import DEATHS_SUFFIX
 from redroll.engine_worker.settled_text import settled
 from redroll.shared.chunks import Part, decode_part, encode_part
 from redroll.shared.codec import ValidationError
 from redroll.shared.continuing import continue_after, join_parts
-from redroll.shared.keys import WORKERS_GROUP, Keys, chunks_key_for, owner_key_for
+from redroll.shared.keys import Keys, chunks_key_for, owner_key_for
+from redroll.shared.scripts import CheckpointSave
 from redroll.shared.types import GenerationRequest
 
 log = logging.getLogger("redroll.worker")
@@ -59,6 +67,8 @@ class Checkpoint:
     finish_reason: str | None = None
     text: str = ""
     """The text the parts carried (a streamed request's: what its readers were sent)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
+    """Per token, the k most likely (token id, logprob) pairs (``top_logprobs_num``); None when a part had none."""
 
     @property
     def tokens(self) -> int:
@@ -98,17 +108,60 @@ def parse_checkpoint(raw: bytes) -> Checkpoint | None:
             cp.segments.append({"worker": part.worker, "weight_version": version, "tokens": len(part.token_ids)})
         cp.finish_reason = part.finish_reason
         cp.text += part.text or ""
+        if cp.top_logprobs is not None and part.top_logprobs is not None:
+            cp.top_logprobs += [[(int(t), float(lp)) for t, lp in pairs] for pairs in part.top_logprobs]
+        else:
+            cp.top_logprobs = None
     if cp.tokens != count:
         return None
     return cp
 
 
-def is_checkpointed(request: GenerationRequest, min_new_tokens: int) -> bool:
-    return request.stream or (request.resumable and request.sampling_params.max_new_tokens >= min_new_tokens)
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""The sampling keys that constrain the output to a grammar (the gateway's ``structured_outputs``
+arrive as these)."""
+
+
+def starts_over(request: GenerationRequest, settings: Any, tokenizer: Any) -> str | None:
+    """Why ``request``, handed back or taken from a dead worker, starts over from token 0; None
+    when it continues from its saved tokens (see docs/spot.md). A streamed or ``resumable`` request
+    always continues (a reader has its tokens, or its submitter asked for it); any other does under
+    ``settings.continuation`` when continuing samples from the distribution it would have:"""
+    if request.stream or request.resumable:
+        return None
+    if not settings.continuation:
+        return "continuation is off"
+    sp = request.sampling_params
+    if sp.n != 1:
+        return "n > 1: its samples are made together, and start over together"
+    grammar = [key for key in GRAMMAR_KEYS if getattr(sp, key) is not None]
+    if grammar:
+        return f"sampling_params.{grammar[0]}: a grammar cannot be taken up in the middle of an output"
+    if sp.stop_regex is not None:
+        return "sampling_params.stop_regex: a match may straddle the saved tokens"
+    if sp.frequency_penalty or sp.presence_penalty:
+        return "frequency or presence penalty: it counts the output's tokens, and saved ones would count as prompt"
+    if sp.custom_params is not None:
+        return "sampling_params.custom_params: a custom logit processor may depend on the whole output"
+    if request.logprob_start_len is not None:
+        return "logprob_start_len: the prompt's logprobs would run into the saved tokens"
+    if request.return_routed_experts:
+        return "return_routed_experts: the saved tokens' routing is not kept"
+    if request.input_ids is None and tokenizer is None:
+        return "a text or chat prompt, on an engine without a tokenizer to render it as token ids"
+    return None
+
+
+def is_checkpointed(request: GenerationRequest, settings: Any) -> bool:
+    """Whether ``request`` (one that continues: :func:`starts_over`) is saved while it runs, not
+    only when a drain or a notice hands it back: a streamed one always, any other from
+    ``checkpoint_min_new_tokens`` new tokens on."""
+    return request.stream or request.sampling_params.max_new_tokens >= settings.checkpoint_min_new_tokens
 
 
 def is_resumed(request: GenerationRequest) -> bool:
-    """Whether a checkpoint of ``request`` is looked for when its entry is taken."""
+    """Whether the request itself asks to continue after a hand-back or a death (``stream`` or
+    ``resumable``; others do by the worker's ``continuation`` setting: :func:`starts_over`)."""
     return request.resumable or request.stream
 
 
@@ -137,7 +190,8 @@ def resume_request(request: GenerationRequest, cp: Checkpoint, tokenizer: Any = 
     seed = request.sampling_params.sampling_seed
     fields: dict[str, Any] = {}
     if request.input_ids is None:
-        fields = {"prompt": None, "messages": None, "tools": None, "return_text": request.wants_text}
+        fields = {"prompt": None, "messages": None, "tools": None, "chat_template": None,
+                  "chat_template_kwargs": None, "return_text": request.wants_text}
         request = msgspec.structs.replace(request, input_ids=prompt_ids(request, tokenizer, engine))
     return continue_after(request, cp.token_ids, seed=None if seed is None else seed + cp.tokens, **fields)
 
@@ -151,8 +205,11 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
     new_versions = list(new.weight_versions) if new.weight_versions else [str(version)] * len(new.token_ids)
     joined = join_parts([(cp.token_ids, cp.logprobs, cp.weight_versions),
                          (new.token_ids, None if new.logprobs is None else list(new.logprobs), new_versions)])
+    tops = None
+    if request.top_logprobs_num and cp.top_logprobs is not None and new.top_logprobs is not None:
+        tops = [*cp.top_logprobs, *new.top_logprobs]
     sample = SampleOutput(token_ids=joined.token_ids, logprobs=joined.logprobs, finish_reason=new.finish_reason,
-                          weight_versions=joined.weight_versions)
+                          weight_versions=joined.weight_versions, top_logprobs=tops)
     if request.wants_text and tokenizer is not None:
         sample.text = sample_text(tokenizer, sample.token_ids, request.sampling_params, sample.finish_reason)
     segments = [*cp.segments, {"worker": worker, "weight_version": version, "tokens": len(new.token_ids)}]
@@ -165,10 +222,11 @@ def stitch_resumed(cp: Checkpoint, output: EngineOutput, request: GenerationRequ
 
 
 class Checkpoints:
-    """Loading, saving and the save loop for one worker."""
+    """Loading checkpoints, and the savers of one worker (written by its :class:`~.checkpoint_writes.CheckpointWriter`)."""
 
     def __init__(self, ctx: WorkerContext):
         self.ctx = ctx
+        self.writer = CheckpointWriter(ctx)
 
     async def load(self, part: Keys, request: GenerationRequest, entry_id: str) -> Checkpoint | None:
         raw = await self.ctx.redis.get(part.partial(request.request_id))
@@ -178,30 +236,6 @@ class Checkpoints:
         if cp is None or cp.entry_id != entry_id:
             return None  # another entry's (a requeue, a resubmit) or not readable: start over
         return cp
-
-    async def append(self, stream: str, part: Keys, request: GenerationRequest, entry_id: str, saved: int,
-                     piece: Part) -> bool:
-        """One fenced append (and a streamed request's chunk); False when the lease or the count
-        says this worker may not write."""
-        ctx = self.ctx
-        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
-        try:
-            ok, detail = await ctx.scripts.checkpoint(
-                requests_key=stream, partial_key=part.partial(request.request_id), group=WORKERS_GROUP,
-                consumer=ctx.name, entry_id=entry_id, saved=saved, adding=len(piece.token_ids),
-                part=encode_part(piece), ttl_s=ctx.settings.rid_ttl_s, chunks_key=chunks,
-                chunks_ttl_s=ctx.settings.stream_chunk_ttl_s,
-                owner_key=owner_key_for(request.reply_to) if chunks else None,
-                # (a streamed request's chunks are its normal course, not an incident to log)
-                logged=not request.stream or ctx.settings.event_log == "all")
-        except redis.RedisError as exc:
-            log.warning("checkpoint of %s not saved: %s", request.request_id, exc)
-            return False
-        if ok != 1:
-            log.warning("checkpoint of %s not saved: %s", request.request_id, detail)
-            return False
-        ctx.stats.checkpoints += 1
-        return True
 
     async def discard(self, part: Keys, fields: dict, entry_id: str) -> None:
         """Delete the checkpoint of the entry in ``fields`` if it names this entry (a hand-back to
@@ -217,17 +251,25 @@ class Checkpoints:
         except redis.RedisError as exc:
             log.warning("checkpoint %s not deleted: %s", key, exc)
 
-    def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None) -> "Saver":
-        return Saver(self, flight, request, base)
+    def saver(self, flight: Any, request: GenerationRequest, base: Checkpoint | None,
+              periodic: bool = True) -> "Saver":
+        return Saver(self, flight, request, base, periodic)
+
+    async def close(self) -> None:
+        await self.writer.close()
 
 
 class Saver:
-    """Saves one flight's new tokens while the engine generates it: :meth:`run` as a task
-    (cancelled when the generation returns), :meth:`flush` for what a drain cut short. A streamed
-    request's saves are its chunks (see :mod:`.streaming` for where one may end)."""
+    """Saves one flight's new tokens while the engine generates it: registered with the worker's
+    writer (:meth:`start`, :meth:`stop`), which asks it every tick whether a save is :meth:`due`;
+    :meth:`flush` for what a drain or a notice cut short. A streamed request's saves are its
+    chunks (see :mod:`.settled_text` for where one may end)."""
 
-    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None):
+    def __init__(self, checkpoints: Checkpoints, flight: Any, request: GenerationRequest, base: Checkpoint | None,
+                 periodic: bool = True):
         self.checkpoints = checkpoints
+        self.periodic = periodic
+        """Saved while it runs (else only by :meth:`flush`)."""
         self.ctx = checkpoints.ctx
         self.flight = flight
         self.request = request
@@ -235,64 +277,88 @@ class Saver:
         """Tokens in the checkpoint before this worker's generation began."""
         self.base_ids = list(base.token_ids) if base else []
         self.sent_text = base.text if base else ""
-        """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.streaming`)."""
-        self.tokenizer = self.ctx.tokenizer if request.stream else None
+        """A streamed request's text so far (what its chunks carried, or would carry: see :mod:`.settled_text`)."""
+        self.settles = request.stream or bool(request.sampling_params.stop)
+        """Saves end where the text is settled (:mod:`.settled_text`): a streamed request's, and one
+        with stop strings (a continuation sees every stop string whole in its own output)."""
+        self.tokenizer = self.ctx.tokenizer if self.settles else None
         self.done = 0
         """Tokens of this worker's generation saved so far."""
         self.broken = False
         """A write was fenced or refused: this worker writes no more of it."""
-        self.stopped = False
-        """Set by :meth:`stop`: the loop ends at its next step (a cancellation alone can be lost
-        inside a Redis call on Python 3.11, whose ``asyncio.wait_for`` may swallow it)."""
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    async def run(self) -> None:
-        ctx = self.ctx
-        if not ctx.capabilities.partial_output:
-            return  # this engine cannot show partial output: nothing to save while it runs
-        partial = ctx.engine.partial
-        settings = ctx.settings
-        if self.request.stream:  # every K tokens or T ms, whichever comes first
-            every_tokens, every_s, first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000.0, True
-            pause = min(every_s, 0.02)
+        self.writing: asyncio.Future | None = None
+        """The write of its last save, while it is under way."""
+        settings = self.ctx.settings
+        if request.stream:  # every K tokens or T ms, whichever comes first
+            self.every_tokens, self.every_s, self.first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000, True
         else:  # every N tokens or S seconds, whichever comes later
-            every_tokens, every_s, first = settings.checkpoint_tokens, settings.checkpoint_interval_s, False
-            pause = min(every_s, 1.0) if every_s > 0 else 0.05
-        last_save = time.monotonic()
-        while not self.broken and not self.stopped:
-            await asyncio.sleep(pause)
-            if self.stopped:
-                return
-            snap = partial(self.flight.handle)
-            new = 0 if snap is None else len(snap.token_ids) - self.done
-            if new <= 0:
-                continue
-            enough, due = new >= every_tokens, time.monotonic() - last_save >= every_s
-            if (enough or due) if first else (enough and due):
-                if await self.save(snap):
-                    last_save = time.monotonic()
+            self.every_tokens, self.every_s, self.first = settings.checkpoint_tokens, settings.checkpoint_interval_s, False
+        self.last_save = time.monotonic()
+        self.ttl_set_at = -float("inf")
+        """When a save of this worker last set the chunk stream's TTL (a streamed request)."""
+        self.next_look = 0.0
+        """When :meth:`due` looks at the engine's partial output next."""
 
-    async def flush(self, sample: SampleOutput) -> None:
-        """Save the rest of ``sample`` (a drain's aborted output) before the entry goes back."""
-        if not self.broken:
-            await self.save(sample)
+    def start(self) -> None:
+        """Save while the generation runs (an engine without partial output saves only at a flush)."""
+        if self.periodic and self.ctx.capabilities.partial_output:
+            self.checkpoints.writer.add(self)
 
-    async def save(self, sample: SampleOutput) -> bool:
-        """Save what ``sample`` has past what was saved (a streamed request's: as far as it is
-        settled); True when something was."""
+    async def stop(self) -> None:
+        """No more saves while it runs; returns once a write under way settled (the finish that
+        follows then never races it)."""
+        self.checkpoints.writer.remove(self)
+        if self.writing is not None:
+            await asyncio.shield(self.writing)
+
+    def due(self, now: float, beat: bool = False) -> Prepared | None:
+        """The save to make now, if one is due (a write of this saver's still under way: none).
+        ``beat``: the streams' shared timer beats now (a streamed request sends what it has)."""
+        if self.broken or self.writing is not None or now < self.next_look:
+            return None
+        if not self.first:
+            # (a checkpoint is due only once its interval passed; then the engine's partial output,
+            # which may copy it, is looked at a few times a second, not every tick)
+            if now - self.last_save < self.every_s:
+                self.next_look = self.last_save + self.every_s
+                return None
+            self.next_look = now + min(0.25, max(self.every_s / 4, 0.0))
+        snap = self.ctx.engine.partial(self.flight.handle)
+        new = 0 if snap is None else len(snap.token_ids) - self.done
+        if new <= 0:
+            return None
+        enough = new >= self.every_tokens
+        if not ((enough or beat) if self.first else (enough and now - self.last_save >= self.every_s)):
+            return None
+        return self.prepare(snap)
+
+    async def flush(self, sample: SampleOutput) -> bool:
+        """Save the rest of ``sample`` (the output a drain or a notice cut short) before the entry
+        goes back; True when nothing of it is left unsaved."""
+        if self.writing is not None:
+            await asyncio.shield(self.writing)
+        if self.broken:
+            return False
+        prepared = self.prepare(sample)
+        if prepared is not None:
+            await self.checkpoints.writer.write([prepared])
+        return not self.broken and self.done >= len(sample.token_ids)
+
+    def prepare(self, sample: SampleOutput) -> Prepared | None:
+        """What ``sample`` has past what was saved (a streamed request's: as far as it is settled),
+        ready to write; None when there is nothing."""
         start, end = self.done, len(sample.token_ids)
         text: str | None = None
-        if self.request.stream:
+        cut_text: str | None = None
+        if self.settles:
             cut = settled(self.tokenizer, self.request, self.base_ids + list(sample.token_ids), self.base + start,
                           self.sent_text)
-            end = cut.tokens - self.base
-            if cut.text is not None and self.request.wants_text:
+            end, cut_text = cut.tokens - self.base, cut.text
+            if cut.text is not None and self.request.wants_text and self.request.stream:
                 text = cut.text[len(self.sent_text):]
         ids = list(sample.token_ids[start:end])
         if not ids:
-            return False
+            return None
         version = str(self.ctx.engine.info.weight_version)
         versions = list(sample.weight_versions[start:end]) if sample.weight_versions else [version] * len(ids)
         mixed = len(set(versions)) > 1
@@ -302,24 +368,42 @@ class Saver:
                      weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
                      worker=self.ctx.name, text=text,
                      top_logprobs=[list(t) for t in sample.top_logprobs[start:end]]
-                     if self.request.stream and sample.top_logprobs is not None
+                     if self.request.top_logprobs_num and sample.top_logprobs is not None
                      and len(sample.top_logprobs) >= end else None,
                      finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
-        flight = self.flight
-        if await self.checkpoints.append(flight.stream, self.ctx.part_of[flight.stream], self.request,
-                                         flight.entry_id, self.base + start, piece):
-            self.done = end
-            if self.request.stream and cut.text is not None:
-                self.sent_text = cut.text
-            if getattr(flight, "suspect_cap", None) is not None:
-                # Its checkpoint advanced here, after the death of a worker that ran it: it is no
-                # suspect of that death any more (the next death counts from scratch), nor does it
-                # bound the group of the suspects running beside it.
-                flight.suspect_cap = None
-                try:
-                    await self.ctx.redis.hdel(self.ctx.keys.errors, flight.key + DEATHS_SUFFIX)
-                except redis.RedisError as exc:
-                    log.warning("death note of %s not cleared: %s", flight.entry_id, exc)
-            return True
-        self.broken = True
-        return False
+        request, flight = self.request, self.flight
+        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
+        save = CheckpointSave(requests_key=flight.stream, partial_key=self.ctx.part_of[flight.stream].partial(
+                                  request.request_id), entry_id=flight.entry_id, saved=self.base + start,
+                              adding=len(ids), part=encode_part(piece), chunks_key=chunks,
+                              owner_key=owner_key_for(request.reply_to) if chunks else None,
+                              # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
+                              refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
+                              check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
+                              # (a streamed request's chunks are its normal course, not an incident to log)
+                              logged=not request.stream or self.ctx.settings.event_log == "all")
+        self.writing = asyncio.get_running_loop().create_future()
+        return Prepared(self, save, end, cut_text)
+
+    def settle(self, prepared: Prepared, outcome: tuple[int, int | str] | None) -> bool:
+        """Take the write's ``outcome`` (None: not known, the connection failed: tried again at the
+        next save); True when it was saved."""
+        writing, self.writing = self.writing, None
+        if writing is not None and not writing.done():
+            writing.set_result(None)
+        if outcome is None:
+            return False
+        code, detail = outcome
+        if code != 1:
+            log.warning("checkpoint of %s not saved: %s", self.request.request_id, detail)
+            self.broken = True
+            return False
+        self.done = prepared.end
+        self.last_save = time.monotonic()
+        if prepared.save.refresh_ttl:
+            self.ttl_set_at = self.last_save
+        if self.settles and prepared.text is not None:
+            self.sent_text = prepared.text
+        self.ctx.stats.checkpoints += 1
+        self.flight.checkpointed = True
+        return True

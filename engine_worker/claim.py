@@ -27,7 +27,7 @@ import redis
 
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.flights import DEATHS_SUFFIX, Flights, InFlight
-from redroll.engine_worker.outcomes import hand_back_entries
+from redroll.engine_worker.outcomes import hand_back_entries, uncounted_runs
 from redroll.shared.events import Delivery
 from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.streams import read_group, script_fields, text
@@ -108,6 +108,9 @@ class Claimer:
         """The request streams a reclaim pass looks at (with affinity lanes: ``LaneTable.reclaim_streams``)."""
         self._attempts = 0
         """Suspects taken back by this process (their engine handles stay unique)."""
+        self._woken = asyncio.Event()
+        self._handbacks_waiting = False
+        """The last pass left hand-backs for want of a free slot here."""
 
 
     # ------------------------------------------------------------ new entries
@@ -212,8 +215,11 @@ class Claimer:
         stream from the PEL.
         """
         ctx = self.ctx
+        first = True  # (a worker that joins takes what waits at once: hand-backs, a dead worker's)
         while not ctx.stopping.is_set():
-            await ctx.pause(self.reclaim_interval_s)
+            if not first:
+                await self._pause()
+            first = False
             try:
                 # Isolation lasts until no suspect is left, so new claims do not refill the slots
                 # between two suspects.
@@ -221,6 +227,23 @@ class Claimer:
                     pass
             finally:
                 self.flights.end_isolation()
+
+    def wake(self) -> None:
+        """Run a reclaim pass now (another worker handed entries back: a notice, a drain)."""
+        self._woken.set()
+
+    async def _pause(self) -> None:
+        """Until the next pass: ``reclaim_interval_s``, a quarter second while hand-backs wait for
+        a free slot here, or until :meth:`wake` (or a stop)."""
+        interval = min(self.reclaim_interval_s, 0.25) if self._handbacks_waiting else self.reclaim_interval_s
+        woken = asyncio.ensure_future(self._woken.wait())
+        stop = asyncio.ensure_future(self.ctx.stopping.wait())
+        try:
+            await asyncio.wait([woken, stop], timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            stop.cancel()
+        self._woken.clear()
 
     async def _reclaim_once(self) -> bool:
         """One pass; True when it took a suspect (so the next pass should follow at once)."""
@@ -239,6 +262,9 @@ class Claimer:
         if halving:
             count = max(count, 4 * flights.claim_limit, 256)
         streams = self.reclaim_streams()
+        waiting = 0
+        kept: dict[tuple[str, str], int] = {}
+        """Entries handed back on notice → the runs their delivery count leaves out."""
         async with ctx.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
@@ -264,17 +290,24 @@ class Claimer:
                 # (Halving: a suspect's delivery count says nothing of the deaths it witnessed in
                 # a group; the death notes decide, below.)
                 if note is not None or never_ran or (deliveries > ctx.settings.max_deliveries and not halving):
+                    waiting += 1
                     if len(bulk) < flights.free_to_claim:
                         why = ("its claim reply was lost" if never_ran and note is None
                                else "delivered too often" if note is None
                                else text(note).split(" (", 1)[0] if text(note).startswith("handed back")
                                else "after an error: " + text(note)[:120])
+                        uncounted = uncounted_runs(text(note)) if note is not None else None
+                        if uncounted is not None:  # (a hand-back on notice: its delivery count stays)
+                            kept[(stream, entry_id)] = uncounted
+                            deliveries -= 1
                         bulk.append((stream, entry_id, deliveries, text(p["consumer"]), why))
                 else:
                     suspects.append((stream, entry_id, deliveries - 1, text(p["consumer"])))
+        self._handbacks_waiting = waiting > len(bulk)
         if bulk:
-            for flight in await self._claim_and_start(bulk):
+            for flight in await self._claim_and_start(bulk, kept):
                 flight.reclaimed = True
+                flight.uncounted_runs = kept.get((flight.stream, flight.entry_id), 0)
         if not suspects:
             return False
         if halving:
@@ -424,17 +457,27 @@ class Claimer:
                         len(grouped), "y" if len(grouped) == 1 else "ies", min(f.suspect_cap or 1 for f in grouped))
         return started
 
-    async def _claim_and_start(self, chosen: list[tuple[str, str, int, str, str]]) -> list[InFlight]:
-        """XCLAIM and start (stream, entry id, delivery count, previous owner, why it is taken back)."""
+    async def _claim_and_start(self, chosen: list[tuple[str, str, int, str, str]],
+                               kept: dict[tuple[str, str], int] | None = None) -> list[InFlight]:
+        """XCLAIM and start (stream, entry id, delivery count, previous owner, why it is taken back);
+        the entries in ``kept`` keep their delivery count (``RETRYCOUNT``: a hand-back on notice)."""
         ctx = self.ctx
+        kept = kept or {}
         started = []
         for stream in ctx.request_streams:
             counts = {entry_id: n for s, entry_id, n, _, _ in chosen if s == stream}
             how = {entry_id: (owner, why) for s, entry_id, _, owner, why in chosen if s == stream}
             if not counts:
                 continue
-            claimed = await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
-                                             list(counts))
+            claimed = []
+            counted = [i for i in counts if (stream, i) not in kept]
+            if counted:
+                claimed += await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
+                                                  counted)
+            for n in sorted({counts[i] for i in counts if (stream, i) in kept}):
+                claimed += await ctx.redis.xclaim(stream, WORKERS_GROUP, ctx.name, ctx.settings.claim_idle_ms,
+                                                  [i for i in counts if (stream, i) in kept and counts[i] == n],
+                                                  retrycount=n)
             if ctx.stopping.is_set():
                 await self._give_back([(stream, text(i)) for i, fields in claimed if fields])
                 continue
@@ -445,6 +488,8 @@ class Claimer:
                 owner, why = how[entry_id]
                 ctx.deliveries.note([Delivery(stream, entry_id, fields, n=counts[entry_id], previous=owner, why=why)])
                 ctx.stats.reclaimed += 1
+                self._attempts += 1  # (a kept count may repeat a handle this worker used: a suffix keeps it unique)
                 started.append(self.flights.add(stream, entry_id, ctx.flight_key(stream, entry_id), counts[entry_id],
-                                                fields))
+                                                fields, handle=f"{ctx.flight_key(stream, entry_id)}.{counts[entry_id]}"
+                                                f".h{self._attempts}" if (stream, entry_id) in kept else None))
         return started

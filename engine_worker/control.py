@@ -1,7 +1,8 @@
 """The worker's side of the control stream: broadcast commands, and the aborted set.
 
 ``{ns}:control`` is read with plain XREAD from the position the worker had when it started, so
-every worker sees every command once. Aborts are also kept in ``{ns}:aborted``, loaded at start,
+every worker sees every command once; ``{ns}:handbacks`` in the same read: another worker's note
+that it handed entries back (a notice) starts a reclaim pass at once. Aborts are also kept in ``{ns}:aborted``, loaded at start,
 so a queued request aborted before this worker existed is still skipped.
 """
 
@@ -65,6 +66,8 @@ class ControlTarget(Protocol):
 
     def run_sync_command(self, cmd: Command) -> None: ...
 
+    def reclaim_now(self) -> None: ...
+
 
 class ControlListener:
     def __init__(self, r: Redis, keys: Keys, name: str, target: ControlTarget, aborted: AbortedSet,
@@ -76,18 +79,30 @@ class ControlListener:
         self.aborted = aborted
         self.block_ms = block_ms
         self.last_id = "0-0"
+        self.last_handback = "0-0"
 
     async def start(self) -> None:
-        """Fix the read position at the newest command, then load the aborted set (in this order:
-        no abort falls between the two)."""
-        last = await self.redis.xrevrange(self.keys.control, count=1)
+        """Fix the read positions at the newest command and hand-back note, then load the aborted
+        set (in this order: no abort falls between the two)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrevrange(self.keys.control, count=1)
+            pipe.xrevrange(self.keys.handbacks, count=1)
+            last, handback = await pipe.execute()
         self.last_id = text(last[0][0]) if last else "0-0"
+        self.last_handback = text(handback[0][0]) if handback else "0-0"
         await self.aborted.load(self.redis, self.keys)
 
     async def run(self, stopping) -> None:  # type: ignore[no-untyped-def]
+        # (one blocking read of both: commands, and other workers' hand-back notes)
         while not stopping.is_set():
-            resp = await self.redis.xread({self.keys.control: self.last_id}, count=100, block=self.block_ms)
-            for _stream, entries in resp or []:
+            resp = await self.redis.xread({self.keys.control: self.last_id, self.keys.handbacks: self.last_handback},
+                                          count=100, block=self.block_ms)
+            for stream, entries in resp or []:
+                if text(stream) == self.keys.handbacks:
+                    self.last_handback = text(entries[-1][0])
+                    if any(text(f.get(b"worker", b"")) != self.name for _, f in entries):
+                        self.target.reclaim_now()
+                    continue
                 for entry_id, fields in entries:
                     self.last_id = text(entry_id)
                     cmd = parse_command(fields)
@@ -107,3 +122,4 @@ class ControlListener:
             self.target.run_engine_command(cmd)
         elif isinstance(cmd, SYNC_COMMANDS):
             self.target.run_sync_command(cmd)
+

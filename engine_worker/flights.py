@@ -60,6 +60,13 @@ class InFlight:
     """Why it is dead-lettered without running (it killed the worker that ran it alone)."""
     span: Any = None
     """OpenTelemetry: the publish span of its record, ended once the finish settled."""
+    generation_started: float | None = None
+    """When its generation began here (``time.monotonic``)."""
+    generation_budget: int | None = None
+    """The tokens that generation may make (``max_new_tokens`` of what the engine runs: a
+    continuation's is what was left)."""
+    checkpointed: bool = False
+    """A checkpoint of this entry was saved or loaded here (its finish deletes it)."""
     uncounted_runs: int = 0
     """Runs its delivery count leaves out: the deaths it witnessed in a group ("halving" keeps the
     count there, so that innocent neighbours of a poison request are not dead-lettered with it)."""

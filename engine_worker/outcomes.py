@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Awaitable, Callable, TypeVar
 
 import redis
@@ -67,7 +68,8 @@ class Outcomes:
         return Finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
                       rid_key=part.rid(request.request_id), record=record,
                       cap=self._results_cap if reply_key == part.results else 0,
-                      partial_key=part.partial(request.request_id) if is_resumed(request) else None)
+                      partial_key=part.partial(request.request_id)
+                      if flight.checkpointed or is_resumed(request) else None)
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         publication = self._publication(flight, request, record)
@@ -279,9 +281,9 @@ class Outcomes:
         except redis.RedisError as exc:
             log.warning("hand-back of %s failed (%s); it will be reclaimed after claim_idle", flight.entry_id, exc)
 
-    async def hand_back_all(self, flights: list[InFlight], note: str) -> int:
-        """Give many entries back at once, each marked as handed back on purpose (``note``), so
-        whoever takes them does not treat them as suspects of killing a worker."""
+    async def hand_back_all(self, flights: list[InFlight], note: str | list[str]) -> int:
+        """Give many entries back at once, each marked as handed back on purpose (``note``, or one
+        note per flight), so whoever takes them does not treat them as suspects of killing a worker."""
         return await hand_back_entries(self.ctx, [(f.stream, f.entry_id) for f in flights], note)
 
     @staticmethod
@@ -311,14 +313,33 @@ def _only_this_request(exc: StreamRefusedError, reply_prefix: str) -> bool:
     return exc.key.startswith(reply_prefix) and not exc.transient
 
 
-async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], note: str) -> int:
+NOTICE_NOTE = re.compile(r"\(notice[^)]*, uncounted=(\d+)\)$")
+"""A hand-back on notice (a worker told to stop): the taker keeps the entry's delivery count (a
+notice is no failure of the request: a request preempted many times is never dead-lettered for
+it), and the note says how many runs that count leaves out (the records' ``attempt`` adds them)."""
+
+
+def notice_note(worker: str, why: str, uncounted: int) -> str:
+    """The note of an entry ``worker`` hands back on notice (see :data:`NOTICE_NOTE`)."""
+    return f"handed back by {worker} (notice{', ' + why if why != 'notice' else ''}, uncounted={uncounted})"
+
+
+def uncounted_runs(note: str) -> int | None:
+    """The runs a hand-back on notice left out of the delivery count; None for any other note."""
+    found = NOTICE_NOTE.search(note)
+    return int(found.group(1)) if found else None
+
+
+async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], note: str | list[str]) -> int:
     """Give (stream, entry id) pairs back to the fleet at once (owner-checked; their delivery
-    counts stay), each marked as handed back on purpose (``note``) so whoever takes them does not
-    treat them as suspects of killing a worker; returns how many were still ours to hand back."""
+    counts stay), each marked as handed back on purpose (``note``, or one note per entry) so whoever
+    takes them does not treat them as suspects of killing a worker; returns how many were still
+    ours to hand back."""
     if not entries:
         return 0
+    notes = [note] * len(entries) if isinstance(note, str) else note
     try:
-        await ctx.redis.hset(ctx.keys.errors, mapping={ctx.flight_key(s, i): note for s, i in entries})
+        await ctx.redis.hset(ctx.keys.errors, mapping={ctx.flight_key(s, i): n for (s, i), n in zip(entries, notes)})
     except redis.ResponseError as exc:  # (out of memory: they are handed back all the same)
         log.warning("could not mark %d hand-back(s): %s", len(entries), exc)
     handed = 0

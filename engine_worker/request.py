@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Awaitable
 
+import msgspec
+
 from redroll.engine_worker.checkpoints import (
     Checkpoint,
     Checkpoints,
@@ -14,6 +16,7 @@ from redroll.engine_worker.checkpoints import (
     is_checkpointed,
     is_resumed,
     resume_request,
+    starts_over,
     stitch_resumed,
 )
 from redroll.engine_worker.context import WorkerContext
@@ -21,6 +24,7 @@ from redroll.engine_worker.control import AbortedSet
 from redroll.engine_worker.engines.base import EngineDeadError, EngineOutput, SampleOutput
 from redroll.engine_worker.engines.grammar import is_structured, mark_continued
 from redroll.engine_worker.flights import Flights, InFlight
+from redroll.engine_worker.notice import DecodeRate
 from redroll.engine_worker.outcomes import Outcomes
 from redroll.engine_worker.records import build_record
 from redroll.engine_worker.weights import WeightsGate
@@ -49,6 +53,8 @@ class RequestRunner:
         self.weights = weights
         self.aborted = aborted
         self.checkpoints = Checkpoints(ctx)
+        self.rate = DecodeRate()
+        """The pace of this worker's generations (a notice judges by it what will finish here)."""
         self._batch_turn = asyncio.Lock()
         self._reply_keys_ok: set[tuple[str, str]] = set()
         """(partition tag, reply_to) pairs already checked to be this pipeline's streams."""
@@ -132,7 +138,7 @@ class RequestRunner:
             request = self._decoded(flight, fields)
         except ValidationError:  # (decoded again in its own task, which says why)
             return None
-        if (request in self.aborted or is_resumed(request)
+        if (request in self.aborted or is_resumed(request) or flight.deliveries > 1 or flight.reclaimed
                 or (request.deadline is not None and request.deadline <= time.time())
                 or (request.min_weight_version is not None and not self.weights.serves(request.min_weight_version))):
             return None
@@ -225,18 +231,26 @@ class RequestRunner:
                 delay, flight.stop, ctx.engine, RecordStatus.EXPIRED, "deadline")
         started = time.monotonic()
         resume = saver = None
-        if is_resumed(request):
-            resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
-            resume = await self._grammar_allows(flight, request, resume)
+        why = starts_over(request, ctx.settings, ctx.tokenizer)
+        taken_back = flight.deliveries > 1 or flight.reclaimed  # (a first delivery has no checkpoint)
+        if why is None:
+            if taken_back:
+                resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
+                resume = await self._grammar_allows(flight, request, resume)
             if resume is not None:
+                flight.checkpointed = True
                 ctx.stats.resumed += 1
-                log.info("request %s: resuming after %d saved token(s)", request.request_id, resume.tokens,
+                log.info("request %s: continuing after %d saved token(s)", request.request_id, resume.tokens,
                          extra=flight.context())
-            if is_checkpointed(request, ctx.settings.checkpoint_min_new_tokens):
-                saver = self.checkpoints.saver(flight, request, resume)
+            # (saved while it runs, or only what a drain or a notice cuts short)
+            saver = self.checkpoints.saver(flight, request, resume, periodic=is_checkpointed(request, ctx.settings))
+        elif taken_back:
+            log.info("request %s starts over: %s", request.request_id, why, extra=flight.context())
         output = await self._generate(flight, request, resume, saver)
         engine_ms = (time.monotonic() - started) * 1000.0
         self.flights.release_slot(flight)
+        if not output.aborted and output.samples and flight.generation_started is not None:
+            self.rate.observe(max(len(x.token_ids) for x in output.samples), time.monotonic() - flight.generation_started)
         if flight.handed_back:
             # drained: the entry goes back to the fleet; a resumable one keeps what was made
             if ctx.tracer is not None:
@@ -284,14 +298,18 @@ class RequestRunner:
                                 weight_version=ctx.engine.info.weight_version)
         generating = (mark_continued(resume_request(request, resume, ctx.tokenizer, ctx.engine.info.name), request,
                                      resume.tokens) if resume is not None else request)
-        task = asyncio.create_task(saver.run()) if saver is not None else None
+        if saver is not None and saver.periodic and not generating.resumable:
+            # (the engine shows partial output of the requests that ask to be saved: see PartialOutput)
+            generating = msgspec.structs.replace(generating, resumable=True)
+        flight.generation_started = time.monotonic()
+        flight.generation_budget = generating.sampling_params.max_new_tokens
+        if saver is not None:
+            saver.start()
         try:
             return await ctx.engine.generate(generating, flight.handle)
         finally:
-            if task is not None:
-                saver.stop()  # type: ignore[union-attr]
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            if saver is not None:
+                await saver.stop()
 
     async def _grammar_allows(self, flight: InFlight, request: GenerationRequest,
                               resume: Checkpoint | None) -> Checkpoint | None:

@@ -31,14 +31,15 @@ from redroll.engine_worker.flights import Flights, InFlight
 from redroll.engine_worker.housekeeping import housekeeping_loop
 from redroll.engine_worker.lanes import LaneClaimer, LaneTable
 from redroll.engine_worker.liveness import Liveness
-from redroll.engine_worker.outcomes import PUBLISH_HOLD, Outcomes
+from redroll.engine_worker.notice import plan_notice
+from redroll.engine_worker.outcomes import PUBLISH_HOLD, Outcomes, notice_note
 from redroll.engine_worker.request import RequestRunner
 from redroll.engine_worker.weight_sync import STALE_WEIGHTS, SyncReceiver
 from redroll.engine_worker.weights import AWAITING_PUSH, PAUSED, WeightsGate
 from redroll.ops.backlog import requests_left
 from redroll.shared.commands import Command, SyncWeights
 from redroll.shared.connection import connect, open_connections, reach, read_groups
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import HANDBACKS_MAXLEN, WORKERS_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
 from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
@@ -120,6 +121,7 @@ class Worker:
         self.lanes: LaneTable | None = None
         """This worker's view of the affinity lanes (None when they are off)."""
         self._lane_claimer: LaneClaimer | None = None
+        self._claimer: Claimer | None = None
         self._control_tasks: set[asyncio.Task] = set()
         self.engine_failure: str | None = None
         """Why the engine died (:class:`~.engines.base.EngineDeadError`), when it did: the worker then
@@ -202,6 +204,11 @@ class Worker:
         else:
             self._sync.note(cmd)
 
+    def reclaim_now(self) -> None:
+        """Another worker handed entries back (a notice, a drain): take what fits here now."""
+        if self._claimer is not None:
+            self._claimer.wake()
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._control_tasks.add(task)
@@ -221,8 +228,8 @@ class Worker:
         self._sync = SyncReceiver(ctx, self.flights, self._weights)
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)
         control = ControlListener(self.redis, self.keys, self.name, self, aborted, self.block_ms)
-        claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s,
-                          reclaim_streams=self.lanes.reclaim_streams if self.lanes is not None else None)
+        claimer = self._claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s,
+                                          reclaim_streams=self.lanes.reclaim_streams if self.lanes is not None else None)
         if self.lanes is not None:
             self._lane_claimer = LaneClaimer(ctx, self.flights, self.lanes, claimer._give_back)
         return ctx, claimer, control, liveness, outcomes
@@ -280,7 +287,7 @@ class Worker:
         try:
             await self._stopping.wait()
             self.engine_failure = ctx.engine_failure
-            limit = self.settings.drain_timeout_s + 10
+            limit = self.notice_s + 10
             try:
                 await asyncio.wait_for(self._shutdown(loops, outcomes), limit)
             except asyncio.TimeoutError:
@@ -304,6 +311,8 @@ class Worker:
             except redis.RedisError as exc:
                 log.warning("could not deregister heartbeat: %s", exc)
             await self.engine.close()
+            if self._requests is not None:
+                await self._requests.checkpoints.close()
             await ctx.close()
             if self._owns_redis:
                 await self.redis.aclose()
@@ -325,8 +334,11 @@ class Worker:
             await ctx.pause(interval)
 
     async def _shutdown(self, loops: list[asyncio.Task], outcomes: Outcomes) -> None:
+        # The notice's hand-over does not wait for the claim loops' blocking reads to return (what
+        # those bring after the stop goes straight back: see Claimer).
+        drain = asyncio.create_task(self._drain(outcomes))
         await asyncio.gather(*loops, return_exceptions=True)
-        await self._drain(outcomes)
+        await drain
 
     async def _guard(self, ctx: WorkerContext, loop_fn: Any) -> None:
         """Run a loop; on Redis errors back off and resume, so an outage never kills the worker."""
@@ -339,23 +351,54 @@ class Worker:
         for stream in ctx.request_streams:
             await ensure_group(self.redis, stream, WORKERS_GROUP)
 
+    @property
+    def notice_s(self) -> float:
+        """How long a stop (SIGTERM, a drain) leaves this worker: ``notice_s``, at most ``drain_timeout_s``."""
+        return min(self.settings.notice_s, self.settings.drain_timeout_s)
+
     async def _drain(self, outcomes: Outcomes) -> None:
-        """Finish in-flight work up to the drain timeout, then hand the rest back at once (at once
-        when the engine died: nothing more finishes here)."""
+        """The notice (:mod:`.notice`): what will finish inside it finishes here, the rest is saved
+        and handed back at once; what still runs when it is nearly over is handed back then (all of
+        it at once when the engine died: nothing more finishes here)."""
         flights = self.flights
-        if len(flights) and self.engine_failure is None:
-            log.info("draining %d in-flight request(s) for up to %.1fs", len(flights),
-                     self.settings.drain_timeout_s)
-            tasks = [f.task for f in flights if f.task is not None]
-            if tasks:  # (entries waiting for a slot, a hold or new weights have no task)
-                await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
-        rest = list(flights)
-        if not rest:
+        if not len(flights):
             return
-        for f in rest:
+        if self.engine_failure is not None:
+            await self._hand_over(list(flights), outcomes, "its engine died")
+            return
+        loop = asyncio.get_running_loop()
+        window = self.notice_s
+        ends = loop.time() + window
+        assert self._requests is not None
+        plan = plan_notice(flights, self.engine, self.capabilities.partial_output, self._requests.rate, window)
+        log.info("notice: %d request(s) finish here within %.1fs, %d handed over now", len(plan.finish), window,
+                 len(plan.hand_over))
+        await self._hand_over(plan.hand_over, outcomes, "notice")
+        tasks = [f.task for f in plan.finish if f.task is not None and not f.task.done()]
+        if tasks:
+            # (the hand-over of what is still running then, its save and the note take a moment too)
+            await asyncio.wait(tasks, timeout=max(0.0, ends - loop.time() - min(1.0, window * 0.1)))
+        await self._hand_over([f for f in flights if not f.handed_back], outcomes, "notice ran out")
+
+    async def _hand_over(self, flights: list[InFlight], outcomes: Outcomes, why: str) -> None:
+        """Abort ``flights``' generations, save what they made (their tasks flush it: one batched
+        write), hand the entries back in one call per stream, and tell the fleet so that idle
+        workers take them at once."""
+        if not flights:
+            return
+        for f in flights:
             f.handed_back = True
             self.engine.abort(f.handle)
-        await asyncio.gather(*(f.task for f in rest if f.task is not None), return_exceptions=True)
-        why = "its engine died" if self.engine_failure is not None else "drain"
-        handed = await outcomes.hand_back_all(rest, f"handed back by {self.name} ({why})")
-        log.info("handed back %d request(s) to the fleet", handed)
+        await asyncio.gather(*(f.task for f in flights if f.task is not None), return_exceptions=True)
+        if self.engine_failure is not None:  # (it counts as a delivery: an engine's death may be the request's doing)
+            notes: str | list[str] = f"handed back by {self.name} ({why})"
+        else:
+            notes = [notice_note(self.name, why, f.uncounted_runs + 1) for f in flights]
+        handed = await outcomes.hand_back_all(flights, notes)
+        log.info("handed back %d request(s) to the fleet (%s)", handed, why)
+        if handed:
+            try:
+                await self.redis.xadd(self.keys.handbacks, {"worker": self.name, "entries": handed},
+                                      maxlen=HANDBACKS_MAXLEN, approximate=True)
+            except redis.RedisError as exc:  # (they are taken at the fleet's next reclaim pass instead)
+                log.warning("could not tell the fleet of %d hand-back(s): %s", handed, exc)

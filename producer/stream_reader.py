@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any, AsyncIterator, Awaitable
 
 import msgspec
@@ -29,6 +30,9 @@ log = logging.getLogger("redroll.producer")
 
 READ_BLOCK_MS = 1000
 """How long one XREAD waits for chunks (the record's arrival ends the wait sooner)."""
+REJOIN_S = 0.002
+"""A stream opened while the shared read is under way waits this long before that read is let go
+for one that names it, so that streams opened together cost one new read."""
 
 
 class StreamChunk(msgspec.Struct, kw_only=True):
@@ -100,42 +104,153 @@ def chunks_key(request: GenerationRequest) -> str:
     return key
 
 
+class _Reader:
+    """One request's place in a :class:`ChunkReads`: the entries read for it, in order."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.last_id: bytes | str = "0-0"
+        """The last entry handed out (entries at or before it are dropped: two reads may bring one twice)."""
+        self.queued_to: bytes | str = "0-0"
+        """The last entry the shared read queued for it (the next shared read goes on after it)."""
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def fresh(self, entries: list) -> list:
+        """The entries of ``entries`` after the last one handed out (which they then are)."""
+        out = []
+        last = _id_of(self.last_id)
+        for entry_id, fields in entries:
+            at = _id_of(entry_id)
+            if at > last:
+                out.append((entry_id, fields))
+                last, self.last_id = at, entry_id
+        return out
+
+
+class ChunkReads:
+    """One blocking XREAD for all the chunk streams a client reads in one hash tag: a producer (or
+    a gateway) streaming many requests at once is woken once per batch of chunks its workers wrote
+    (a worker writes all its chunks of one tick in one call), not once per chunk, and holds one
+    connection for them instead of one each. A stream that opens while the shared read is under
+    way is named by the next one: the read under way is let go (after :data:`REJOIN_S`, so that
+    streams opening together cost one new read) and a new one, naming them all, takes its place."""
+
+    _all: "weakref.WeakKeyDictionary[Any, dict[str, ChunkReads]]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, redis: Any):
+        self.redis = redis
+        self.readers: list[_Reader] = []
+        self._task: asyncio.Task | None = None
+        self._rejoin: asyncio.TimerHandle | None = None
+        self._joined = asyncio.Event()
+        """Set when streams opened since the read under way began: read again, naming them."""
+        self.reads = 0
+        """Shared reads made (each one XREAD for every stream open then)."""
+
+    @classmethod
+    def of(cls, redis: Any, key: str) -> "ChunkReads":
+        """The shared reads of ``redis`` for the hash tag of ``key``."""
+        by_tag = cls._all.setdefault(redis, {})
+        tag = key[: key.index("}") + 1] if key.startswith("{") and "}" in key else ""
+        reads = by_tag.get(tag)
+        if reads is None:
+            reads = by_tag[tag] = cls(redis)
+        return reads
+
+    def open(self, key: str) -> _Reader:
+        reader = _Reader(key)
+        self.readers.append(reader)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        elif self._rejoin is None:
+            self._rejoin = asyncio.get_running_loop().call_later(REJOIN_S, self._rejoined)
+        return reader
+
+    def _rejoined(self) -> None:
+        self._rejoin = None
+        self._joined.set()
+
+    def close(self, reader: _Reader) -> None:
+        if reader in self.readers:
+            self.readers.remove(reader)
+
+    async def _run(self) -> None:
+        """Read while streams are open (the last read ends by itself within its block)."""
+        while self.readers:
+            self._joined.clear()
+            readers = list(self.readers)
+            positions: dict[str, Any] = {}
+            for r in readers:  # (a stream read twice at once: from the earlier place of the two)
+                at = max(r.last_id, r.queued_to, key=_id_of)
+                if r.key not in positions or _id_of(at) < _id_of(positions[r.key]):
+                    positions[r.key] = at
+            read = asyncio.ensure_future(self.redis.xread(positions, block=READ_BLOCK_MS))
+            joined = asyncio.ensure_future(self._joined.wait())
+            try:
+                await asyncio.wait({read, joined}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                joined.cancel()
+            if not read.done():
+                # Streams opened since: read again, naming them. This read is let go (not awaited:
+                # a cancellation inside a Redis call can be swallowed on Python 3.11; it ends by
+                # itself within READ_BLOCK_MS, its result dropped: the next read brings its entries).
+                read.cancel()
+                read.add_done_callback(_drop)
+                continue
+            if read.exception() is not None:  # (every stream reading now meets it, as each read alone did)
+                for r in readers:
+                    r.queue.put_nowait(read.exception())
+                return
+            self.reads += 1
+            by_key = {as_text(key): entries for key, entries in read.result() or ()}
+            for r in readers:
+                entries = by_key.get(r.key)
+                if entries:
+                    r.queued_to = entries[-1][0]
+                    r.queue.put_nowait(entries)
+
+
+def _id_of(entry_id: Any) -> tuple[int, int]:
+    ms, _, seq = as_text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
 async def stream_chunks(redis: Any, request: GenerationRequest,
                         record: Awaitable[CompletionRecord]) -> AsyncIterator[StreamChunk]:
     """The chunks of ``request`` (submitted, its ``reply_to`` set), ending with the one made from
     ``record`` (what resolves to its record: a producer's future, a keyed call's reader). ``redis``:
-    the client whose connection each blocking XREAD holds."""
+    the client whose connection the shared blocking XREAD holds (one read for all the streams it
+    reads: :class:`ChunkReads`)."""
     key = chunks_key(request)
     assembler = StreamAssembler(request.request_id)
     owned = not isinstance(record, asyncio.Future)
     waiting = asyncio.ensure_future(record)
-    last_id: bytes | str = "0-0"
+    reads = ChunkReads.of(redis, key)
+    reader = reads.open(key)
     read: asyncio.Future | None = None
     try:
         while not waiting.done():
-            read = asyncio.ensure_future(redis.xread({key: last_id}, block=READ_BLOCK_MS))
+            if read is None:
+                read = asyncio.ensure_future(reader.queue.get())
             await asyncio.wait({read, waiting}, return_when=asyncio.FIRST_COMPLETED)
             if not read.done():
-                break  # (the record came: it holds the rest; the read is let go in ``finally``)
-            entries_read, read = read.result(), None
-            for _, entries in entries_read or ():
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    parsed = chunk_of(fields)
-                    if parsed is None:
-                        log.warning("entry %s of %s is not a chunk", as_text(entry_id), key)
-                        continue
-                    chunk = assembler.take(*parsed)
-                    if chunk is not None:
-                        yield chunk
+                break  # (the record came: it holds the rest)
+            got, read = read.result(), None
+            if isinstance(got, Exception):
+                raise got
+            for entry_id, fields in reader.fresh(got):
+                parsed = chunk_of(fields)
+                if parsed is None:
+                    log.warning("entry %s of %s is not a chunk", as_text(entry_id), key)
+                    continue
+                chunk = assembler.take(*parsed)
+                if chunk is not None:
+                    yield chunk
         yield assembler.last(await waiting)
     finally:
+        reads.close(reader)
         if read is not None and not read.done():
-            # Not awaited: a cancellation that lands inside a Redis call can be swallowed there
-            # (asyncio.wait_for on Python 3.11), and the read would then hold the stream's end for
-            # the rest of its block. It ends by itself within READ_BLOCK_MS; its result is dropped.
             read.cancel()
-            read.add_done_callback(_drop)
         if owned and not waiting.done():
             waiting.cancel()
 
@@ -145,4 +260,4 @@ def _drop(task: asyncio.Future) -> None:
         task.exception()  # (retrieved: a read let go has nobody to tell)
 
 
-__all__ = ["READ_BLOCK_MS", "StreamAssembler", "StreamChunk", "chunks_key", "stream_chunks"]
+__all__ = ["READ_BLOCK_MS", "ChunkReads", "StreamAssembler", "StreamChunk", "chunks_key", "stream_chunks"]

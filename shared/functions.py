@@ -33,7 +33,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "finish_many": (),
     "dead_letter": (),
     "cancel_queued": (),
-    "checkpoint": (),
+    "checkpoint_many": (),
     "renew": ("allow-oom",),
     "claim": ("allow-oom",),
     "claim_lanes": ("allow-oom",),

@@ -63,6 +63,10 @@ def finish_marker_key(stream: str, consumer: str) -> str:
     return f"{_tag_of(stream)}:finished:{consumer}"
 
 
+HANDBACKS_MAXLEN = 1000
+"""About how many notes ``Keys.handbacks`` keeps (each is read at once by the workers alive)."""
+
+
 def events_key(stream: str, request_id: str) -> str:
     """``Keys.events(request_id)`` of the partition that ``stream`` (any key of it) belongs to."""
     return f"{_tag_of(stream)}:events:{request_id}"
@@ -164,6 +168,12 @@ class Keys:
     @functools.cached_property
     def aborted(self) -> str:
         return f"{self.tag}:aborted"
+
+    @functools.cached_property
+    def handbacks(self) -> str:
+        """Stream: workers' notes that they handed entries back (a notice, a drain), so that idle
+        workers take them at once; capped at about :data:`HANDBACKS_MAXLEN` entries."""
+        return f"{self.tag}:handbacks"
 
     @functools.cached_property
     def workers(self) -> str:

@@ -123,6 +123,41 @@ class DeadLetterOutcome:
         return cls(done=False)
 
 
+@dataclass(frozen=True)
+class CheckpointSave:
+    """One part of one request's partial output to save (see :meth:`Scripts.checkpoint_many_in`)."""
+
+    requests_key: str
+    partial_key: str
+    entry_id: str
+    saved: int
+    """Tokens the writer has saved of this entry so far (the checkpoint must hold as many)."""
+    adding: int
+    part: bytes
+    """The part, as :func:`redroll.shared.chunks.encode_part` makes it."""
+    chunks_key: str | None = None
+    """A streamed request's chunk stream (the part is also its next chunk)."""
+    owner_key: str | None = None
+    """With ``chunks_key``: the ownership hash that must name the entry."""
+    logged: bool = True
+    """The save goes into the request's event log (when the log is on)."""
+    refresh_ttl: bool = True
+    """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
+    check_owner: bool = True
+    """With ``chunks_key``: check that ``owner_key`` names the entry (a writer's first save of it)."""
+
+
+def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:
+    """The per-save outcomes of a checkpoint_many call's reply."""
+    return [(int(reply[i]), reply[i + 1] if isinstance(reply[i + 1], int) else _s(reply[i + 1]))
+            for i in range(0, len(reply), 2)]
+
+
+def checkpoint_refused(n: int) -> Callable[[str], list]:
+    """The reply of a checkpoint_many call of ``n`` saves refused as a whole with a message."""
+    return lambda message: [2, message] * n
+
+
 def refusal(reply: Any, key: str) -> StreamRefusedError | None:
     """A per-item script reply that is an error string (what ``key`` answered), as an exception."""
     if isinstance(reply, (bytes, str)):
@@ -377,27 +412,42 @@ class Scripts:
                            [group, consumer, budget, len(own), steal_after_ms, steal_depth], self.redis)
         return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
 
-    # -- checkpoints (resumable requests)
+    # -- checkpoints (resumable and streamed requests)
+    def checkpoint_many_in(self, client: Any, *, group: str, consumer: str, saves: Sequence["CheckpointSave"],
+                           ttl_s: int, chunks_ttl_s: int = 0) -> Any:
+        """Queue (on a pipeline) or run one fenced call that appends every save of ``saves`` (all of
+        one hash tag) to its checkpoint, and a streamed request's to its chunk stream (see
+        checkpoint_many.lua). Its reply reads with :func:`checkpoint_outcomes`: per save (1, tokens
+        now saved), (0, 'fenced' | 'stale') or (2, the error that refused it: nothing written)."""
+        streams = list(dict.fromkeys(save.requests_key for save in saves))
+        index = {stream: i for i, stream in enumerate(streams, 1)}
+        keys: list[Any] = list(streams)
+        args: list[Any] = [group, consumer, len(streams), ttl_s, max(1, int(chunks_ttl_s)),
+                           *script_args(self.events)]
+        for save in saves:
+            request_id = save.partial_key.split(":partial:", 1)[-1]
+            keys += [save.partial_key, events_key(save.requests_key, request_id), save.chunks_key or save.partial_key,
+                     save.owner_key or save.partial_key]
+            flags = (("c" + ("t" if save.refresh_ttl else "") + ("o" if save.check_owner or not save.saved else ""))
+                     if save.chunks_key else "") + (
+                "l" if save.logged and self.events is not None else "")
+            args += [index[save.requests_key], save.entry_id, save.saved, save.adding, large_argument(save.part),
+                     request_id, submitted_as(save.requests_key, save.entry_id), flags or "-"]
+        return _run("checkpoint_many", keys, args, client, checkpoint_refused(len(saves)))
+
     async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,
                          saved: int, adding: int, part: bytes, ttl_s: int, chunks_key: str | None = None,
                          chunks_ttl_s: int = 0, owner_key: str | None = None,
                          logged: bool = True) -> tuple[int, int | str]:
-        """Append ``part`` (``adding`` tokens) to the checkpoint that holds ``saved`` tokens, if this
-        consumer owns the entry (see checkpoint.lua): (1, tokens now saved), (0, 'fenced' | 'stale')
-        or (2, the error that refused the write: nothing written). With ``chunks_key`` (a streamed
-        request) the part is also added to that chunk stream, in the same call, kept ``chunks_ttl_s``,
-        if ``owner_key`` (the ownership hash of the producer whose reply stream it names) names the entry.
-        ``logged``: the save goes into the request's event log (when the log is on)."""
-        request_id = partial_key.split(":partial:", 1)[-1]
-        keys = [requests_key, partial_key, events_key(requests_key, request_id), chunks_key or partial_key,
-                owner_key or partial_key]
-        code, detail = await _run("checkpoint", keys,
-                                  [group, consumer, entry_id, saved, adding, large_argument(part), ttl_s,
-                                   *script_args(self.events if logged else None),
-                                   max(1, int(chunks_ttl_s)) if chunks_key else 0,
-                                   request_id, submitted_as(requests_key, entry_id)], self.redis,
-                                  lambda message: [2, message])
-        return int(code), (detail if isinstance(detail, int) else _s(detail))
+        """One save (see :meth:`checkpoint_many_in`): ``part`` (``adding`` tokens) appended to the
+        checkpoint that holds ``saved`` tokens, if this consumer owns the entry; with ``chunks_key``
+        (a streamed request) also added to that chunk stream, kept ``chunks_ttl_s``, if ``owner_key``
+        (the ownership hash of the producer whose reply stream it names) names the entry."""
+        save = CheckpointSave(requests_key=requests_key, partial_key=partial_key, entry_id=entry_id, saved=saved,
+                              adding=adding, part=part, chunks_key=chunks_key, owner_key=owner_key, logged=logged)
+        reply = await self.checkpoint_many_in(self.redis, group=group, consumer=consumer, saves=[save], ttl_s=ttl_s,
+                                              chunks_ttl_s=chunks_ttl_s)
+        return checkpoint_outcomes(reply)[0]
 
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:

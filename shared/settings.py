@@ -90,6 +90,13 @@ class Settings:
     after the other."""
     heartbeat_s: float = 2.0
     drain_timeout_s: float = 30.0
+    """A consumer's drain on SIGTERM; a worker's is ``notice_s`` (when this is smaller, this)."""
+    notice_s: float = 25.0
+    """A worker told to stop (SIGTERM, ``redroll drain``) has this long (docs/spot.md): what will
+    finish within it finishes there, the rest is saved and handed back to the fleet at once, and
+    what still runs when it is nearly over is handed back then. It fits Kubernetes' default grace
+    period (30 s) with 5 s to spare for the save; set it a few seconds below the notice your
+    platform gives (a spot VM's 30 s to 2 minutes)."""
 
     max_payload_bytes: int = 4 * 1024 * 1024
     max_new_tokens: int = 32768
@@ -109,20 +116,32 @@ class Settings:
     """The expiry of a producer's ownership hash (renewed by each submit) and of checkpoints. Submit
     de-duplication keys (rid keys) have none: a producer may not set one on an existing key (it could
     shorten another producer's), so the finish, a dead letter or housekeeping deletes them."""
-    checkpoint_tokens: int = 256
-    """Resumable requests: save partial output every this many new tokens ..."""
-    checkpoint_interval_s: float = 10.0
-    """... or every this many seconds, whichever comes later (one append each time)."""
-    checkpoint_min_new_tokens: int = 1024
-    """Resumable requests with a smaller max_new_tokens are never checkpointed (they are cheap to redo)."""
+    continuation: bool = True
+    """A request handed back (a drain, a notice) or taken from a dead worker continues from its
+    saved tokens instead of starting over, wherever that samples from the distribution it would
+    have had: single-sample requests (text and chat prompts included, on an engine with a
+    tokenizer) without a grammar, a regex stop, a frequency or presence penalty, custom logit
+    processor parameters, prompt logprobs or routed experts (those start over; a streamed or
+    ``resumable`` request always continues). Off: only streamed and ``resumable`` requests do."""
+    checkpoint_tokens: int = 32
+    """Requests that continue (see ``continuation``): save partial output every this many new tokens ..."""
+    checkpoint_interval_s: float = 2.0
+    """... and at least this many seconds apart, whichever comes later (one write a worker tick
+    for all its requests), so a SIGKILL loses at most about this much of a request's generation."""
+    checkpoint_min_new_tokens: int = 0
+    """Requests with a smaller max_new_tokens are saved only when a drain or a notice hands them
+    back, never while they run."""
     stream_chunk_tokens: int = 8
     """Streamed requests (``stream``): send a chunk every this many new tokens ..."""
     stream_chunk_ms: float = 50.0
     """... or every this many milliseconds with at least one new token, whichever comes first (each
-    chunk is one write, which also checkpoints it)."""
+    chunk also checkpoints the request; a worker writes all its chunks and checkpoints of one tick
+    in one call, and its streams' timers beat together, so that the chunks they send on the timer
+    go in one write)."""
     stream_chunk_ttl_s: int = 600
-    """A streamed request's chunk stream expires this long after its last chunk (readers that come
-    later, a gateway's retry say, take the whole output from the record)."""
+    """A streamed request's chunk stream expires this long after its last chunk (between 0.9 and 1
+    times it: its worker sets the TTL again every tenth of it; readers that come later, a gateway's
+    retry say, take the whole output from the record)."""
     affinity_lanes: int = 0
     """L > 0: requests with an affinity key (a session id; a group's ``group_id``) queue on one
     of L lane streams per partition, each owned by one worker (prefix-cache reuse); 0: off."""
@@ -217,7 +236,7 @@ class Settings:
 
 
 _LEAST: dict[str, float] = {
-    "claim_idle_ms": 1, "max_deliveries": 1, "claim_prefetch": 0, "heartbeat_s": 0.001, "drain_timeout_s": 0,
+    "claim_idle_ms": 1, "max_deliveries": 1, "claim_prefetch": 0, "heartbeat_s": 0.001, "drain_timeout_s": 0, "notice_s": 0,
     "max_payload_bytes": 1, "max_new_tokens": 1, "max_n": 1, "partitions": 1, "dedup_window_s": 1,
     "reply_ttl_s": 1, "gc_interval_s": 0.001, "rid_ttl_s": 1, "checkpoint_tokens": 1, "checkpoint_interval_s": 0,
     "checkpoint_min_new_tokens": 0, "affinity_lanes": 0, "steal_after_ms": 0, "wait_replicas": 0,

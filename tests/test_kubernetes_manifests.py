@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 
 from redroll.cli.main import build_parser
 from redroll.producer.client import Producer
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import Keys
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
 from tests.conftest import start_test_server
@@ -122,28 +123,123 @@ async def test_the_manifests_start_a_worker_against_a_fresh_redis_with_acl_users
         assert stop_process(worker) == 0
 
 
-def test_the_grace_period_covers_the_drain_and_keda_watches_the_workers_stream():
+def test_the_grace_period_covers_the_notice_and_keda_watches_the_request_streams():
     docs = manifests()
     pod = docs["Deployment/redroll-engine-worker"]["spec"]["template"]["spec"]
     worker = next(c for c in pod["containers"] if c["name"] == "worker")
     env = {e["name"]: e["value"] for e in worker["env"]}
-    drain = float(env["REDROLL_DRAIN_TIMEOUT_S"])
-    assert pod["terminationGracePeriodSeconds"] >= drain + 5  # (drain, then the hand-back, before SIGKILL)
+    notice = float(env.get("REDROLL_NOTICE_S", Settings().notice_s))
+    # (the notice, then the last save and hand-back, before the kubelet's SIGKILL; Kubernetes' default)
+    assert pod["terminationGracePeriodSeconds"] == 30 and notice + 5 <= pod["terminationGracePeriodSeconds"]
+    assert "REDROLL_DRAIN_TIMEOUT_S" not in env and "lifecycle" not in worker  # (no preStop eating the notice)
     assert "--max-inflight" not in worker["command"]  # (the engine's batch decides)
     build_parser().parse_args(worker["command"][1:])  # (every flag exists)
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     keys = Keys(env["REDROLL_NAMESPACE"])
     scaled = docs["ScaledObject/redroll-engine-worker"]
     assert scaled["spec"]["scaleTargetRef"]["name"] == "redroll-engine-worker"
-    kinds = set()
+    assert scaled["spec"]["minReplicaCount"] == 0  # (scale to zero, and back from it)
+    streams = set()
     for trigger in scaled["spec"]["triggers"]:
-        assert trigger["type"] == "redis-streams"
-        assert trigger["metadata"]["stream"] == keys.requests
-        assert trigger["metadata"]["consumerGroup"] == WORKERS_GROUP
-        kinds |= {k for k in ("pendingEntriesCount", "streamLength") if k in trigger["metadata"]}
-    assert kinds == {"pendingEntriesCount", "streamLength"}
-    # With affinity lanes: the summed gauge the workers export, through Prometheus.
+        meta = trigger["metadata"]
+        # (KEDA reads XLEN only without a consumerGroup: with one it reads XPENDING, which needs a
+        # group that no worker may have made yet)
+        assert trigger["type"] == "redis-streams" and "consumerGroup" not in meta and "streamLength" in meta
+        assert meta["usernameFromEnv"] in env and trigger["authenticationRef"]["name"] == "redroll-keda-redis"
+        streams.add(meta["stream"])
+    assert streams == {keys.requests, keys.requests_high}
+    auth = docs["TriggerAuthentication/redroll-keda-redis"]["spec"]["secretTargetRef"]
+    assert auth == [{"parameter": "password", "name": "redroll-redis", "key": "worker"}]
     lanes = docs["ScaledObject/redroll-engine-worker-lanes"]
-    assert lanes["spec"]["scaleTargetRef"]["name"] == "redroll-engine-worker"
+    assert lanes["spec"]["scaleTargetRef"]["name"] == "redroll-engine-worker" and lanes["spec"]["minReplicaCount"] == 0
     (trigger,) = lanes["spec"]["triggers"]
-    assert trigger["type"] == "prometheus" and "max(redroll_pipeline_queued" in trigger["metadata"]["query"]
+    assert trigger["type"] == "prometheus" and 'job="redroll-exporter"' in trigger["metadata"]["query"]
+    exporter = docs["Deployment/redroll-exporter"]["spec"]["template"]["spec"]["containers"][0]
+    build_parser().parse_args(exporter["command"][1:])
+
+
+def keda_replicas(scaled: dict, metrics: list[float]) -> int:
+    """The replica count KEDA (with the HPA it drives) settles on for ``scaled`` when its triggers
+    read ``metrics``: every trigger inactive (its metric not above its activation threshold, 0 by
+    default) → minReplicaCount once the cooldown passed; else the largest ceil(metric / target)
+    over the triggers (metric type AverageValue, KEDA's default; KEDA takes the maximum), at least
+    1, within minReplicaCount and maxReplicaCount."""
+    spec = scaled["spec"]
+    targets, activations = [], []
+    for trigger in spec["triggers"]:
+        meta = trigger["metadata"]
+        if trigger["type"] == "redis-streams":
+            targets.append(float(meta.get("streamLength") or meta.get("pendingEntriesCount") or meta["lagCount"]))
+            activations.append(float(meta.get("activationLagCount", 0)))
+        else:
+            targets.append(float(meta["threshold"]))
+            activations.append(float(meta.get("activationThreshold", 0)))
+    low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
+    if not any(m > a for m, a in zip(metrics, activations)):
+        return low
+    desired = max(math.ceil(m / t) for m, t in zip(metrics, targets))
+    return min(high, max(desired, 1, low))
+
+
+async def redis_streams_metric(r, trigger: dict) -> float:
+    """What KEDA's redis-streams scaler reads for ``trigger``: XLEN without a consumerGroup, else
+    XPENDING's count (``pendingEntriesCount``) or the group's lag (``lagCount``)."""
+    meta = trigger["metadata"]
+    if "consumerGroup" not in meta:
+        return float(await r.xlen(meta["stream"]))
+    if "lagCount" in meta:
+        groups = await r.xinfo_groups(meta["stream"])
+        return float(next(g["lag"] for g in groups if g["name"].decode() == meta["consumerGroup"]))
+    return float((await r.xpending(meta["stream"], meta["consumerGroup"]))["pending"])
+
+
+async def test_keda_scales_from_zero_on_a_backlog_no_worker_could_report(settings, r, tmp_path):
+    """No worker alive: the ScaledObjects' metrics (XLEN of the request streams; the exporter's
+    backlog and in-flight gauges with affinity lanes) still show a backlog, so KEDA's count goes
+    from 0 to at least 1 — and back to 0 once nothing is queued or running."""
+    pytest.importorskip("prometheus_client")
+    from redroll.producer.client import make_request, send
+    from redroll.shared.lanes import set_lanes
+    from redroll.testing.embedded import free_port
+    from tests.conftest import spawn, wait_until
+    from tests.test_exporter import scrape
+
+    docs = manifests()
+    scaled, lanes = docs["ScaledObject/redroll-engine-worker"], docs["ScaledObject/redroll-engine-worker-lanes"]
+    # The manifests name the pipeline "{redroll}"; here it is the test's namespace.
+    triggers = [{**t, "metadata": {**t["metadata"], "stream": t["metadata"]["stream"].replace(
+        "{redroll}", settings.keys.tag)}} for t in scaled["spec"]["triggers"]]
+
+    async def streams_replicas() -> int:
+        return keda_replicas(scaled, [await redis_streams_metric(r, t) for t in triggers])
+
+    assert await streams_replicas() == 0  # (nothing queued: zero workers)
+    await send(settings, r, [make_request(request_id=f"q-{i}", input_ids=[1]) for i in range(300)])
+    assert await streams_replicas() == 2  # (300 queued, 256 a worker)
+    await r.delete(settings.keys.requests)
+    await send(settings, r, [make_request(request_id="hi", input_ids=[1], priority=1)])
+    assert await streams_replicas() == 1  # (one high-priority request wakes the fleet)
+
+    # With affinity lanes: requests wait in lane streams; the exporter reads them with no worker alive.
+    s = settings.with_(affinity_lanes=4, namespace=settings.namespace + "-lanes")
+    await set_lanes(r, s.keys, s.partition_keys, 4)
+    await send(s, r, [make_request(request_id=f"l-{i}", input_ids=[1], affinity_key=f"session-{i}") for i in range(5)])
+    port = free_port()
+    proc = spawn(s, "exporter", "--port", str(port), "--interval", "0.2", "--affinity-lanes", "4",
+                 log=tmp_path / "exporter.log")
+    try:
+        got: dict = {}
+
+        async def scraped() -> bool:
+            nonlocal got
+            got = scrape(port) or {}
+            return got.get(("redroll_exporter_up", ())) == 1.0
+
+        await wait_until(scraped, timeout=20)
+    finally:
+        stop_process(proc)
+    # The trigger's query: sum(backlog) + sum(in flight), over the exporter's series.
+    metric = sum(v for (name, _), v in got.items() if name in ("redroll_pipeline_backlog", "redroll_pipeline_in_flight"))
+    assert got[("redroll_pipeline_workers_alive", ())] == 0 and metric == 5
+    assert got[("redroll_pipeline_backlog", (("priority", "lanes"),))] == 5
+    assert keda_replicas(lanes, [metric]) == 1 and keda_replicas(lanes, [0.0]) == 0

@@ -63,6 +63,29 @@ async def test_chunks_come_every_t_ms_when_tokens_are_slow(settings):
         assert _joined(chunks)[0] == chunks[-1].record.output_token_ids[0]
 
 
+async def test_many_streams_share_one_read_and_each_reader_sees_every_token_once(settings):
+    """A worker writes its streams' chunks of one tick in one call; the producer reads all its
+    streams with one blocking XREAD, woken once per batch, not once per chunk."""
+    from redroll.producer.stream_reader import ChunkReads
+
+    s = settings.with_(stream_chunk_tokens=1000, stream_chunk_ms=40)
+    worker = Worker(s, SyntheticEngine(token_ms=10), max_inflight=16, block_ms=200)
+    async with running(worker), Producer(s, block_ms=200) as producer:
+        async def one(i: int):
+            return [c async for c in producer.stream(request_id=f"m-{i}", prompt="x",
+                                                     sampling_params={"max_new_tokens": 60}, timeout=60)]
+
+        streams = await asyncio.gather(*(one(i) for i in range(12)))
+        reads = ChunkReads.of(producer._stream_reads(), s.keys.chunks(producer.name, "m-0"))
+    for chunks in streams:
+        assert _joined(chunks)[0] == chunks[-1].record.output_token_ids[0]
+        assert [c.offset for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+    written = worker.stats.checkpoints
+    writer = worker._requests.checkpoints.writer
+    assert written >= 12 * 5 and writer.calls * 4 <= written  # (the streams' timers beat together)
+    assert 0 < reads.reads * 3 <= written
+
+
 async def test_a_stream_refuses_n_above_1_and_a_missing_reply_stream_naming_the_field(settings):
     with pytest.raises(ValidationError) as exc:
         encode_request(make_request(request_id="n4", prompt="x", stream=True, reply_to="{redroll}:reply:p",

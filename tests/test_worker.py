@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from redroll.engine_worker.engines.base import SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
@@ -178,7 +179,10 @@ async def test_drain_longer_than_claim_idle_keeps_leases(settings, r):
     async with Producer(s) as p:
         fut = await p.submit(prompt="long", sampling_params={"max_new_tokens": 10})
         await wait_until(lambda: w1.inflight_count == 1)
-        w1.request_stop()  # drain begins; the generation needs about 2 x claim_idle more
+        # (once it made a token: its pace says it ends inside the notice, so it is let finish there)
+        await wait_until(lambda: any((w1.engine.partial(f.handle) or SampleOutput([], None, None)).token_ids
+                                     for f in w1.flights), 10)
+        w1.request_stop()  # the notice begins; the generation needs about 2 x claim_idle more
         w2, t2 = await start_worker(s)
         rec = await asyncio.wait_for(fut, long_ms / 1000 + 10)
         await asyncio.wait_for(t1, 15)
@@ -310,7 +314,7 @@ async def test_a_drain_leaves_no_hand_back_note_for_an_entry_that_was_not_its_ow
     await stop(worker, task)
     assert worker.stats.handed_back == 1 and worker.stats.published == 0
     notes = await r.hgetall(s.keys.errors)
-    assert list(notes) == [kept] and b"(drain)" in notes[kept]  # (keyed by entry id on the plain stream)
+    assert list(notes) == [kept] and b"(notice)" in notes[kept]  # (keyed by entry id on the plain stream)
 
 
 @pytest.mark.parametrize("cap", [0, -1, 2])

@@ -231,7 +231,11 @@ class Engine(Protocol):
 
 class PartialOutput(Protocol):
     """``partial_output``: streaming and checkpoints. The worker calls :meth:`partial` every 20 ms
-    at most for each streamed or checkpointed request and sends or saves what is new."""
+    at most for each streamed or checkpointed request and sends or saves what is new. A request
+    the worker checkpoints reaches :meth:`Engine.generate` with ``stream`` or ``resumable`` set
+    (the worker sets ``resumable`` on the requests its ``continuation`` setting saves): an engine
+    that must arrange to show a request's output while it runs (vLLM's and SGLang's streamed
+    deltas) does it for those."""
 
     def partial(self, handle: str) -> SampleOutput | None:
         """What the first sample of ``handle`` has made so far (lists the engine no longer

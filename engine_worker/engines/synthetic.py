@@ -91,6 +91,8 @@ class SyntheticEngine:
         """Output tokens this engine made (what it returned; an aborted generation counts its part)."""
         self._running: dict[str, tuple[GenerationRequest, float, float]] = {}
         """handle → (request, start, ms per token) of generations under way (for :meth:`partial`)."""
+        self._partial_samples: dict[str, tuple[list[int], list[float], str]] = {}
+        """The first sample of each running generation, once :meth:`partial` made it."""
         self._version_changes: list[tuple[float, str]] = []
         self._script = load_script(script) if script is not None else None
         """Scripted replies (``--script``): the engine then speaks bytes (:mod:`.synthetic_script`)."""
@@ -233,6 +235,7 @@ class SyntheticEngine:
         finally:
             self._abort_events.pop(handle, None)
             self._running.pop(handle, None)
+            self._partial_samples.pop(handle, None)
 
     def partial(self, handle: str) -> SampleOutput | None:
         """The tokens the first sample of ``handle`` has made so far (one every ``token_ms``)."""
@@ -241,8 +244,11 @@ class SyntheticEngine:
             return None
         request, started, token_ms = running
         produced = int((time.monotonic() - started) * 1000.0 / token_ms) if token_ms > 0 else 0
-        ids, lps, reason = self._sample(_hash_source(request), 0, request.sampling_params, request.return_logprob,
-                                        self._reply(request))
+        made = self._partial_samples.get(handle)
+        if made is None:  # (made once per generation: what a real engine has made, it just reads)
+            made = self._partial_samples[handle] = self._sample(_hash_source(request), 0, request.sampling_params,
+                                                                request.return_logprob, self._reply(request))
+        ids, lps, reason = made
         done = produced >= len(ids)  # (a sample that reached its stop token is finished, not partial)
         produced = min(produced, len(ids))
         return SampleOutput(ids[:produced], lps[:produced] if request.return_logprob else None,

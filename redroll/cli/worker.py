@@ -50,9 +50,14 @@ def add_parser(sub: Any) -> None:
                    help="how the entries of a worker that died are taken back: halving runs them in ever "
                         "smaller groups until a request that kills workers is alone, alone runs each one by "
                         f"itself (env REDROLL_RECOVERY_SPLIT; default {SETTING_DEFAULTS.recovery_split})")
+    p.add_argument("--notice", type=_seconds, default=None, metavar="S",
+                   help="seconds the worker has once told to stop (SIGTERM, redroll drain): what will finish within "
+                        "them finishes here, the rest is saved and handed back to the fleet at once (env "
+                        f"REDROLL_NOTICE_S; default {SETTING_DEFAULTS.notice_s:g}, which fits Kubernetes' default "
+                        "30 s grace period with room for the save; set it a few seconds below your platform's notice)")
     p.add_argument("--drain-timeout", type=float, default=None,
-                   help=f"seconds to finish in-flight work on SIGTERM (env REDROLL_DRAIN_TIMEOUT_S; default "
-                        f"{SETTING_DEFAULTS.drain_timeout_s:g})")
+                   help="the older bound on a stop: the worker takes the smaller of this and --notice (env "
+                        f"REDROLL_DRAIN_TIMEOUT_S; default {SETTING_DEFAULTS.drain_timeout_s:g})")
     p.add_argument("--name", default=None,
                    help="the worker's name, as status and drain show it (default: host-pid-random, unique per start)")
     add_metrics_flags(p)
@@ -69,7 +74,8 @@ async def run(args: argparse.Namespace) -> int:
 def worker_settings(args: argparse.Namespace) -> Settings:
     """The worker's settings: defaults, then ``REDROLL_*`` variables, then its flags."""
     return settings_from_args(args, claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries,
-                              drain_timeout_s=args.drain_timeout, claim_prefetch=args.claim_prefetch,
+                              drain_timeout_s=args.drain_timeout, notice_s=args.notice,
+                              claim_prefetch=args.claim_prefetch,
                               recovery_split=args.recovery_split)
 
 
@@ -126,6 +132,16 @@ def worker_refusal(args: argparse.Namespace) -> str | None:
 def _description() -> str:
     return "Run an engine worker. Engines:\n" + "\n".join(
         f"  {spec.name:13} {spec.summary}" for spec in ENGINES.values())
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is less than 0")
+    return seconds
 
 
 def _env_int(name: str) -> int | None:

@@ -99,7 +99,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     pt = t if partitions == 1 else glob_escape("{" + keys.namespace + ":") + "[0-9]*}"
     requests, requests_high, lanes = f"{pt}:requests", f"{pt}:requests:high", f"{pt}:requests:lane:*"
     results, dead = f"{pt}:results", f"{pt}:dead"
-    control = f"{t}:control"
+    control, handbacks = f"{t}:control", f"{t}:handbacks"
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
     rid = f"{pt}:rid:*"
     partial = f"{pt}:partial:*"
@@ -188,11 +188,12 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "or a dead letter; housekeeping releases those whose entry is gone (release_rids.lua: a "
                   "request cancelled while queued) and asks whether a checkpoint's request is still there"),
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
-                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint.lua), "
+                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint_many.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
-            Grant(("type", "xadd", "expire", "del"), rw(chunks),
-                  "streamed requests' chunks: each added with its checkpoint part (checkpoint.lua), the chunks "
-                  "of an earlier entry of the request_id deleted when its checkpoint starts over"),
+            Grant(("type", "xadd", "xdel", "expire", "del"), rw(chunks),
+                  "streamed requests' chunks: each added with its checkpoint part (checkpoint_many.lua; taken "
+                  "out again if that part is refused), the chunks of an earlier entry of the request_id deleted "
+                  "when its checkpoint starts over"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; the finish or dead letter turns "
@@ -208,7 +209,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),
                   "publish records to producers' reply streams; housekeeping finds reply streams of "
                   "producers that never came back (TTL, XINFO) and deletes them"),
-            Grant(("xread", "xrevrange"), rd(control), "follow the control stream (abort, drain, weights)"),
+            Grant(("xread", "xrevrange"), rd(control, handbacks),
+                  "follow the control stream (abort, drain, weights) and the other workers' hand-back notes "
+                  "(an idle worker takes what a worker given notice handed back at once), in one read"),
+            Grant(("xadd",), wr(handbacks), "note the entries it hands back on a notice"),
             Grant(("hget", "hgetall"), rd(weights), "load the desired weights at start and check a min_weight_version"),
             Grant(("hset", "hdel", "hgetall"), rw(workers), "heartbeat, deregister, drop stale heartbeats"),
             Grant(("hset", "hget", "hmget", "hdel"), rw(errors), "last engine error / hand-back note per entry"),
