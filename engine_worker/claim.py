@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import redis
 
+from redroll.engine_worker.blocking import BlockingRead
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.flights import DEATHS_SUFFIX, Flights, InFlight
 from redroll.engine_worker.outcomes import hand_back_entries
@@ -100,7 +101,7 @@ def claim_limit(capacity: int | None, max_inflight: int, prefetch: int) -> int:
 
 class Claimer:
     def __init__(self, ctx: WorkerContext, flights: Flights, *, reclaim_interval_s: float,
-                 reclaim_streams: Callable[[], list[str]] | None = None):
+                 reclaim_streams: Callable[[], list[str]] | None = None, block_ms: int | None = None):
         self.ctx = ctx
         self.flights = flights
         self.reclaim_interval_s = reclaim_interval_s
@@ -108,6 +109,14 @@ class Claimer:
         """The request streams a reclaim pass looks at (with affinity lanes: ``LaneTable.reclaim_streams``)."""
         self._attempts = 0
         """Suspects taken back by this process (their engine handles stay unique)."""
+        self._block_ms = block_ms
+        self.readers: list[BlockingRead] = []
+        """Each claim loop's blocking read (:meth:`interrupt` ends them)."""
+
+    async def interrupt(self) -> None:
+        """End the claim loops' blocking reads now (the worker stops)."""
+        for reader in self.readers:
+            await reader.interrupt()
 
 
     # ------------------------------------------------------------ new entries
@@ -116,24 +125,33 @@ class Claimer:
         """The claim loop over ``parts``; with ``loops`` loops at once each reads a share of the
         free slots, so together they take at most about one batch more than there is room for
         (the surplus waits, leased, for a slot)."""
+        reader = BlockingRead(self.ctx.redis, WORKERS_GROUP, self.ctx.name, block_ms=self._block_ms)
+        self.readers.append(reader)
+
         async def claim_loop() -> None:
-            await self._claim_loop(parts, loops)
+            await self._claim_loop(parts, loops, reader)
         return claim_loop
 
-    async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
+    async def _claim_loop(self, parts: list[Keys], loops: int, reader: BlockingRead) -> None:
         ctx, flights = self.ctx, self.flights
         highs = [k.requests_high for k in parts]
         streams = [*highs, *(k.requests for k in parts)]
         plain = False
         """Claim with one plain XREADGROUP (see below): with one partition, once a claim found no
         high-priority entry."""
+        waited = False
+        """The last turn's blocking read ended with nothing: the next turn blocks again at once (a
+        blocking read returns at once what is there), without a read that would find nothing."""
         while not ctx.stopping.is_set():
             await flights.wait_for_slot()
             if ctx.stopping.is_set():
                 return
             free = -(-flights.free_to_claim // loops)
             refused: list[str] = []
-            if plain:
+            claimed: list[tuple[str, str, Any]] = []
+            if waited:
+                pass  # (the blocking read below returns at once whatever came since the last one ended)
+            elif plain:
                 # One XREADGROUP over the high-priority and the request stream. COUNT applies per
                 # stream, so it reads beyond the free slots only as many normal entries as
                 # high-priority ones arrived since the last claim found none; those wait, held
@@ -150,8 +168,13 @@ class Claimer:
             # Either goes out just before the finishes of the batch that freed the slots, so Redis
             # answers it first and the worker runs the next batch while Redis stores those records.
             # With nothing there, block on every request stream.
+            waited = False
             if not claimed and not refused:
-                claimed = await self._read(streams, free, block=ctx.block_ms)
+                if ctx.stopping.is_set():
+                    return
+                claimed = [(stream, entry_id, fields) for stream, entries in await reader.read(streams, free)
+                           for entry_id, fields in entries]
+                waited = not claimed
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.
@@ -243,8 +266,12 @@ class Claimer:
             for stream in streams:
                 pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
                                     idle=ctx.settings.claim_idle_ms)
-            pending = await pipe.execute()
+            pending = await pipe.execute(raise_on_error=False)
         for stream, idle in zip(streams, pending):  # high priority first
+            if isinstance(idle, Exception):
+                if "NOGROUP" in str(idle):  # (a lane whose owner has not made its group yet: nothing there)
+                    continue
+                raise idle
             idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
             if not idle:
                 continue

@@ -40,6 +40,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "delete_consumer_if_empty": ("allow-oom",),
     "release_rids": ("allow-oom",),
     "ack_replies": ("allow-oom",),
+    "lanes_beat": (),
 }
 """Each script of ``shared/lua`` (its file is ``<name>.lua``) and its function flags.
 

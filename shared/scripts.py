@@ -28,7 +28,7 @@ from redroll.shared.functions import (
     load_library,
     whole_call_refusal,
 )
-from redroll.shared.keys import events_key, finish_marker_key, owner_key_for, submitted_as
+from redroll.shared.keys import Keys, events_key, finish_marker_key, owner_key_for, submitted_as
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord
@@ -477,6 +477,22 @@ class Scripts:
             return []
         lost = await _run("renew", [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
         return [_s(x) for x in lost]
+
+    # -- heartbeat with affinity lanes
+    async def lanes_beat(self, keys: Keys, name: str, beat: str, *, claiming: bool, room: bool, late_ms: int,
+                         stale_ms: int, settle_ms: int, epoch: int | None
+                         ) -> tuple[int, list[str], list[str], list[str] | None]:
+        """Write ``name``'s heartbeat (``beat`` JSON; '' deletes it) and its entry in the lane table
+        (see lanes_beat.lua). Returns the table's epoch, the members whose beat is late, the full
+        ones (asked only with ``room``), and the published member list when ``epoch`` is not the
+        current one."""
+        reply = await _run("lanes_beat", [keys.workers, keys.lane_members, keys.lane_full, keys.config,
+                                          keys.lane_plan],
+                           [name, beat, int(claiming), int(room), int(late_ms), int(stale_ms),
+                            -1 if epoch is None else int(epoch), int(settle_ms)], self.redis)
+        current, late, full, plan = reply
+        members = None if plan is None else [n for n in _s(plan).split("\n") if n]
+        return int(current), [_s(x) for x in late], [_s(x) for x in full], members
 
     # -- housekeeping
     async def delete_consumer_if_empty(self, stream: str, group: str, consumer: str) -> int:
