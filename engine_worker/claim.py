@@ -262,16 +262,23 @@ class Claimer:
         if halving:
             count = max(count, 4 * flights.claim_limit, 256)
         streams = self.reclaim_streams()
-        async with ctx.redis.pipeline(transaction=False) as pipe:
-            for stream in streams:
-                pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
-                                    idle=ctx.settings.claim_idle_ms)
-            pending = await pipe.execute(raise_on_error=False)
-        for stream, idle in zip(streams, pending):  # high priority first
-            if isinstance(idle, Exception):
-                if "NOGROUP" in str(idle):  # (a lane whose owner has not made its group yet: nothing there)
+        by_part: dict[Keys, list[str]] = {}
+        for stream in streams:
+            by_part.setdefault(ctx.part_of[stream], []).append(stream)
+        # (per partition one function call: only entries old enough to be idle, and those newer ones
+        # handed back, are walked: see reclaim_scan.lua)
+        replies = await asyncio.gather(*(ctx.scripts.reclaim_scan(
+            streams=group, marks=part.handbacks, group=WORKERS_GROUP, min_idle_ms=ctx.settings.claim_idle_ms,
+            count=count) for part, group in by_part.items()))
+        found = {s: rows for group, reply in zip(by_part.values(), replies) for s, rows in zip(group, reply)}
+        for stream in streams:  # high priority first
+            rows = found[stream]
+            if isinstance(rows, str):
+                if "NOGROUP" in rows:  # (a lane whose owner has not made its group yet: nothing there)
                     continue
-                raise idle
+                raise redis.ResponseError(f"{stream}: {rows}")
+            idle = [{"message_id": text(i), "consumer": text(c), "time_since_delivered": int(ms),
+                     "times_delivered": int(n)} for i, c, ms, n in rows]
             idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
             if not idle:
                 continue

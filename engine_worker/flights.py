@@ -60,6 +60,8 @@ class InFlight:
     """Why it is dead-lettered without running (it killed the worker that ran it alone)."""
     span: Any = None
     """OpenTelemetry: the publish span of its record, ended once the finish settled."""
+    leased_at: float = 0.0
+    """When its lease was last taken or renewed (``time.time()``; 0: when it was claimed)."""
     uncounted_runs: int = 0
     """Runs its delivery count leaves out: the deaths it witnessed in a group ("halving" keeps the
     count there, so that innocent neighbours of a poison request are not dead-lettered with it)."""

@@ -61,10 +61,18 @@ class Liveness:
         self._done.set()
 
     async def renew_leases(self) -> None:
+        """Renew the leases that are a third of ``claim_idle`` old or more (each beat comes within a
+        third of it, so none gets older than two thirds): an entry that ends sooner is never
+        renewed, and a long one once per third of ``claim_idle``, not at every beat (a fleet
+        holding many entries renewed every one of them every beat)."""
         ctx = self.ctx
-        flights = [f for f in self.flights if not f.handed_back]
+        now = time.time()
+        due = now - ctx.settings.claim_idle_ms / 3000.0
+        flights = [f for f in self.flights if not f.handed_back and (f.leased_at or f.claimed_at) <= due]
         if not flights:
             return
+        for f in flights:
+            f.leased_at = now
         lost: set[str] = set()
         for stream in ctx.request_streams:
             batch = [f for f in flights if f.stream == stream and not f.handed_back]
@@ -76,7 +84,8 @@ class Liveness:
             # it back once more (owner-checked), or the fleet would wait claim_idle to take it.
             again = [f.entry_id for f in batch if f.handed_back]
             if again:
-                await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms)
+                await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms,
+                                        marks=ctx.part_of[stream].handbacks)
         for f in flights:
             if f.key in lost and not f.lease_lost and not f.publishing and self.flights.holds_entry(f):
                 f.lease_lost = True

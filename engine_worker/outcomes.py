@@ -273,7 +273,8 @@ class Outcomes:
         flight.handed_back = True  # (no lease renewal of it from now on)
         try:
             lost = await ctx.scripts.renew(flight.stream, WORKERS_GROUP, ctx.name, [flight.entry_id],
-                                           idle_ms=ctx.settings.claim_idle_ms)
+                                           idle_ms=ctx.settings.claim_idle_ms,
+                                           marks=ctx.part_of[flight.stream].handbacks)
             if not lost:
                 ctx.stats.handed_back += 1
         except redis.RedisError as exc:
@@ -324,7 +325,8 @@ async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], 
     handed = 0
     for stream in dict.fromkeys(s for s, _ in entries):
         ids = [i for s, i in entries if s == stream]
-        lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
+        lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms,
+                                       marks=ctx.part_of[stream].handbacks)
         handed += len(ids) - len(lost)
         if lost:  # (finished meanwhile, or reclaimed: no finish of ours follows to delete their notes)
             try:

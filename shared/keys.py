@@ -170,6 +170,12 @@ class Keys:
         return f"{self.tag}:workers"
 
     @functools.cached_property
+    def handbacks(self) -> str:
+        """Sorted set: request stream -> ms part of the newest entry id a worker handed back there
+        (``renew.lua``; the reclaim passes look that far: ``reclaim_scan.lua``)."""
+        return f"{self.tag}:handbacks"
+
+    @functools.cached_property
     def lane_members(self) -> str:
         """Sorted set, with affinity lanes: the claiming workers, each scored with the server time
         (ms) of its last heartbeat (see ``shared/lua/lanes_beat.lua``)."""

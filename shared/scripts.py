@@ -471,12 +471,21 @@ class Scripts:
 
     # -- leases
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],
-                    idle_ms: int = 0) -> list[str]:
-        """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost."""
+                    idle_ms: int = 0, marks: str | None = None) -> list[str]:
+        """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost.
+        ``marks``: a worker's hand-back marks (``Keys.handbacks``: see reclaim_scan.lua)."""
         if not entry_ids:
             return []
-        lost = await _run("renew", [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
+        lost = await _run("renew", [stream, *([marks] if marks else [])], [group, consumer, int(idle_ms), *entry_ids],
+                          self.redis)
         return [_s(x) for x in lost]
+
+    async def reclaim_scan(self, *, streams: Sequence[str], marks: str, group: str, min_idle_ms: int,
+                           count: int) -> list[list | str]:
+        """What a reclaim pass looks at in one partition's ``streams`` (see reclaim_scan.lua): per
+        stream, ``[id, consumer, idle ms, deliveries]`` rows, or the stream's refusal (a string)."""
+        reply = await _run("reclaim_scan", [*streams, marks], [group, int(min_idle_ms), int(count)], self.redis)
+        return [_s(x) if isinstance(x, (bytes, str)) else x for x in reply]
 
     # -- heartbeat with affinity lanes
     async def lanes_beat(self, keys: Keys, name: str, beat: str, *, claiming: bool, room: bool, late_ms: int,
