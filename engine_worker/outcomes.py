@@ -67,7 +67,9 @@ class Outcomes:
         return Finish(stream=flight.stream, entry_id=flight.entry_id, reply_key=reply_key,
                       rid_key=part.rid(request.request_id), record=record,
                       cap=self._results_cap if reply_key == part.results else 0,
-                      partial_key=part.partial(request.request_id) if is_resumed(request) else None)
+                      partial_key=part.partial(request.request_id) if is_resumed(request) else None,
+                      incidents=(flight.reclaimed or flight.deliveries > 1 or flight.uncounted_runs > 0
+                                 or request.requeued > 0 or request.resumable or request.stream))
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         publication = self._publication(flight, request, record)
