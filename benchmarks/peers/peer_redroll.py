@@ -6,9 +6,12 @@ What a user's own script does: ``asyncio.run`` (no event-loop or garbage-collect
 own), each job made into a request with the public ``make_request`` from the same job dict every
 peer's producer enqueues (``common.make_job``: its fields, a fresh sampling-params dict each),
 handed over ``common.CHUNK`` (100) at a time with the public fire-and-forget ``send``, records to
-the results stream. The worker and the consumer are the command lines a user starts, with their
-defaults: ``redroll worker --engine synthetic`` and ``redroll consume --group bench --handler
-h=benchmarks.peers.common:count`` (the same counting callback the peers' collectors run).
+the results stream. The worker and the consumer are the command lines a user starts:
+``redroll worker --engine synthetic --max-inflight 256`` (the synthetic engine declares no
+capacity, so without the flag a worker holds 32 at a time; each peer's worker is given its
+throughput setting likewise: BullMQ concurrency 100, taskiq and arq 256) and ``redroll consume
+--group bench --handler h=benchmarks.peers.common:count`` (the same counting callback the peers'
+collectors run).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
 
 
 def worker_argv(py: str) -> list[str]:
-    return [py, "-m", "redroll.cli", "worker", "--engine", "synthetic"]
+    return [py, "-m", "redroll.cli", "worker", "--engine", "synthetic", "--max-inflight", "256"]
 
 
 def consumer_argv(py: str) -> list[str]:
