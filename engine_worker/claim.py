@@ -268,7 +268,7 @@ class Claimer:
         # (per partition one function call: only entries old enough to be idle, and those newer ones
         # handed back, are walked: see reclaim_scan.lua)
         replies = await asyncio.gather(*(ctx.scripts.reclaim_scan(
-            streams=group, marks=part.handbacks, group=WORKERS_GROUP, min_idle_ms=ctx.settings.claim_idle_ms,
+            streams=group, marks=part.reclaim_marks, group=WORKERS_GROUP, min_idle_ms=ctx.settings.claim_idle_ms,
             count=count) for part, group in by_part.items()))
         found = {s: rows for group, reply in zip(by_part.values(), replies) for s, rows in zip(group, reply)}
         for stream in streams:  # high priority first

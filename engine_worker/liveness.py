@@ -85,7 +85,7 @@ class Liveness:
             again = [f.entry_id for f in batch if f.handed_back]
             if again:
                 await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms,
-                                        marks=ctx.part_of[stream].handbacks)
+                                        marks=ctx.part_of[stream].reclaim_marks)
         for f in flights:
             if f.key in lost and not f.lease_lost and not f.publishing and self.flights.holds_entry(f):
                 f.lease_lost = True

@@ -276,7 +276,7 @@ class Outcomes:
         try:
             lost = await ctx.scripts.renew(flight.stream, WORKERS_GROUP, ctx.name, [flight.entry_id],
                                            idle_ms=ctx.settings.claim_idle_ms,
-                                           marks=ctx.part_of[flight.stream].handbacks)
+                                           marks=ctx.part_of[flight.stream].reclaim_marks)
             if not lost:
                 ctx.stats.handed_back += 1
         except redis.RedisError as exc:
@@ -328,7 +328,7 @@ async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], 
     for stream in dict.fromkeys(s for s, _ in entries):
         ids = [i for s, i in entries if s == stream]
         lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms,
-                                       marks=ctx.part_of[stream].handbacks)
+                                       marks=ctx.part_of[stream].reclaim_marks)
         handed += len(ids) - len(lost)
         if lost:  # (finished meanwhile, or reclaimed: no finish of ours follows to delete their notes)
             try:

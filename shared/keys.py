@@ -170,10 +170,10 @@ class Keys:
         return f"{self.tag}:workers"
 
     @functools.cached_property
-    def handbacks(self) -> str:
+    def reclaim_marks(self) -> str:
         """Sorted set: request stream -> ms part of the newest entry id a worker handed back there
         (``renew.lua``; the reclaim passes look that far: ``reclaim_scan.lua``)."""
-        return f"{self.tag}:handbacks"
+        return f"{self.tag}:reclaim_marks"
 
     @functools.cached_property
     def lane_members(self) -> str:

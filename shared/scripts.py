@@ -473,7 +473,7 @@ class Scripts:
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],
                     idle_ms: int = 0, marks: str | None = None) -> list[str]:
         """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost.
-        ``marks``: a worker's hand-back marks (``Keys.handbacks``: see reclaim_scan.lua)."""
+        ``marks``: a worker's hand-back marks (``Keys.reclaim_marks``: see reclaim_scan.lua)."""
         if not entry_ids:
             return []
         lost = await _run("renew", [stream, *([marks] if marks else [])], [group, consumer, int(idle_ms), *entry_ids],

@@ -273,10 +273,10 @@ async def test_a_worker_user_keeps_the_lane_table_hands_back_and_stops_its_read(
         entry = admin.xadd(keys.requests, {"rid": "h", "data": b"x"}).decode()
         admin.xreadgroup(WORKERS_GROUP, "holder", {keys.requests: ">"}, count=1)
         assert await Scripts(w).renew(keys.requests, WORKERS_GROUP, "holder", [entry], idle_ms=60_000,
-                                      marks=keys.handbacks) == []
+                                      marks=keys.reclaim_marks) == []
     finally:
         await w.aclose()
-    assert admin.zscore(keys.handbacks, keys.requests) == int(entry.split("-")[0])
+    assert admin.zscore(keys.reclaim_marks, keys.requests) == int(entry.split("-")[0])
     assert acl_denials(admin, ns) == []
 
 

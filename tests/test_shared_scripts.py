@@ -874,13 +874,13 @@ async def test_a_reclaim_scan_walks_only_entries_old_enough_to_be_idle_and_those
     await r.xclaim(stream, WORKERS_GROUP, "dead", 0, [old, fresh], idle=60_000, justid=True)
 
     async def scan() -> list[str]:
-        [rows] = await scripts.reclaim_scan(streams=[stream], marks=keys.handbacks, group=WORKERS_GROUP,
+        [rows] = await scripts.reclaim_scan(streams=[stream], marks=keys.reclaim_marks, group=WORKERS_GROUP,
                                             min_idle_ms=30_000, count=10)
         return [row[0].decode() for row in rows]
 
     assert await scan() == [old]
-    assert await scripts.renew(stream, WORKERS_GROUP, "dead", [handed], idle_ms=60_000, marks=keys.handbacks) == []
+    assert await scripts.renew(stream, WORKERS_GROUP, "dead", [handed], idle_ms=60_000, marks=keys.reclaim_marks) == []
     assert await scan() == [old, fresh, handed]  # (up to the newest handed back: the fresh one is in range)
-    [refused] = await scripts.reclaim_scan(streams=[keys.lane(0)], marks=keys.handbacks, group=WORKERS_GROUP,
+    [refused] = await scripts.reclaim_scan(streams=[keys.lane(0)], marks=keys.reclaim_marks, group=WORKERS_GROUP,
                                            min_idle_ms=30_000, count=10)
     assert isinstance(refused, str) and "NOGROUP" in refused

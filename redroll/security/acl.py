@@ -109,7 +109,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     replies = f"{pt}:reply:*"
     owners = f"{pt}:own:*"
     chunks = f"{pt}:chunks:*"
-    handbacks = f"{pt}:handbacks"
+    reclaim_marks = f"{pt}:reclaim_marks"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
     conn = connection_commands(server_version)
@@ -172,7 +172,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         return [
             Grant((*conn, "multi", "exec", *scripts, "scan", "time", "client|id", "client|unblock"),
                   rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events,
-                     chunks, handbacks, workers, config, lane_members, lane_full, lane_plan),
+                     chunks, reclaim_marks, workers, config, lane_members, lane_full, lane_plan),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), reclaim_scan and "
                   "lanes_beat (TIME: server time for idle entries and heartbeats), and housekeeping's "
@@ -213,7 +213,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "producers that never came back (TTL, XINFO) and deletes them"),
             Grant(("xread", "xrevrange"), rd(control), "follow the control stream (abort, drain, weights)"),
             Grant(("hget", "hgetall"), rd(weights), "load the desired weights at start and check a min_weight_version"),
-            Grant(("zadd", "zscore"), rw(handbacks),
+            Grant(("zadd", "zscore"), rw(reclaim_marks),
                   "hand-back marks: how new the entries handed back on each request stream are (renew.lua), "
                   "so that reclaim passes look that far (reclaim_scan.lua)"),
             Grant(("hset", "hdel", "hgetall"), rw(workers), "heartbeat, deregister, drop stale heartbeats"),
