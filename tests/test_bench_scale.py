@@ -36,3 +36,26 @@ def test_backlog_reports_memory_and_latency_per_level(tmp_path: Path) -> None:
     assert doc["kept_records"]["records"] == 100 and doc["kept_records"]["bytes_per_kept_record"] > 0
     assert all(math.isfinite(v) and v > 0 for v in doc["figures"].values())
     assert doc["payload"]["request_fields_bytes"]["data"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_capacity_check_measures_and_predicts(tmp_path: Path) -> None:
+    small = ["--workers", "2", "--per-worker", "1", "--tokens", "16", "--token-ms", "5", "--seconds", "2",
+             "--warmup-s", "1", "--runs", "1"]
+    check = run_bench("capacity_check", *small, tmp_path=tmp_path)
+    [run] = check["runs"]
+    assert run["workers"] == 2 and run["tokens_per_s"] > 0 and run["chunks_per_s"] > 0
+    assert run["redis_share"] > 0 and run["predicted_redis_share"] > 0 and run["predicted_over_measured"] > 0
+    measured = run_bench("capacity_check", "--measure", *small, "--measure-workers", "2", "--measure-per-worker", "1",
+                         "--measure-tokens", "16", "--measure-token-ms", "5", tmp_path=tmp_path)
+    [run] = measured["runs"]
+    assert {"request_us", "chunk_us", "idle_worker_us", "chunk_timer_extra_ms"} <= set(run)
+    assert run["awaited"]["requests_per_s"] > 0 and run["streamed"]["chunks_per_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_outside_runs_redroll_as_a_user_does(tmp_path: Path) -> None:
+    doc = run_bench("outside", "--only", "redroll", "--jobs", "200", "--runs", "1", tmp_path=tmp_path)
+    [run] = doc["rounds"]
+    assert run["redroll"]["from_first_enqueue"] > 0 and run["redroll"]["producer_start_s"] > 0
+    assert doc["from_first_enqueue"]["redroll"]["median"] > doc["from_producer_start"]["redroll"]["median"]
