@@ -79,10 +79,11 @@ class BlockingRead:
             await conn.send_packed_command(conn.pack_commands([("CLIENT", "ID"), args]))
             try:
                 self._client_id = int(await conn.read_response())
-            except redis.exceptions.NoPermissionError:
-                # A role user made before workers were granted CLIENT ID: waits stay short.
-                log.warning("this worker's Redis user may not run CLIENT ID: its idle claim reads wait %d ms at "
-                            "a time (recreate its ACL user with `redroll acl` to let them wait longer)",
+            except redis.ResponseError as exc:
+                # A role user made before workers were granted CLIENT ID (or a server without it):
+                # waits stay short.
+                log.warning("this worker may not run CLIENT ID (%s): its idle claim reads wait %d ms at a time "
+                            "(recreate its ACL user with `redroll acl apply` to let them wait longer)", exc,
                             FALLBACK_BLOCK_MS)
                 self.interruptible = False  # (this read, on its way, still waits its time: once)
             if self._cut and self._client_id is not None:

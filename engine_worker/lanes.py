@@ -12,11 +12,13 @@ worker, and the fenced finish still publishes it once.
 The lane table. A worker does not read the other workers' heartbeats to learn the list: its
 heartbeat is one function call (``lanes_beat.lua``) that also keeps, in Redis, the claiming
 workers with the server time of their last beat, the set of those whose last beat said they had
-no free slot, and an epoch that changes only when the list changes; the call answers with the
-epoch, the members whose beat is late, the full ones (to a worker with room: it may steal), and
-the list itself only when the caller's epoch is out of date. An idle fleet's heartbeats therefore
-cost Redis the same whatever its size, where each used to read every other worker's beat
-(workers x workers) and compute ownership from L scores per worker (workers x lanes).
+no free slot, and the published member list with its epoch (a join or a leave publishes a new list
+at the next beat at least :attr:`LaneTable.settle_ms` after the last: a starting fleet makes a few
+lists, not one per worker); the call answers with the epoch, the members whose beat is late, the
+full ones (to a worker with room: it may steal), and the list itself only when the caller's epoch
+is out of date. An idle fleet's heartbeats therefore cost Redis the same per worker whatever its
+size, where each used to read every other worker's beat (workers x workers) and compute ownership
+from L scores per worker (workers x lanes).
 
 Claiming. A worker claims, in one atomic script (``claim_lanes.lua``), the high-priority stream,
 its own lanes, the shared stream, and then entries of other lanes that have waited longer than
@@ -25,12 +27,13 @@ With nothing there it blocks on the streams it reads first (:class:`.blocking.Bl
 which any new entry there ends, and which its heartbeat cuts short when its lanes change. Which
 other lanes it scans (:attr:`LaneTable.scanned`): those of owners that are full (their last beat
 said no free slot, or their claim loop had not turned for a while: :meth:`LaneClaimer.healthy`),
-late (no beat for :attr:`LaneTable.late_ms`: gone, or hung), or of no owner; it scans them once
-per ``steal_after_ms`` while there are any. An owner with room takes its lanes' entries itself at
-once (it blocks on them), so their lanes need nobody else's scans: an idle fleet runs no scan at
-all. An owner that stops claiming costs an entry on its lanes at most about 2 x
-``steal_after_ms`` once its beat is late (a heartbeat and a half) and the others' next beat has
-said so; one that fills up, the same once its next beat says so.
+of no owner, and those of late owners (no beat for :attr:`LaneTable.late_ms`: gone, or hung) whose
+heir it is (the first worker after the late owner on the ring: :func:`.lane_plan.lane_heirs`); it
+scans them once per ``steal_after_ms`` while there are any. An owner with room takes its lanes'
+entries itself at once (it blocks on them), so their lanes need nobody else's scans: an idle
+fleet runs no scan at all. A full or stuck owner costs an entry on its lanes at most about 2 x
+``steal_after_ms`` once its next beat says so; a dead or hung one about that plus three heartbeats
+(two until it is late, one until its heir's beat says so).
 
 A worker's reclaim passes (``XPENDING … IDLE``) look at the lanes it owns and those of no owner
 (:meth:`LaneTable.reclaim_streams`): a dead worker drops out of the lane table within a few

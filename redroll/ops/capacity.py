@@ -44,29 +44,34 @@ class Constant:
 
 CONSTANTS: dict[str, Constant] = {
     "request_us": Constant(
-        482.0, "µs of redis-server CPU per request: submit, claim, fenced finish and record, consumer-group ack",
-        "python -m benchmarks.bench --only ceiling: redroll_server_us_per_request (20,000 requests, producer -> "
-        "synthetic worker -> consumer process), median of 3 runs on this project's machine (2 shared cores, "
-        "redis-server 7.0.15), 2026-12-06"),
+        283.0, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
+               "each call carrying one or two): submit, claim, fenced finish and record, the producer's read "
+               "and ack",
+        "python -m benchmarks.capacity_check --measure: request_us (32 synthetic workers, 4 requests each at once, "
+        "15 ms a token, 96-token requests awaited with Producer.generate: Redis CPU over the idle fleet's, per "
+        "request), median of 3 runs (244-327), 2026-12-06, this project's machine (2 shared cores, load 5-9); "
+        "at the ceiling, with hundreds a call, a request costs 27-31 µs (benchmarks.bench --only ceiling)"),
     "chunk_us": Constant(
-        183.0, "µs of redis-server CPU per streamed chunk: its fenced write (it checkpoints the request too) and "
+        77.4, "µs of redis-server CPU per streamed chunk: its fenced write (it checkpoints the request too) and "
               "its reader's read",
-        "python -m benchmarks.capacity_check --measure: chunk_us (4 workers, 64 streams of 256 tokens at 1 ms "
-        "a token, every chunk read: Redis CPU less the same requests unstreamed, over the chunks written), "
-        "median of 3 runs, 2026-12-06; before checkpoints and chunks were written in one call per worker tick"),
+        "python -m benchmarks.capacity_check --measure: chunk_us (the same fleet streaming, every chunk read: "
+        "Redis CPU over the idle fleet's, less the requests', per chunk written), median of 3 runs (73.3-80.1), "
+        "2026-12-06; one write per chunk (before chunks and checkpoints were written in one call per worker "
+        "tick: rerun it then)"),
     "chunk_timer_extra_ms": Constant(
-        32.0, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the next interval starts once a "
+        34.2, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the next interval starts once a "
               "write returned)",
-        "python -m benchmarks.capacity_check --measure: 1000 x tokens_per_chunk / tokens/s of a stream, less "
-        "stream_chunk_ms"),
+        "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
+        "less stream_chunk_ms (50), median of 3 runs (31.7-44.3), 2026-12-06"),
     "checkpoint_us": Constant(
-        183.0, "µs of redis-server CPU per checkpoint of a resumable request that is not streamed",
-        "taken as chunk_us (the same fenced append, without a reader); python -m benchmarks.capacity_check "
-        "--measure reports it on its own (checkpoint_us)"),
+        77.4, "µs of redis-server CPU per checkpoint of a resumable request that is not streamed",
+        "taken as chunk_us (benchmarks.capacity_check --measure): the same fenced append, less its reader's "
+        "read, so the figure errs high"),
     "idle_worker_us": Constant(
-        30.0, "µs of redis-server CPU per second per worker: heartbeat, blocking reads, reclaim passes",
-        "python -m benchmarks.fleet: idle_redis_cpu_1024w_lanes_off (1,024 idle workers in 8 processes), "
-        "median of 3 runs, 2026-12-06, less an empty server's 0.3% of a core"),
+        24.0, "µs of redis-server CPU per second per worker: heartbeat, blocking reads, reclaim passes",
+        "python -m benchmarks.fleet --workers 1024: idle_redis_cpu_1024w_lanes_off (1,024 idle workers in 8 "
+        "processes: 2.66% of a core, median of 3 runs, 2.54-3.51) less an empty server's own CPU (0.2%), per "
+        "worker (23-32), 2026-12-06; with affinity lanes on about 45"),
 }
 """The model's inputs as measured here. The per-chunk figure changes with how chunks are written
 (one call per worker tick batches them): rerun ``python -m benchmarks.capacity_check --measure``."""
