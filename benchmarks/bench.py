@@ -22,7 +22,7 @@ from typing import Callable
 
 from benchmarks import sections
 from benchmarks.fleet import fleet
-from benchmarks.harness import BenchError, Server, compile_checkout, machine_info, make_base_dir
+from benchmarks.harness import BenchError, Server, compile_checkout, machine_info, make_base_dir, raise_fd_limit
 from benchmarks.results import SectionResult
 
 SECTION_ORDER = ("ceiling", "latency", "utilisation", "large", "peers", "memory", "fleet")
@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-requests", type=int, default=None, help="requests in the memory section")
     ap.add_argument("--peer-jobs", type=int, default=None, help="jobs per peer")
     ap.add_argument("--peer-runs", type=int, default=None, help="runs of the peers section (default 5; 1 with --quick)")
-    ap.add_argument("--workers", type=int, default=None, help="workers in the fleet section (default 64)")
+    ap.add_argument("--workers", type=int, default=None, help="workers in the fleet section (default 1024)")
+    ap.add_argument("--fleet-ceiling-workers", type=int, default=None,
+                    help="the fleet compared with 4 workers at the ceiling (default 256)")
     ap.add_argument("--fleet-processes", type=int, default=None, help="host processes the fleet is spread over")
     ap.add_argument("--fleet-idle-s", type=float, default=None, help="seconds of idle measured per fleet layout")
     ap.add_argument("--fleet-requests", type=int, default=None, help="requests per fleet ceiling run")
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.peer_jobs = args.peer_jobs
     if args.large_runs is not None:
         cfg.large_runs = args.large_runs
-    for name in ("peer_runs", "workers", "fleet_processes", "fleet_idle_s", "fleet_requests", "fleet_runs"):
+    for name in ("peer_runs", "workers", "fleet_processes", "fleet_idle_s", "fleet_requests", "fleet_runs",
+                 "fleet_ceiling_workers"):
         value = getattr(args, name)
         if value:
             setattr(cfg, "fleet_workers" if name == "workers" else name, value)
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(stderr=True)
     compile_checkout()
+    raise_fd_limit()  # (redis-server, started below, inherits it: a fleet of workers needs a descriptor each)
     base = make_base_dir()
     load_start = [round(x, 2) for x in os.getloadavg()]
     started = time.time()

@@ -71,6 +71,17 @@ PACKAGE_DIRS = ("redroll", "shared", "producer", "consumer", "engine_worker", "b
 """The checkout's folders of Python code (redroll's packages and this suite)."""
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit (what ``ulimit -n`` may go
+    to without privileges); processes started afterwards inherit it. Returns (soft, hard)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 def compile_checkout(root: Path = ROOT, names: tuple[str, ...] = PACKAGE_DIRS) -> None:
     """Byte-compile the checkout's modules into their ``__pycache__`` folders, as pip does when it
     installs a wheel. Under ``PYTHONDONTWRITEBYTECODE=1`` Python writes no ``.pyc`` files, so

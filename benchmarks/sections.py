@@ -47,7 +47,9 @@ class Config:
     memory_dedup_window_s: int = 5
     peer_jobs: int = 3_000
     peer_runs: int = 5
-    fleet_workers: int = 64
+    fleet_workers: int = 1024
+    fleet_ceiling_workers: int = 256
+    """The fleet compared with 4 workers at the ceiling (0: ``fleet_workers``)."""
     fleet_processes: int = 8
     fleet_idle_s: float = 20.0
     fleet_requests: int = 20_000
@@ -60,7 +62,7 @@ class Config:
             return cls()
         return cls(quick=True, ceiling_requests=2_000, latency_requests=300, util_slots=8, util_token_ms=5.0,
                    util_tokens=8, util_rounds=6, large_records=12, large_runs=1, memory_requests=3_000,
-                   memory_dedup_window_s=1, peer_jobs=300, peer_runs=1, fleet_workers=8, fleet_processes=2,
+                   memory_dedup_window_s=1, peer_jobs=300, peer_runs=1, fleet_workers=8, fleet_ceiling_workers=8, fleet_processes=2,
                    fleet_idle_s=3.0, fleet_requests=2_000, fleet_runs=1, submit_runs=1)
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import redis
 
+from redroll.engine_worker.blocking import BlockingRead
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.flights import DEATHS_SUFFIX, Flights, InFlight
 from redroll.engine_worker.outcomes import hand_back_entries, uncounted_runs
@@ -100,7 +101,7 @@ def claim_limit(capacity: int | None, max_inflight: int, prefetch: int) -> int:
 
 class Claimer:
     def __init__(self, ctx: WorkerContext, flights: Flights, *, reclaim_interval_s: float,
-                 reclaim_streams: Callable[[], list[str]] | None = None):
+                 reclaim_streams: Callable[[], list[str]] | None = None, block_ms: int | None = None):
         self.ctx = ctx
         self.flights = flights
         self.reclaim_interval_s = reclaim_interval_s
@@ -111,6 +112,14 @@ class Claimer:
         self._woken = asyncio.Event()
         self._handbacks_waiting = False
         """The last pass left hand-backs for want of a free slot here."""
+        self._block_ms = block_ms
+        self.readers: list[BlockingRead] = []
+        """Each claim loop's blocking read (:meth:`interrupt` ends them)."""
+
+    async def interrupt(self) -> None:
+        """End the claim loops' blocking reads now (the worker stops)."""
+        for reader in self.readers:
+            await reader.interrupt()
 
 
     # ------------------------------------------------------------ new entries
@@ -119,24 +128,33 @@ class Claimer:
         """The claim loop over ``parts``; with ``loops`` loops at once each reads a share of the
         free slots, so together they take at most about one batch more than there is room for
         (the surplus waits, leased, for a slot)."""
+        reader = BlockingRead(self.ctx.redis, WORKERS_GROUP, self.ctx.name, block_ms=self._block_ms)
+        self.readers.append(reader)
+
         async def claim_loop() -> None:
-            await self._claim_loop(parts, loops)
+            await self._claim_loop(parts, loops, reader)
         return claim_loop
 
-    async def _claim_loop(self, parts: list[Keys], loops: int) -> None:
+    async def _claim_loop(self, parts: list[Keys], loops: int, reader: BlockingRead) -> None:
         ctx, flights = self.ctx, self.flights
         highs = [k.requests_high for k in parts]
         streams = [*highs, *(k.requests for k in parts)]
         plain = False
         """Claim with one plain XREADGROUP (see below): with one partition, once a claim found no
         high-priority entry."""
+        waited = False
+        """The last turn's blocking read ended with nothing: the next turn blocks again at once (a
+        blocking read returns at once what is there), without a read that would find nothing."""
         while not ctx.stopping.is_set():
             await flights.wait_for_slot()
             if ctx.stopping.is_set():
                 return
             free = -(-flights.free_to_claim // loops)
             refused: list[str] = []
-            if plain:
+            claimed: list[tuple[str, str, Any]] = []
+            if waited:
+                pass  # (the blocking read below returns at once whatever came since the last one ended)
+            elif plain:
                 # One XREADGROUP over the high-priority and the request stream. COUNT applies per
                 # stream, so it reads beyond the free slots only as many normal entries as
                 # high-priority ones arrived since the last claim found none; those wait, held
@@ -153,8 +171,13 @@ class Claimer:
             # Either goes out just before the finishes of the batch that freed the slots, so Redis
             # answers it first and the worker runs the next batch while Redis stores those records.
             # With nothing there, block on every request stream.
+            waited = False
             if not claimed and not refused:
-                claimed = await self._read(streams, free, block=ctx.block_ms)
+                if ctx.stopping.is_set():
+                    return
+                claimed = [(stream, entry_id, fields) for stream, entries in await reader.read(streams, free)
+                           for entry_id, fields in entries]
+                waited = not claimed
             if ctx.stopping.is_set():
                 # The read was already blocking when the stop came: what it brought goes back to
                 # the fleet at once, never into the engine.
@@ -265,12 +288,23 @@ class Claimer:
         waiting = 0
         kept: dict[tuple[str, str], int] = {}
         """Entries handed back on notice → the runs their delivery count leaves out."""
-        async with ctx.redis.pipeline(transaction=False) as pipe:
-            for stream in streams:
-                pipe.xpending_range(stream, WORKERS_GROUP, min="-", max="+", count=count,
-                                    idle=ctx.settings.claim_idle_ms)
-            pending = await pipe.execute()
-        for stream, idle in zip(streams, pending):  # high priority first
+        by_part: dict[Keys, list[str]] = {}
+        for stream in streams:
+            by_part.setdefault(ctx.part_of[stream], []).append(stream)
+        # (per partition one function call: only entries old enough to be idle, and those newer ones
+        # handed back, are walked: see reclaim_scan.lua)
+        replies = await asyncio.gather(*(ctx.scripts.reclaim_scan(
+            streams=group, marks=part.reclaim_marks, group=WORKERS_GROUP, min_idle_ms=ctx.settings.claim_idle_ms,
+            count=count) for part, group in by_part.items()))
+        found = {s: rows for group, reply in zip(by_part.values(), replies) for s, rows in zip(group, reply)}
+        for stream in streams:  # high priority first
+            rows = found[stream]
+            if isinstance(rows, str):
+                if "NOGROUP" in rows:  # (a lane whose owner has not made its group yet: nothing there)
+                    continue
+                raise redis.ResponseError(f"{stream}: {rows}")
+            idle = [{"message_id": text(i), "consumer": text(c), "time_since_delivered": int(ms),
+                     "times_delivered": int(n)} for i, c, ms, n in rows]
             idle = [p for p in idle if ctx.flight_key(stream, text(p["message_id"])) not in flights]
             if not idle:
                 continue

@@ -67,6 +67,8 @@ class InFlight:
     continuation's is what was left)."""
     checkpointed: bool = False
     """A checkpoint of this entry was saved or loaded here (its finish deletes it)."""
+    leased_at: float = 0.0
+    """When its lease was last taken or renewed (``time.time()``; 0: when it was claimed)."""
     uncounted_runs: int = 0
     """Runs its delivery count leaves out: the deaths it witnessed in a group ("halving" keeps the
     count there, so that innocent neighbours of a poison request are not dead-lettered with it)."""

@@ -20,20 +20,26 @@ from redroll.shared.keys import WORKERS_GROUP
 log = logging.getLogger("redroll.worker")
 
 
+def heartbeat_interval_s(settings: Any) -> float:
+    """Seconds between two heartbeats: ``heartbeat_s``, at most a third of ``claim_idle``."""
+    return max(0.05, min(settings.heartbeat_s, settings.claim_idle_ms / 3000.0))
+
+
 class Liveness:
     def __init__(self, ctx: WorkerContext, flights: Flights, *, state: Callable[[], str],
                  blocked: Callable[[], dict[str, str]], weights_source: Callable[[], str] = lambda: "initial",
-                 lanes: Any = None):
+                 lanes: Any = None, claim_healthy: Callable[[], bool] = lambda: True):
         self.ctx = ctx
         self.lanes = lanes
-        """A :class:`.lanes.LaneTable` with affinity lanes (refreshed after every heartbeat)."""
+        """A :class:`.lanes.LaneTable` with affinity lanes (its heartbeat writes the lane table too)."""
+        self._claim_healthy = claim_healthy
         self.flights = flights
         self._state = state
         self._blocked = blocked
         self._weights_source = weights_source
         self._beat_error: str | None = None
         self.started_at = time.time()
-        self.interval_s = max(0.05, min(ctx.settings.heartbeat_s, ctx.settings.claim_idle_ms / 3000.0))
+        self.interval_s = heartbeat_interval_s(ctx.settings)
         self._rate_samples: deque[tuple[float, int, int]] = deque()
         self._done = asyncio.Event()
 
@@ -55,10 +61,18 @@ class Liveness:
         self._done.set()
 
     async def renew_leases(self) -> None:
+        """Renew the leases that are a third of ``claim_idle`` old or more (each beat comes within a
+        third of it, so none gets older than two thirds): an entry that ends sooner is never
+        renewed, and a long one once per third of ``claim_idle``, not at every beat (a fleet
+        holding many entries renewed every one of them every beat)."""
         ctx = self.ctx
-        flights = [f for f in self.flights if not f.handed_back]
+        now = time.time()
+        due = now - ctx.settings.claim_idle_ms / 3000.0
+        flights = [f for f in self.flights if not f.handed_back and (f.leased_at or f.claimed_at) <= due]
         if not flights:
             return
+        for f in flights:
+            f.leased_at = now
         lost: set[str] = set()
         for stream in ctx.request_streams:
             batch = [f for f in flights if f.stream == stream and not f.handed_back]
@@ -70,7 +84,8 @@ class Liveness:
             # it back once more (owner-checked), or the fleet would wait claim_idle to take it.
             again = [f.entry_id for f in batch if f.handed_back]
             if again:
-                await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms)
+                await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, again, idle_ms=ctx.settings.claim_idle_ms,
+                                        marks=ctx.part_of[stream].reclaim_marks)
         for f in flights:
             if f.key in lost and not f.lease_lost and not f.publishing and self.flights.holds_entry(f):
                 f.lease_lost = True
@@ -115,14 +130,15 @@ class Liveness:
         blocked = self._blocked()
         if blocked:
             beat["blocked"] = blocked
-        if self.lanes is not None:
-            try:  # before the beat is written, so that it says what this worker owns now
-                await self.lanes.refresh(beat["state"])
-            except redis.RedisError as exc:
-                log.warning("affinity lanes not refreshed: %s", exc)
-            beat["lanes"] = self.lanes.owned
         try:
-            await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))
+            if self.lanes is not None:
+                # (the lanes it owned until now: the call brings the table, and this worker's
+                # view of it, up to date)
+                beat["lanes"] = self.lanes.owned
+                beat["room"] = room = len(self.flights) < self.flights.claim_limit and self._claim_healthy()
+                await self.lanes.beat(beat, room)
+            else:
+                await ctx.redis.hset(ctx.keys.workers, ctx.name, json.dumps(beat, separators=(",", ":")))
         except redis.ResponseError as exc:  # out of memory, a read-only replica: said once, not per beat
             if str(exc) != self._beat_error:
                 log.warning("heartbeat refused: %s", exc)

@@ -69,7 +69,10 @@ class Outcomes:
                       rid_key=part.rid(request.request_id), record=record,
                       cap=self._results_cap if reply_key == part.results else 0,
                       partial_key=part.partial(request.request_id)
-                      if flight.checkpointed or is_resumed(request) else None)
+                      if flight.checkpointed or is_resumed(request) else None,
+                      incidents=(flight.reclaimed or flight.deliveries > 1 or flight.uncounted_runs > 0
+                                 or flight.checkpointed or request.requeued > 0 or request.resumable
+                                 or request.stream))
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         publication = self._publication(flight, request, record)
@@ -275,7 +278,8 @@ class Outcomes:
         flight.handed_back = True  # (no lease renewal of it from now on)
         try:
             lost = await ctx.scripts.renew(flight.stream, WORKERS_GROUP, ctx.name, [flight.entry_id],
-                                           idle_ms=ctx.settings.claim_idle_ms)
+                                           idle_ms=ctx.settings.claim_idle_ms,
+                                           marks=ctx.part_of[flight.stream].reclaim_marks)
             if not lost:
                 ctx.stats.handed_back += 1
         except redis.RedisError as exc:
@@ -345,7 +349,8 @@ async def hand_back_entries(ctx: WorkerContext, entries: list[tuple[str, str]], 
     handed = 0
     for stream in dict.fromkeys(s for s, _ in entries):
         ids = [i for s, i in entries if s == stream]
-        lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms)
+        lost = await ctx.scripts.renew(stream, WORKERS_GROUP, ctx.name, ids, idle_ms=ctx.settings.claim_idle_ms,
+                                       marks=ctx.part_of[stream].reclaim_marks)
         handed += len(ids) - len(lost)
         if lost:  # (finished meanwhile, or reclaimed: no finish of ours follows to delete their notes)
             try:

@@ -40,6 +40,9 @@ class Finish:
     """The reply stream's MAXLEN cap (0: none)."""
     partial_key: str | None = None
     """A resumable request's checkpoint key (deleted with the finish)."""
+    incidents: bool = True
+    """Whether the request may have had an incident (taken back, delivered again, checkpointed,
+    requeued): with only incidents logged, the finish looks for its event log only then."""
 
 
 Outcome = bool | Exception
@@ -91,8 +94,10 @@ class Publisher(Coalescer[list[_Queued]]):
     def finish_many(self, finishes: list[Finish]) -> asyncio.Future:
         """Many finishes (a claimed batch's records), queued at once behind one future: it gets one
         :data:`Outcome` each, or what the round trip raised (a lost connection: none is settled)."""
-        logged = self.scripts.events is not None
-        return self._enqueue([_Queued(f, encode_record(f.record), summary=record_summary(f.record) if logged else None)
+        log = self.scripts.events
+        every = log is not None and log.every_request
+        return self._enqueue([_Queued(f, encode_record(f.record), summary=record_summary(f.record)
+                                      if log is not None and (every or f.incidents) else None)
                               for f in finishes])
 
     def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import redis
 from redis.asyncio import Redis
 
+from redroll.engine_worker.blocking import FALLBACK_BLOCK_MS, IDLE_BLOCK_MS
 from redroll.engine_worker.claim import Claimer, claim_limit, default_max_inflight, engine_capacity
 from redroll.engine_worker.context import WorkerContext, WorkerStats
 from redroll.engine_worker.control import AbortedSet, ControlListener
@@ -30,7 +31,7 @@ from redroll.engine_worker.engines.declaration import capabilities_of
 from redroll.engine_worker.flights import Flights, InFlight
 from redroll.engine_worker.housekeeping import housekeeping_loop
 from redroll.engine_worker.lanes import LaneClaimer, LaneTable
-from redroll.engine_worker.liveness import Liveness
+from redroll.engine_worker.liveness import Liveness, heartbeat_interval_s
 from redroll.engine_worker.notice import plan_notice
 from redroll.engine_worker.outcomes import PUBLISH_HOLD, Outcomes, notice_note
 from redroll.engine_worker.request import RequestRunner
@@ -42,7 +43,7 @@ from redroll.shared.connection import connect, open_connections, reach, read_gro
 from redroll.shared.keys import HANDBACKS_MAXLEN, WORKERS_GROUP, Keys
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.settings import Settings
-from redroll.shared.streams import ensure_group, run_resilient, unique_consumer_name
+from redroll.shared.streams import ensure_groups, run_resilient, unique_consumer_name
 
 log = logging.getLogger("redroll.worker")
 
@@ -70,7 +71,7 @@ class Worker:
         redis_client: Redis | None = None,
         max_inflight: int | None = None,
         name: str | None = None,
-        block_ms: int = 1000,
+        block_ms: int | None = None,
         reclaim_interval_s: float | None = None,
         only_partitions: Sequence[int] | None = None,
         burst: bool = False,
@@ -90,7 +91,11 @@ class Worker:
         (then other workers must cover the rest: nobody else claims or reclaims them)."""
         self.engine = engine
         self.name = name or unique_consumer_name("worker")
-        self.block_ms = block_ms
+        self.block_ms = block_ms if block_ms is not None else FALLBACK_BLOCK_MS
+        """How often loops that poll look again (a burst worker's idle check); also how long the
+        claim loops' blocking reads wait when given (default: :data:`~.blocking.IDLE_BLOCK_MS`, cut
+        short by a stop or a change of lanes; see :mod:`.blocking`)."""
+        self._claim_block_ms = block_ms
         self.reclaim_interval_s = reclaim_interval_s or max(0.05, min(settings.claim_idle_ms / 2000.0, 5.0))
         self.burst = burst
         """Stop (drain and deregister) once this worker holds nothing and the request streams of its
@@ -178,6 +183,13 @@ class Worker:
         """Begin a graceful drain: stop claiming, finish in-flight work up to the drain timeout."""
         self._stopping.set()
         self.flights.wake()
+        if self._claimer is not None:  # (their blocking reads end now, not when their time runs out)
+            try:
+                self._spawn(self._claimer.interrupt())
+                if self._lane_claimer is not None:
+                    self._spawn(self._lane_claimer.interrupt())
+            except RuntimeError:  # (no running event loop: the worker never ran)
+                pass
 
     # ------------------------------------------------------------ wiring (the control target)
 
@@ -218,21 +230,30 @@ class Worker:
         ctx = WorkerContext(settings=self.settings, name=self.name, engine=self.engine, redis=self.redis,
                             parts=self.parts, stats=self.stats, stopping=self._stopping, block_ms=self.block_ms,
                             metrics=self.metrics)
-        self.lanes = LaneTable(ctx) if self.settings.affinity_lanes else None
+        self.lanes = (LaneTable(ctx, interval_s=heartbeat_interval_s(self.settings))
+                      if self.settings.affinity_lanes else None)
         liveness = Liveness(ctx, self.flights, state=self.state, blocked=lambda: self.blocked,
                             weights_source=lambda: self._weights.source if self._weights else "initial",
-                            lanes=self.lanes)
+                            lanes=self.lanes, claim_healthy=self._claim_healthy)
         self._outcomes = outcomes = Outcomes(ctx, self.flights)
         aborted = AbortedSet()
         self._weights = WeightsGate(ctx, self.flights, heartbeat=liveness.heartbeat)
         self._sync = SyncReceiver(ctx, self.flights, self._weights)
         self._requests = RequestRunner(ctx, self.flights, outcomes, self._weights, aborted)
-        control = ControlListener(self.redis, self.keys, self.name, self, aborted, self.block_ms)
-        claimer = self._claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s,
-                                          reclaim_streams=self.lanes.reclaim_streams if self.lanes is not None else None)
+        # (the control stream's read is cancelled when the worker stops: it may wait long)
+        control = ControlListener(self.redis, self.keys, self.name, self, aborted,
+                                  self._claim_block_ms if self._claim_block_ms is not None else IDLE_BLOCK_MS)
+        self._claimer = claimer = Claimer(ctx, self.flights, reclaim_interval_s=self.reclaim_interval_s,
+                                          reclaim_streams=self.lanes.reclaim_streams if self.lanes is not None else None,
+                                          block_ms=self._claim_block_ms)
         if self.lanes is not None:
-            self._lane_claimer = LaneClaimer(ctx, self.flights, self.lanes, claimer._give_back)
+            self._lane_claimer = LaneClaimer(ctx, self.flights, self.lanes, claimer._give_back,
+                                             block_ms=self._claim_block_ms)
         return ctx, claimer, control, liveness, outcomes
+
+    def _claim_healthy(self) -> bool:
+        """Whether the claim loops turn (with affinity lanes: see :meth:`.lanes.LaneClaimer.healthy`)."""
+        return self._lane_claimer.healthy() if self._lane_claimer is not None else True
 
     # ------------------------------------------------------------ lifecycle
 
@@ -307,9 +328,14 @@ class Worker:
                 log.error("worker %s: tasks still running after cancel: %s", self.name,
                           "; ".join(_describe_task(t) for t in stuck))
             try:
-                await self.redis.hdel(self.keys.workers, self.name)
+                if self.lanes is not None:  # (out of the lane table too: its lanes move at once)
+                    await self.lanes.leave()
+                else:
+                    await self.redis.hdel(self.keys.workers, self.name)
             except redis.RedisError as exc:
                 log.warning("could not deregister heartbeat: %s", exc)
+            for reader in [*claimer.readers, *(self._lane_claimer.readers if self._lane_claimer else [])]:
+                await reader.close()
             await self.engine.close()
             if self._requests is not None:
                 await self._requests.checkpoints.close()
@@ -343,13 +369,23 @@ class Worker:
     async def _guard(self, ctx: WorkerContext, loop_fn: Any) -> None:
         """Run a loop; on Redis errors back off and resume, so an outage never kills the worker."""
         async def recreate() -> None:
-            await self._ensure_groups(ctx)
+            await self._ensure_groups(ctx, again=True)
 
         await run_resilient(loop_fn, stopping=self._stopping, recreate_groups=recreate, log=log)
 
-    async def _ensure_groups(self, ctx: WorkerContext) -> None:
-        for stream in ctx.request_streams:
-            await ensure_group(self.redis, stream, WORKERS_GROUP)
+    async def _ensure_groups(self, ctx: WorkerContext, *, again: bool = False) -> None:
+        """Group ``workers`` on the request streams this worker reads, in one round trip. With
+        affinity lanes, a lane's group is made by its owner when it gets the lane (see
+        :meth:`.lanes.LaneTable.beat`): here only the high-priority and shared streams, and the
+        lanes it owns now (``again``: a read met NOGROUP, a stream was deleted). Every worker
+        making every lane's group at its start made four million calls for a thousand workers over
+        four thousand lanes."""
+        streams = ctx.request_streams
+        if self.lanes is not None:
+            owned = {s for part in self.parts for s in (part.lane(j) for j in self.lanes.owned)} if again else set()
+            lanes = {s for part in self.parts for s in part.lane_streams}
+            streams = [s for s in streams if s not in lanes or s in owned]
+        await ensure_groups(self.redis, streams, WORKERS_GROUP)
 
     @property
     def notice_s(self) -> float:

@@ -40,6 +40,8 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "delete_consumer_if_empty": ("allow-oom",),
     "release_rids": ("allow-oom",),
     "ack_replies": ("allow-oom",),
+    "lanes_beat": (),
+    "reclaim_scan": ("no-writes", "allow-oom"),
 }
 """Each script of ``shared/lua`` (its file is ``<name>.lua``) and its function flags.
 

@@ -180,6 +180,29 @@ class Keys:
         return f"{self.tag}:workers"
 
     @functools.cached_property
+    def reclaim_marks(self) -> str:
+        """Sorted set: request stream -> ms part of the newest entry id a worker handed back there
+        (``renew.lua``; the reclaim passes look that far: ``reclaim_scan.lua``)."""
+        return f"{self.tag}:reclaim_marks"
+
+    @functools.cached_property
+    def lane_members(self) -> str:
+        """Sorted set, with affinity lanes: the claiming workers, each scored with the server time
+        (ms) of its last heartbeat (see ``shared/lua/lanes_beat.lua``)."""
+        return f"{self.tag}:lanes:members"
+
+    @functools.cached_property
+    def lane_plan(self) -> str:
+        """String, with affinity lanes: the published list of claiming workers (one name a line)
+        that every worker computes the lanes' owners from (its epoch: ``lane_epoch`` in :attr:`config`)."""
+        return f"{self.tag}:lanes:plan"
+
+    @functools.cached_property
+    def lane_full(self) -> str:
+        """Set, with affinity lanes: the claiming workers whose last heartbeat said no free slot."""
+        return f"{self.tag}:lanes:full"
+
+    @functools.cached_property
     def errors(self) -> str:
         """Hash: request entry id → last engine error, so the dead letter can say why."""
         return f"{self.tag}:errors"

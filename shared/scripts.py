@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
+from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes, checkpoint_refused
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import large_argument
 from redroll.shared.errors import RedrollError
@@ -28,7 +29,7 @@ from redroll.shared.functions import (
     load_library,
     whole_call_refusal,
 )
-from redroll.shared.keys import events_key, finish_marker_key, owner_key_for, submitted_as
+from redroll.shared.keys import Keys, events_key, finish_marker_key, owner_key_for, submitted_as
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord
@@ -121,41 +122,6 @@ class DeadLetterOutcome:
         if code == -1:
             return cls(done=False, refused=message)
         return cls(done=False)
-
-
-@dataclass(frozen=True)
-class CheckpointSave:
-    """One part of one request's partial output to save (see :meth:`Scripts.checkpoint_many_in`)."""
-
-    requests_key: str
-    partial_key: str
-    entry_id: str
-    saved: int
-    """Tokens the writer has saved of this entry so far (the checkpoint must hold as many)."""
-    adding: int
-    part: bytes
-    """The part, as :func:`redroll.shared.chunks.encode_part` makes it."""
-    chunks_key: str | None = None
-    """A streamed request's chunk stream (the part is also its next chunk)."""
-    owner_key: str | None = None
-    """With ``chunks_key``: the ownership hash that must name the entry."""
-    logged: bool = True
-    """The save goes into the request's event log (when the log is on)."""
-    refresh_ttl: bool = True
-    """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
-    check_owner: bool = True
-    """With ``chunks_key``: check that ``owner_key`` names the entry (a writer's first save of it)."""
-
-
-def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:
-    """The per-save outcomes of a checkpoint_many call's reply."""
-    return [(int(reply[i]), reply[i + 1] if isinstance(reply[i + 1], int) else _s(reply[i + 1]))
-            for i in range(0, len(reply), 2)]
-
-
-def checkpoint_refused(n: int) -> Callable[[str], list]:
-    """The reply of a checkpoint_many call of ``n`` saves refused as a whole with a message."""
-    return lambda message: [2, message] * n
 
 
 def refusal(reply: Any, key: str) -> StreamRefusedError | None:
@@ -521,12 +487,37 @@ class Scripts:
 
     # -- leases
     async def renew(self, stream: str, group: str, consumer: str, entry_ids: Sequence[str],
-                    idle_ms: int = 0) -> list[str]:
-        """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost."""
+                    idle_ms: int = 0, marks: str | None = None) -> list[str]:
+        """Renew (idle_ms=0) or hand back (idle_ms=claim_idle) owned entries; returns ids lost.
+        ``marks``: a worker's hand-back marks (``Keys.reclaim_marks``: see reclaim_scan.lua)."""
         if not entry_ids:
             return []
-        lost = await _run("renew", [stream], [group, consumer, int(idle_ms), *entry_ids], self.redis)
+        lost = await _run("renew", [stream, *([marks] if marks else [])], [group, consumer, int(idle_ms), *entry_ids],
+                          self.redis)
         return [_s(x) for x in lost]
+
+    async def reclaim_scan(self, *, streams: Sequence[str], marks: str, group: str, min_idle_ms: int,
+                           count: int) -> list[list | str]:
+        """What a reclaim pass looks at in one partition's ``streams`` (see reclaim_scan.lua): per
+        stream, ``[id, consumer, idle ms, deliveries]`` rows, or the stream's refusal (a string)."""
+        reply = await _run("reclaim_scan", [*streams, marks], [group, int(min_idle_ms), int(count)], self.redis)
+        return [_s(x) if isinstance(x, (bytes, str)) else x for x in reply]
+
+    # -- heartbeat with affinity lanes
+    async def lanes_beat(self, keys: Keys, name: str, beat: str, *, claiming: bool, room: bool, late_ms: int,
+                         stale_ms: int, settle_ms: int, epoch: int | None
+                         ) -> tuple[int, list[str], list[str], list[str] | None]:
+        """Write ``name``'s heartbeat (``beat`` JSON; '' deletes it) and its entry in the lane table
+        (see lanes_beat.lua). Returns the table's epoch, the members whose beat is late, the full
+        ones (asked only with ``room``), and the published member list when ``epoch`` is not the
+        current one."""
+        reply = await _run("lanes_beat", [keys.workers, keys.lane_members, keys.lane_full, keys.config,
+                                          keys.lane_plan],
+                           [name, beat, int(claiming), int(room), int(late_ms), int(stale_ms),
+                            -1 if epoch is None else int(epoch), int(settle_ms)], self.redis)
+        current, late, full, plan = reply
+        members = None if plan is None else [n for n in _s(plan).split("\n") if n]
+        return int(current), [_s(x) for x in late], [_s(x) for x in full], members
 
     # -- housekeeping
     async def delete_consumer_if_empty(self, stream: str, group: str, consumer: str) -> int:

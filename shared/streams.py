@@ -24,6 +24,21 @@ async def ensure_group(r: Redis, stream: str, group: str) -> bool:
         raise
 
 
+async def ensure_groups(r: Any, streams: Sequence[str], group: str) -> int:
+    """:func:`ensure_group` on each of ``streams`` in one round trip (a pipeline; a cluster client
+    sends each node its part). Returns how many groups it created."""
+    if not streams:
+        return 0
+    async with r.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xgroup_create(stream, group, id="0", mkstream=True)
+        replies = await pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+            raise reply
+    return sum(1 for reply in replies if not isinstance(reply, Exception))
+
+
 def unique_consumer_name(role: str) -> str:
     """host-pid-random: unique per process start and never reused."""
     host = socket.gethostname().replace(" ", "_")[:40]
@@ -50,6 +65,11 @@ async def read_group(r: Any, group: str, consumer: str, streams: Sequence[str], 
     if block is not None:
         args += ["BLOCK", block]
     reply = await r.execute_command(*args, "STREAMS", *streams, *([">"] * len(streams)))
+    return group_read_entries(reply, streams)
+
+
+def group_read_entries(reply: Any, streams: Sequence[str]) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """An XREADGROUP reply as :func:`read_group` gives it (RESP2 or RESP3, as the parser gives it)."""
     if not reply:
         return []
     by_stream = {text(k): v for k, v in (reply.items() if isinstance(reply, dict) else reply)}

@@ -175,7 +175,7 @@ MAX_TOP_LOGPROBS = 20
 """The most ``top_logprobs_num`` a request may ask for (each is a pair per output token)."""
 
 
-class GenerationRequest(msgspec.Struct, kw_only=True):
+class GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One generation request as it travels on ``{ns}:requests`` (the ``data`` map).
 
     ``v`` 0 and ``submitted_at`` None stand for "now" until the request is encoded; on the wire

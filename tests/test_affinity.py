@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import os
 import signal
 import time
@@ -19,14 +18,8 @@ import pytest
 
 from redroll.consumer.runner import ConsumerRunner
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
-from redroll.engine_worker.lanes import (
-    WATCHERS,
-    LaneTable,
-    claiming_workers,
-    has_room,
-    lane_plan,
-    lane_scores,
-)
+from redroll.engine_worker.lane_plan import lane_heirs, lane_owners
+from redroll.engine_worker.lanes import LaneTable, has_room
 from redroll.engine_worker.worker import Worker
 from redroll.ops.status import collect_pipeline_status
 from redroll.producer import Producer
@@ -66,65 +59,97 @@ def test_lanes_are_independent_of_partitions_and_stable():
 
 
 def test_lane_owners_are_capped_and_move_little():
-    owners, _ = lane_plan(["a", "b", "c"], 8)
+    owners = lane_owners(["a", "b", "c"], 8)
     assert max(collections.Counter(owners).values()) <= 3 and set(owners) == {"a", "b", "c"}
-    assert lane_plan(["c", "a", "b"], 8)[0] == owners  # the same on every worker
-    after, _ = lane_plan(["a", "b"], 8)  # c died: only what c held (and the cap) moves
+    assert lane_owners(["c", "a", "b"], 8) == owners  # the same on every worker
+    after = lane_owners(["a", "b"], 8)  # c died: only what c held (and the cap) moves
     assert sum(x != y for x, y in zip(owners, after)) <= 5
-    assert lane_plan([], 3)[0] == [None, None, None]
+    assert lane_owners([], 3) == [None, None, None]
 
 
-def test_each_lane_has_watchers_besides_its_owner():
-    names = [f"w{i}" for i in range(8)]
-    owners, watchers = lane_plan(names, 32)
-    for owner, watching in zip(owners, watchers):
-        assert len(watching) == WATCHERS and len(set(watching)) == WATCHERS and owner not in watching
-    assert lane_plan(list(reversed(names)), 32) == (owners, watchers)  # the same on every worker
-    kept = {n: lane_scores(n, 32) for n in names}
-    assert lane_plan(names, 32, scores=kept.__getitem__) == (owners, watchers)
-    # In a fleet no larger than WATCHERS + 1, every other worker watches every lane.
-    owners, watchers = lane_plan(["a", "b"], 4)
-    assert all(w == [{"a": "b", "b": "a"}[o]] for o, w in zip(owners, watchers))
-    assert lane_plan([], 2) == ([None, None], [[], []])
+def test_lane_owners_at_fleet_size_are_balanced_and_a_newcomer_moves_few():
+    names = [f"worker-host-{i}" for i in range(1024)]
+    owners = lane_owners(reversed(names), 4096)
+    assert collections.Counter(owners) == {n: 4 for n in names}  # every worker, ceil(L / W) lanes each
+    joined = lane_owners([*names, "newcomer"], 4096)
+    # (the newcomer takes a few lanes; the others stay where they were, but for a few the cap pushes on)
+    assert sum(x != y for x, y in zip(owners, joined)) < 64 and joined.count("newcomer") >= 1
+
+
+async def test_a_burst_of_joins_makes_one_new_member_list(settings, r):
+    """The member list is published at most once per settle time: a fleet that starts (hundreds of
+    joins in seconds) makes a few lists, not one per worker, so each worker computes few plans."""
+    s = settings.with_(affinity_lanes=8)
+    tables = [lane_table(s, r, f"w{i}", settle_ms=60_000) for i in range(5)]
+    for t in tables:
+        await t.beat({"state": "running"}, room=True)
+    assert [t.epoch for t in tables] == [1] * 5  # the first join published at once, the rest wait
+    assert all(t.members == ["w0"] for t in tables) and set(tables[4].owners) == {"w0"}
+    tables[4].settle_ms = 0  # (the settle time has passed)
+    await tables[4].beat({"state": "running"}, room=True)
+    await tables[0].beat({"state": "running"}, room=True)
+    assert tables[0].epoch == tables[4].epoch == 2 and tables[0].members == [f"w{i}" for i in range(5)]
+    assert tables[0].owners == tables[4].owners == lane_owners(tables[0].members, 8)
 
 
 def test_a_beat_has_room_only_when_it_says_so():
-    assert has_room({"inflight": 3, "max_inflight": 8})
-    assert not has_room({"inflight": 8, "max_inflight": 8})
+    assert has_room({"inflight": 3, "max_inflight": 8}) and has_room({"room": True, "inflight": 8, "max_inflight": 8})
+    assert not has_room({"inflight": 8, "max_inflight": 8}) and not has_room({"room": False, "inflight": 0})
     assert not has_room({"state": "running"}) and not has_room(None) and not has_room({"inflight": "x"})
 
 
-async def test_steal_scans_look_at_busy_owners_lanes_and_at_watched_ones(settings, r):
-    """A worker scans every lane of an owner that had no free slot (or did not say) at its last
-    beat, and of the lanes of owners with room only those it watches."""
+def lane_table(s, r, name: str = "me", settle_ms: int = 0) -> LaneTable:
     from types import SimpleNamespace
 
+    from redroll.shared.scripts import Scripts
+
+    ctx = SimpleNamespace(settings=s, redis=r, keys=s.keys, name=name, metrics=None, scripts=Scripts(r),
+                          parts=[s.keys], request_streams=s.keys.request_streams)
+    table = LaneTable(ctx, interval_s=s.heartbeat_s)
+    table.settle_ms = settle_ms
+    return table
+
+
+async def test_the_lane_table_says_who_claims_who_is_full_or_late_and_changes_its_epoch_only_on_joins_and_leaves(
+        settings, r):
+    """Each worker's heartbeat keeps the lane table (lanes_beat.lua): the claiming workers and the
+    time of their last beat; only a join or a leave changes the epoch (and only then is the member
+    list sent back); a member silent for three beats is dropped."""
     s = settings.with_(affinity_lanes=64)
-    now = time.time()
-    beats = {"me": {"state": "running", "seen": now},
-             "busy": {"state": "running", "seen": now, "inflight": 8, "max_inflight": 8},
-             "quiet": {"state": "running", "seen": now}}
-    beats.update({f"idle{i}": {"state": "running", "seen": now, "inflight": 0, "max_inflight": 8} for i in range(5)})
-    await r.hset(s.keys.workers, mapping={k: json.dumps(v) for k, v in beats.items()})
-    table = LaneTable(SimpleNamespace(settings=s, redis=r, keys=s.keys, name="me", metrics=None))
-    assert table.scanned == list(range(64))  # before its first refresh: every lane
-    await table.refresh("running")
-    owners, watchers = lane_plan(beats, 64)
-    assert table.owners == owners
-    expected = [j for j, o in enumerate(owners) if o in ("busy", "quiet") or (o != "me" and "me" in watchers[j])]
-    assert table.scanned == expected
-    assert {owners[j] for j in expected} >= {"busy", "quiet"}
-    assert len(expected) < 64 - len(table.owned)  # not every idle owner's lane
-    # Reclaim passes: the lanes it owns or watches, between the high-priority and the shared stream.
-    reclaimed = [j for j, o in enumerate(owners) if o == "me" or "me" in watchers[j]]
-    assert table.reclaimed == reclaimed and 0 < len(reclaimed) < 64
-    table.ctx.parts, table.ctx.request_streams = [s.keys], s.keys.request_streams
-    assert table.reclaim_streams() == [s.keys.requests_high, *(s.keys.lane(j) for j in reclaimed), s.keys.requests]
-    # The scores it keeps are those of the workers claiming now.
-    assert set(table._scores) == set(beats)
-    await r.hdel(s.keys.workers, "busy")
-    await table.refresh("running")
-    assert set(table._scores) == set(beats) - {"busy"}
+    me, busy, quiet, idle = (lane_table(s, r, n) for n in ("me", "busy", "quiet", "idle"))
+    running = {"state": "running"}
+    await busy.beat(running, room=False)
+    await quiet.beat(running, room=True)
+    await idle.beat(running, room=True)
+    assert me.scanned == list(range(64))  # before its first beat: every lane
+    await me.beat(running, room=True)
+    names = {"me", "busy", "quiet", "idle"}
+    assert me.owners == lane_owners(names, 64) and set(me.owners) == names
+    assert me.full == {"busy"} and me.late == set()
+    # It scans only the lanes of the owner without room; it reclaims only its own.
+    assert me.scanned == [j for j, o in enumerate(me.owners) if o == "busy"]
+    assert me.reclaimed == me.owned and 0 < len(me.owned) < 64
+    assert me.reclaim_streams() == [s.keys.requests_high, *(s.keys.lane(j) for j in me.owned), s.keys.requests]
+    # A beat that changes nobody's membership keeps the epoch: no member list comes back.
+    epoch = me.epoch
+    _, _, _, members = await me.ctx.scripts.lanes_beat(s.keys, "me", "{}", claiming=True, room=True, late_ms=1000,
+                                                     stale_ms=10_000, settle_ms=0, epoch=epoch)
+    assert members is None
+    # quiet's beat is late (older than late_ms): its lanes are scanned too; past stale it is dropped.
+    await r.zadd(s.keys.lane_members, {"quiet": int(time.time() * 1000) - me.late_ms - 100})
+    await me.beat(running, room=True)
+    assert me.epoch == epoch and me.late == {"quiet"}
+    heirs = lane_heirs(names, 64, {"quiet"}, range(64))  # (who looks after quiet's lanes while it is late)
+    assert me.scanned == [j for j, o in enumerate(me.owners) if o == "busy" or (o == "quiet" and heirs[j] == "me")]
+    await r.zadd(s.keys.lane_members, {"quiet": 1})
+    await me.beat(running, room=True)
+    assert me.epoch != epoch and "quiet" not in me.owners and me.late == set()  # dropped, its lanes moved
+    # A worker that stops claiming (paused) leaves the table; so does one that deregisters.
+    await busy.beat({"state": "paused"}, room=False)
+    await idle.leave()
+    await me.beat(running, room=True)
+    assert set(me.owners) == {"me"} and me.full == set() and me.scanned == []
+    assert await r.hexists(s.keys.workers, "busy") and not await r.hexists(s.keys.workers, "idle")
 
 
 async def test_placement_by_key_group_and_priority(settings, r):
@@ -194,20 +219,24 @@ async def test_two_workers_split_the_lanes_and_keep_groups_together(settings, r)
     assert sum(w.stats.claims_by_kind.get("stolen", 0) for w in workers) == 0
 
 
-async def beat_forever(r, keys, name: str, stop: asyncio.Event, **extra) -> None:
-    """A worker that says it is claiming and never claims (hung, or its loop is stuck)."""
-    while not stop.is_set():
-        await r.hset(keys.workers, name, json.dumps({"state": "running", "seen": time.time(), "pid": 0, **extra}))
+async def beat_forever(s, r, name: str, stop: asyncio.Event, *, room: bool, beats: int | None = None) -> None:
+    """A worker that says it is claiming and never claims: full (``room`` False), or silent after
+    ``beats`` beats (hung, or dead before its beat went stale)."""
+    table = lane_table(s, r, name)
+    n = 0
+    while not stop.is_set() and (beats is None or n < beats):
+        await table.beat({"state": "running", "pid": 0}, room=room)
+        n += 1
         await asyncio.sleep(0.2)
 
 
-@pytest.mark.parametrize("ghost_beat", [{}, {"inflight": 0, "max_inflight": 8}], ids=["says-nothing", "says-it-has-room"])
-async def test_entries_on_a_silent_owners_lanes_are_stolen_after_the_wait(settings, r, ghost_beat):
-    # A beat that says the owner has room leaves its lanes to their watchers (here the only other worker).
+@pytest.mark.parametrize("ghost", [dict(room=False), dict(room=True, beats=1)], ids=["says-it-is-full", "falls-silent"])
+async def test_entries_on_a_silent_or_full_owners_lanes_are_stolen_after_the_wait(settings, r, ghost):
+    # A full owner's lanes are scanned from its beat on; a silent one's once its beat is late.
     s = lanes_settings(settings, steal_after_ms=400)
     worker = Worker(s, SyntheticEngine(token_ms=1), max_inflight=8, block_ms=100, name="real")
     stop = asyncio.Event()
-    ghost = asyncio.create_task(beat_forever(r, s.keys, "ghost", stop, **ghost_beat))
+    beats = asyncio.create_task(beat_forever(s, r, "ghost", stop, **ghost))
     try:
         async with running(worker), Producer(s) as p:
             await wait_until(lambda: len(worker.lanes.owned) == 2, 10)
@@ -223,19 +252,13 @@ async def test_entries_on_a_silent_owners_lanes_are_stolen_after_the_wait(settin
             waited = time.monotonic() - sent
     finally:
         stop.set()
-        await ghost
+        await beats
     assert all(x.status is RecordStatus.FINISHED for x in own_records + stolen_records)
     assert all(x.meta_info["queue_ms"] < 400 for x in own_records)
-    assert all(x.meta_info["queue_ms"] >= 400 for x in stolen_records) and waited < 3.0
+    assert all(x.meta_info["queue_ms"] >= 400 for x in stolen_records)
+    # within the steal wait and, for a silent owner, its beat's lateness and one of this worker's beats
+    assert waited < 3.0 + worker.lanes.late_ms / 1000 + s.heartbeat_s
     assert worker.stats.claims_by_kind["stolen"] == len(theirs)
-
-
-def test_only_fresh_claiming_workers_own_lanes():
-    now = 1000.0
-    beats = {"run": {"state": "running", "seen": now}, "stale": {"state": "running", "seen": now - 5},
-             "paused": {"state": "paused", "seen": now}, "draining": {"state": "draining", "seen": now},
-             "blocked": {"state": "blocked", "seen": now}, "waiting": {"state": "weights-waiting", "seen": now}}
-    assert claiming_workers(beats, now, stale_after_s=1.5) == ["run"]
 
 
 async def test_abort_of_a_request_queued_on_a_lane(settings, r):

@@ -33,6 +33,7 @@ EXPECTED = {
     "memory": {"used_memory_before_MB", "used_memory_after_processed_MB", "used_memory_after_window_MB",
                "growth_after_window_MB", "dedup_bytes_per_request"},
     "fleet": {"idle_redis_cpu_8w_lanes_off", "idle_redis_cpu_8w_lanes_on", "ceiling_4w_rps", "ceiling_8w_rps",
+              "registered_8w_lanes_off_s", "registered_8w_lanes_on_s",
               "ceiling_8w_vs_4w"},
 }
 

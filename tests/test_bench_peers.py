@@ -34,7 +34,7 @@ def test_compare_without_peers_has_only_redroll():
     assert "best_peer" not in c
 
 
-@pytest.mark.parametrize("peer", list(PEERS))
+@pytest.mark.parametrize("peer", [*PEERS, "redroll"])
 @pytest.mark.parametrize("role", ["worker", "consumer", "producer"])
 def test_every_peer_has_a_command_for_every_role(peer, role):
     py = Path("/venv/bin/python")
@@ -42,3 +42,15 @@ def test_every_peer_has_a_command_for_every_role(peer, role):
     assert argv[0].startswith("/venv/bin/")
     if role == "producer":
         assert "300" in argv and "/run/producer.json" in argv
+
+
+def test_redroll_runs_beside_the_peers_as_its_users_run_it():
+    """The suite's peers row for redroll is what a user starts: a producer script of the public API,
+    ``redroll worker`` and ``redroll consume`` command lines (no suite tooling)."""
+    py = Path("/venv/bin/python")
+    assert _peer_argv("redroll", py, "worker", 1, Path("/o"))[1:] == [
+        "-m", "redroll.cli", "worker", "--engine", "synthetic", "--max-inflight", "256"]
+    assert _peer_argv("redroll", py, "consumer", 1, Path("/o"))[1:5] == ["-m", "redroll.cli", "consume", "--group"]
+    source = (Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "peer_redroll.py").read_text()
+    assert "from redroll import Settings, make_request, send" in source and "asyncio.run(" in source
+    assert "benchmarks.harness" not in source and "proc_producer" not in source

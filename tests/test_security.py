@@ -242,6 +242,44 @@ async def test_a_worker_user_steals_overdue_lane_entries(acl_server, admin):
     assert acl_denials(admin, ns) == []
 
 
+async def test_a_worker_user_keeps_the_lane_table_hands_back_and_stops_its_read(acl_server, admin):
+    """With affinity lanes a worker's heartbeat is lanes_beat.lua (its heartbeat, the lane table);
+    its hand-back raises the stream's hand-back mark; its stop cuts its claim read short (CLIENT
+    ID, CLIENT UNBLOCK): each runs as the worker's ACL user."""
+    ns = "sec" + uuid.uuid4().hex[:8]
+    prod_s = make_user(admin, acl_server, ns, "producer").with_(affinity_lanes=4)
+    work_s = make_user(admin, acl_server, ns, "worker").with_(affinity_lanes=4)
+    keys = work_s.keys
+    admin.acl_log_reset()
+    worker = Worker(work_s, SyntheticEngine(token_ms=2), max_inflight=4)  # (its claim reads wait long)
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_until(lambda: worker.lanes is not None and len(worker.lanes.owned) == 4, 10)
+        async with Producer(prod_s, block_ms=100) as p:
+            futs = await p.submit_many([make_request(request_id=f"k{i}", prompt="x", sampling_params=SP,
+                                                     affinity_key=f"key-{i}") for i in range(8)])
+            recs = await asyncio.wait_for(asyncio.gather(*futs), 15)
+        assert all(x.status is RecordStatus.FINISHED for x in recs)
+        stopped = asyncio.get_running_loop().time()
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+        assert asyncio.get_running_loop().time() - stopped < 5  # (its read waits 20 s unless cut short)
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 20)
+    assert not admin.hexists(keys.workers, worker.name) and admin.zcard(keys.lane_members) == 0
+    w = connect(work_s)
+    try:  # a hand-back as the worker: the entry's idle time set, the mark raised
+        entry = admin.xadd(keys.requests, {"rid": "h", "data": b"x"}).decode()
+        admin.xreadgroup(WORKERS_GROUP, "holder", {keys.requests: ">"}, count=1)
+        assert await Scripts(w).renew(keys.requests, WORKERS_GROUP, "holder", [entry], idle_ms=60_000,
+                                      marks=keys.reclaim_marks) == []
+    finally:
+        await w.aclose()
+    assert admin.zscore(keys.reclaim_marks, keys.requests) == int(entry.split("-")[0])
+    assert acl_denials(admin, ns) == []
+
+
 # ---------------------------------------------------------------- what each role may not do
 
 

@@ -854,3 +854,33 @@ async def test_a_batch_finish_logs_each_item_in_its_own_event_log_and_a_refused_
     assert await r.xlen(keys.reply("p")) == 1 and await r.xlen(keys.results) == 1
     assert await r.hgetall(keys.owner("p")) == {}  # (mine-1's field went with its finish)
     assert await r.type(keys.owner("p")) in (b"none", b"hash")
+
+
+async def test_a_reclaim_scan_walks_only_entries_old_enough_to_be_idle_and_those_handed_back(settings, r):
+    """reclaim_scan.lua: XPENDING ... IDLE up to the newest entry that can have been idle that long
+    (made before now - min idle), or the newest handed back (renew.lua's mark), not further."""
+    from redroll.shared.scripts import Scripts
+
+    keys, stream = settings.keys, settings.keys.requests
+    scripts = Scripts(r)
+    await ensure_group(r, stream, WORKERS_GROUP)
+    seconds, micros = await r.time()
+    old_id = f"{seconds * 1000 + micros // 1000 - 120_000}-0"  # (made two minutes ago)
+    old = (await r.xadd(stream, {"rid": "old"}, id=old_id)).decode()
+    fresh = (await r.xadd(stream, {"rid": "fresh"})).decode()
+    handed = (await r.xadd(stream, {"rid": "handed"})).decode()
+    await r.xreadgroup(WORKERS_GROUP, "dead", {stream: ">"}, count=3)
+    # Idle for a minute each (an XCLAIM ... IDLE): only the old one can really be, and the hand-back.
+    await r.xclaim(stream, WORKERS_GROUP, "dead", 0, [old, fresh], idle=60_000, justid=True)
+
+    async def scan() -> list[str]:
+        [rows] = await scripts.reclaim_scan(streams=[stream], marks=keys.reclaim_marks, group=WORKERS_GROUP,
+                                            min_idle_ms=30_000, count=10)
+        return [row[0].decode() for row in rows]
+
+    assert await scan() == [old]
+    assert await scripts.renew(stream, WORKERS_GROUP, "dead", [handed], idle_ms=60_000, marks=keys.reclaim_marks) == []
+    assert await scan() == [old, fresh, handed]  # (up to the newest handed back: the fresh one is in range)
+    [refused] = await scripts.reclaim_scan(streams=[keys.lane(0)], marks=keys.reclaim_marks, group=WORKERS_GROUP,
+                                           min_idle_ms=30_000, count=10)
+    assert isinstance(refused, str) and "NOGROUP" in refused

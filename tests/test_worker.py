@@ -207,9 +207,34 @@ class _Counting(SyntheticEngine):
             self.running -= 1
 
 
-async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r):
-    """A claim read already blocking when the stop comes still returns entries submitted after it:
-    they are handed back (delivery count unchanged), never started, and another worker runs them."""
+async def test_a_stop_ends_an_idle_claim_read_at_once(settings, r):
+    """An idle worker's claim read waits long (few commands for an idle fleet); a stop cuts it short
+    (CLIENT UNBLOCK): the worker stops at once, and what is submitted afterwards stays queued."""
+    worker = Worker(settings, SyntheticEngine(), max_inflight=8)
+    task = asyncio.create_task(worker.run())
+    await wait_until(lambda: worker.state() == "running")
+    await asyncio.sleep(0.3)  # the claim read is blocking now
+    assert worker._claimer.readers[0].block_ms >= 10_000
+    stopped_at = time.monotonic()
+    worker.request_stop()
+    await asyncio.wait_for(task, 10)
+    assert time.monotonic() - stopped_at < 2.0 and worker.stats.claimed == 0
+    await send(settings, r, [make_request(request_id="after", prompt="x")])
+    assert await r.xlen(settings.keys.requests) == 1
+    assert await r.xpending(settings.keys.requests, "workers") == {"pending": 0, "min": None, "max": None,
+                                                                 "consumers": []}
+
+
+async def test_entries_claimed_after_the_stop_began_go_back_at_once(settings, r, monkeypatch):
+    """A claim read that Redis answers before the stop's cut reaches it (here: a read that is not
+    cut short at all) returns entries submitted after the stop: they are handed back (delivery
+    count unchanged), never started, and another worker runs them."""
+    from redroll.engine_worker.blocking import BlockingRead
+
+    async def not_cut(self) -> None:
+        return None
+
+    monkeypatch.setattr(BlockingRead, "interrupt", not_cut)
     engine = _Counting()
     worker = Worker(settings, engine, max_inflight=8, block_ms=3000)
     task = asyncio.create_task(worker.run())
@@ -234,19 +259,19 @@ async def test_entries_read_without_a_reply_are_reclaimed_in_bulk(settings, r, m
     redis-py does on a dropped connection): the entries sit in this worker's pending list unknown
     to it. Its reclaim pass takes them back after claim_idle, all at once (they never ran, so they
     are no suspects to run alone), and runs them."""
-    from redroll.engine_worker import claim
+    from redroll.engine_worker.blocking import BlockingRead
 
-    original = claim.read_group
+    original = BlockingRead.read
     state = {"swallowed": 0}
 
-    async def retried_read(r, group, consumer, streams, **kw):
-        result = await original(r, group, consumer, streams, **kw)
-        if group == WORKERS_GROUP and result and state["swallowed"] == 0:
+    async def retried_read(self, streams, count, block_ms=None):
+        result = await original(self, streams, count, block_ms)
+        if result and state["swallowed"] == 0:
             state["swallowed"] += 1
-            return await original(r, group, consumer, streams, **kw)  # the silent retry
+            return await original(self, streams, count, block_ms)  # the silent retry
         return result
 
-    monkeypatch.setattr(claim, "read_group", retried_read)
+    monkeypatch.setattr(BlockingRead, "read", retried_read)
     engine = _Counting(token_ms=50)
     worker = Worker(settings, engine, max_inflight=8, block_ms=200)
     task = asyncio.create_task(worker.run())

@@ -16,6 +16,7 @@ import redis
 from redroll.cli import (
     acl,
     bench,
+    capacity,
     consume,
     dashboard,
     dead,
@@ -37,7 +38,7 @@ from redroll.shared.settings import Settings
 __all__ = ["COMMAND_GROUPS", "build_parser", "main"]
 
 COMMAND_GROUPS = (demo, worker, consume, submit, serve, dashboard, weights, dead, trace, operations, functions,
-                  acl, bench)
+                  acl, capacity, bench)
 """The modules that add the commands (each has ``add_parser(sub)``), in the order the help lists them."""
 
 

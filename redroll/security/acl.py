@@ -101,6 +101,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     results, dead = f"{pt}:results", f"{pt}:dead"
     control, handbacks = f"{t}:control", f"{t}:handbacks"
     weights, workers, errors, aborted = f"{t}:weights", f"{t}:workers", f"{t}:errors", f"{t}:aborted"
+    lane_members, lane_full, lane_plan = f"{t}:lanes:members", f"{t}:lanes:full", f"{t}:lanes:plan"
     rid = f"{pt}:rid:*"
     partial = f"{pt}:partial:*"
     events = f"{pt}:events:*"
@@ -108,6 +109,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     replies = f"{pt}:reply:*"
     owners = f"{pt}:own:*"
     chunks = f"{pt}:chunks:*"
+    reclaim_marks = f"{pt}:reclaim_marks"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
     sessions = f"{t}:session:*"
@@ -171,13 +173,17 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         ]
     if role == "worker":
         return [
-            Grant((*conn, "multi", "exec", *scripts, "scan", "time"),
+            Grant((*conn, "multi", "exec", *scripts, "scan", "time", "client|id", "client|unblock"),
                   rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events,
-                     chunks),
+                     chunks, reclaim_marks, workers, config, lane_members, lane_full, lane_plan),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
-                  "renew, claim and claim_lanes (TIME: server time for overdue lane entries), and housekeeping's "
+                  "renew, claim and claim_lanes (TIME: server time for overdue lane entries), reclaim_scan and "
+                  "lanes_beat (TIME: server time for idle entries and heartbeats), and housekeeping's "
                   "delete_consumer_if_empty and release_rids with their keys (FCALL); SCAN ... TYPE for reply "
-                  "streams, rid keys and checkpoints to collect (SCAN is keyless: ACLs cannot narrow it)"),
+                  "streams, rid keys and checkpoints to collect (SCAN is keyless: ACLs cannot narrow it); CLIENT "
+                  "ID on its blocking claim read's connection and CLIENT UNBLOCK ... TIMEOUT from another, to cut "
+                  "that read short when it stops or its lanes change (it returns as if it timed out, nothing "
+                  "delivered; keyless, so not narrowed to its own connections)"),
             Grant(("xgroup|create", "xreadgroup", "xpending", "xclaim", "xack", "xdel", "xinfo|consumers",
                    "xinfo|groups", "xrange", "xlen", "xgroup|delconsumer"), rw(requests, requests_high, lanes),
                   "claim (XREADGROUP, plain or in claim.lua; claim_lanes.lua also XINFO GROUPS and XRANGE to find overdue lane "
@@ -214,13 +220,22 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "(an idle worker takes what a worker given notice handed back at once), in one read"),
             Grant(("xadd",), wr(handbacks), "note the entries it hands back on a notice"),
             Grant(("hget", "hgetall"), rd(weights), "load the desired weights at start and check a min_weight_version"),
+            Grant(("zadd", "zscore"), rw(reclaim_marks),
+                  "hand-back marks: how new the entries handed back on each request stream are (renew.lua), "
+                  "so that reclaim passes look that far (reclaim_scan.lua)"),
             Grant(("hset", "hdel", "hgetall"), rw(workers), "heartbeat, deregister, drop stale heartbeats"),
+            Grant(("zadd", "zrem", "zrange", "zrangebyscore", "sadd", "srem", "smembers", "set", "get"),
+                  rw(lane_members, lane_full, lane_plan),
+                  "the affinity lanes' table (lanes_beat.lua, with the heartbeat): the claiming workers and "
+                  "when each beat last, those without a free slot, the published member list"),
             Grant(("hset", "hget", "hmget", "hdel"), rw(errors), "last engine error / hand-back note per entry"),
             Grant(("zrangebyscore",), rd(aborted),
                   "load the aborted ids at start (later ones come on the control stream)"),
             Grant(("hset", "expire"), wr(wsync),
                   "report its progress in a trainer's weight push (joined, received, committed, failed)"),
-            Grant(("hget", "hsetnx"), rw(config), "agree on the number of affinity lanes (publish it first)"),
+            Grant(("hget", "hsetnx", "hmget", "hset", "hincrby"), rw(config),
+                  "agree on the number of affinity lanes (publish it first); the lane table's epoch "
+                  "(lanes_beat.lua)"),
         ]
     if role == "consumer":
         source = glob_escape(stream) if stream else results

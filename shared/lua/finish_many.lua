@@ -8,7 +8,8 @@
 -- then per item 6 values: entry id, rid, status, data (msgpack), reply MAXLEN cap ('0' = none),
 -- '1' when the request is resumable (its checkpoint, if it names this entry, is deleted too);
 -- then the event log's cap in bytes ('0' = off; negative: the finish only adds to a log that
--- exists, one an incident began) and TTL, and per item the record's summary for it
+-- exists, one an incident began) and TTL, and per item the record's summary for it ('' with only
+-- incidents logged: the worker knows of no incident of the request, so no log is looked for)
 -- Returns one value per item: 1 published, 2 published by an earlier call of this consumer (a
 -- retried finish whose first reply was lost: nothing is written again), 0 fenced (this consumer no
 -- longer owns the entry and did not finish it, or the entry came earlier in this call), 3 refused:
@@ -131,11 +132,14 @@ for i = 1, n do
         local head = redis.pcall('GETRANGE', partial, 0, 43)
         if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial) end
       end
-      if ev_cap > 0 and (ev_any or redis.call('EXISTS', KEYS[2 + 4 * n + i]) == 1) then
+      -- (with only incidents logged: an item whose summary is empty had none the worker knows of, so
+      -- it has no log to look for: a first delivery, never taken back or checkpointed)
+      local summary = ARGV[ev_at + 2 + i]
+      if ev_cap > 0 and (ev_any or (summary ~= '' and redis.call('EXISTS', KEYS[2 + 4 * n + i]) == 1)) then
         log_event(KEYS[2 + 4 * n + i], ev_cap, ev_ttl,
                   string.match(added, '^%d+') .. '\tfinished\tworker=' .. ARGV[3] .. '\tentry=' .. entry .. '\tstream=' .. sname ..
                   '\tstatus=' .. ARGV[a + 3] .. '\treply=' .. reply .. '\trec=' .. added ..
-                  '\tsummary=' .. ARGV[ev_at + 2 + i])
+                  '\tsummary=' .. summary)
       end
       out[i] = 1
     end

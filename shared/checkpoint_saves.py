@@ -1,0 +1,51 @@
+"""A checkpoint_many call's typed messages: one save of one request's partial output, and the
+call's per-save outcomes (the function itself: ``shared/lua/checkpoint_many.lua``, called by
+:meth:`redroll.shared.scripts.Scripts.checkpoint_many_in`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """One part of one request's partial output to save (see :meth:`Scripts.checkpoint_many_in`)."""
+
+    requests_key: str
+    partial_key: str
+    entry_id: str
+    saved: int
+    """Tokens the writer has saved of this entry so far (the checkpoint must hold as many)."""
+    adding: int
+    part: bytes
+    """The part, as :func:`redroll.shared.chunks.encode_part` makes it."""
+    chunks_key: str | None = None
+    """A streamed request's chunk stream (the part is also its next chunk)."""
+    owner_key: str | None = None
+    """With ``chunks_key``: the ownership hash that must name the entry."""
+    logged: bool = True
+    """The save goes into the request's event log (when the log is on)."""
+    refresh_ttl: bool = True
+    """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
+    check_owner: bool = True
+    """With ``chunks_key``: check that ``owner_key`` names the entry (a writer's first save of it)."""
+
+
+def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:
+    """The per-save outcomes of a checkpoint_many call's reply."""
+    return [(int(reply[i]), reply[i + 1] if isinstance(reply[i + 1], int) else _text(reply[i + 1]))
+            for i in range(0, len(reply), 2)]
+
+
+def checkpoint_refused(n: int) -> Callable[[str], list]:
+    """The reply of a checkpoint_many call of ``n`` saves refused as a whole with a message."""
+    return lambda message: [2, message] * n
+
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+__all__ = ["CheckpointSave", "checkpoint_outcomes", "checkpoint_refused"]
