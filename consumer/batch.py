@@ -40,12 +40,20 @@ large records is never all decoded and alive at once."""
 
 @dataclass
 class ConsumerStats:
+    """What this consumer did since it started (``redroll consume``'s metrics read them)."""
+
     applied: int = 0
+    """Records its handlers applied."""
     duplicates_skipped: int = 0
+    """Records already applied by the group (a redelivery, a second record of a request_id)."""
     failures: int = 0
+    """Handler calls that raised (the record stays pending and is delivered again)."""
     dead_lettered: int = 0
+    """Records given up after ``max_deliveries`` failed applications."""
     reclaimed: int = 0
+    """Records taken over from a consumer that stopped renewing them."""
     trimmed: int = 0
+    """Records deleted from the stream once every group applied them."""
     refusals: int = 0
     """Times Redis refused this consumer's markers or dead letters (out of memory, ...)."""
     unhandled: int = 0

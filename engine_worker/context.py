@@ -25,8 +25,12 @@ from redroll.shared.settings import Settings
 
 @dataclass
 class WorkerStats:
+    """What this worker did since it started (its heartbeat, metrics and logs read them)."""
+
     claimed: int = 0
+    """Entries claimed new (not taken back)."""
     reclaimed: int = 0
+    """Entries taken back from a dead worker or a hand-back."""
     checkpoints: int = 0
     """Checkpoint parts saved for resumable requests."""
     resumed: int = 0

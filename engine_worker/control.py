@@ -2,14 +2,16 @@
 
 ``{ns}:control`` is read with plain XREAD from the position the worker had when it started, so
 every worker sees every command once; ``{ns}:handbacks`` in the same read: another worker's note
-that it handed entries back (a notice) starts a reclaim pass at once. Aborts are also kept in ``{ns}:aborted``, loaded at start,
-so a queued request aborted before this worker existed is still skipped.
+that it handed entries back (a notice) starts a reclaim pass at once. Aborts are also kept in
+``{ns}:aborted``, loaded at start, so a queued request aborted before this worker existed is
+still skipped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from redis.asyncio import Redis
@@ -69,17 +71,23 @@ class ControlTarget(Protocol):
     def reclaim_now(self) -> None: ...
 
 
+@dataclass(eq=False)
 class ControlListener:
-    def __init__(self, r: Redis, keys: Keys, name: str, target: ControlTarget, aborted: AbortedSet,
-                 block_ms: int):
-        self.redis = r
-        self.keys = keys
-        self.name = name
-        self.target = target
-        self.aborted = aborted
-        self.block_ms = block_ms
-        self.last_id = "0-0"
-        self.last_handback = "0-0"
+    """One worker's reader of the control stream and the hand-back notes."""
+
+    redis: Redis
+    keys: Keys
+    name: str
+    """The worker's name (a command's ``target``)."""
+    target: ControlTarget
+    """What runs the commands (the worker)."""
+    aborted: AbortedSet
+    block_ms: int
+    """How long one read waits."""
+    last_id: str = "0-0"
+    """The last command read."""
+    last_handback: str = "0-0"
+    """The last hand-back note read."""
 
     async def start(self) -> None:
         """Fix the read positions at the newest command and hand-back note, then load the aborted

@@ -28,11 +28,13 @@ class GroupOutcome:
     """Every member of a group, each in exactly one list."""
 
     accepted: list[CompletionRecord] = field(default_factory=list)
+    """Finished, and the filter said yes (the first k of them)."""
     rejected: list[CompletionRecord] = field(default_factory=list)
     """Finished, but the filter said no."""
     surplus: list[CompletionRecord] = field(default_factory=list)
     """Finished after k were accepted (the abort came too late for them)."""
     aborted: list[CompletionRecord] = field(default_factory=list)
+    """Aborted once k were accepted, before they finished."""
     failed: list[CompletionRecord] = field(default_factory=list)
     """Status error or expired."""
 

@@ -13,11 +13,15 @@ class CheckpointSave:
     """One part of one request's partial output to save (see :meth:`Scripts.checkpoint_many_in`)."""
 
     requests_key: str
+    """The request stream the entry is on (its lease is read there)."""
     partial_key: str
+    """The checkpoint's key (``{tag}:partial:<request_id>``)."""
     entry_id: str
+    """The request entry the checkpoint belongs to."""
     saved: int
     """Tokens the writer has saved of this entry so far (the checkpoint must hold as many)."""
     adding: int
+    """Tokens in this part."""
     part: bytes
     """The part, as :func:`redroll.shared.chunks.encode_part` makes it."""
     chunks_key: str | None = None

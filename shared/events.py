@@ -129,12 +129,16 @@ class Delivery:
     """An entry a worker took back (XCLAIM), as the reclaim knows it."""
 
     stream: str
+    """The request stream it is on."""
     entry_id: str
     fields: Any
     """The entry's stream fields (``rid`` names the request)."""
     n: int
+    """Its delivery count with this delivery."""
     previous: str | None = None
+    """The consumer that held it before."""
     why: str | None = None
+    """Why it was taken back (a death, a hand-back, a lost claim reply)."""
 
 
 def delivery_events(deliveries: Iterable[Delivery], worker: str) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ def test_every_constant_says_where_it_came_from():
 
 
 def test_plain_requests_cost_their_rate_times_the_request_constant():
-    e = estimate(Workload(tokens_per_s=5000, completion_tokens=500), share_of_core=1.0, **GIVEN)
+    e = estimate(Workload(tokens_per_s=5000, completion_tokens=500, continuation=False), share_of_core=1.0, **GIVEN)
     assert e.requests_per_s == 10.0 and e.chunks_per_s == 0.0
     assert e.per_gpu_us == {"requests": 1000.0, "stream_chunks": 0.0, "checkpoints": 0.0, "idle_workers": 20.0}
     assert e.gpus == pytest.approx(1e6 / 1020.0)
@@ -38,22 +38,27 @@ def test_a_stream_sends_a_chunk_every_k_tokens_by_the_8_token_rule_or_the_timer(
     assert e.per_gpu_us["stream_chunks"] == pytest.approx(e.chunks_per_s * 50.0)
 
 
-def test_checkpoints_count_only_for_long_resumable_requests_that_are_not_streamed():
-    long = Workload(tokens_per_s=2560, completion_tokens=4096, concurrency=10, resumable=True,
+def test_checkpoints_count_only_for_requests_that_continue_and_are_not_streamed():
+    long = Workload(tokens_per_s=2560, completion_tokens=4096, concurrency=10,
                     checkpoint_tokens=256, checkpoint_interval_s=1.0, checkpoint_min_new_tokens=1024)
     # each stream makes 256 tokens a second: a save a second, 16 s a request, the last part goes with the finish
     assert estimate(long, **GIVEN).checkpoints_per_s == pytest.approx(15 * 2560 / 4096)
-    assert estimate(Workload(tokens_per_s=2560, completion_tokens=500, resumable=True), **GIVEN).checkpoints_per_s == 0
-    assert estimate(Workload(tokens_per_s=2560, completion_tokens=4096, resumable=True, stream=True),
+    assert estimate(Workload(tokens_per_s=2560, completion_tokens=500, checkpoint_min_new_tokens=1024),
                     **GIVEN).checkpoints_per_s == 0
+    assert estimate(Workload(tokens_per_s=2560, completion_tokens=4096, stream=True), **GIVEN).checkpoints_per_s == 0
+    assert estimate(Workload(tokens_per_s=2560, completion_tokens=4096, continuation=False),
+                    **GIVEN).checkpoints_per_s == 0
+    # (the defaults: every request continues, saved every 32 tokens and 2 s, whichever later)
+    default = estimate(Workload(tokens_per_s=2560, completion_tokens=4096, concurrency=10), **GIVEN)
+    assert default.checkpoints_per_s == pytest.approx((16 / 2 - 1) * 2560 / 4096)
 
 
 def test_shards_divide_the_per_request_work_but_not_the_heartbeats():
-    e = estimate(Workload(tokens_per_s=1000, completion_tokens=100), share_of_core=0.5, shards=(1, 4), **GIVEN)
+    w = Workload(tokens_per_s=1000, completion_tokens=100, continuation=False)
+    e = estimate(w, share_of_core=0.5, shards=(1, 4), **GIVEN)
     variable, fixed = 10 * 100.0, 20.0
     assert e.shards[1] == pytest.approx(0.5e6 / (variable + fixed)) == pytest.approx(e.gpus)
     assert e.shards[4] == pytest.approx(0.5e6 / (variable / 4 + fixed))
-    w = Workload(tokens_per_s=1000, completion_tokens=100)
     assert redis_share(w, 100, **GIVEN) == pytest.approx(100 * (variable + fixed) / 1e6)
 
 

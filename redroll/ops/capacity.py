@@ -6,7 +6,7 @@ decoding at once and ``w`` workers::
 
     requests/s            R = T / L
     streamed chunks/s     K = T / k,  k = min(stream_chunk_tokens, max(1, (T / c) x (stream_chunk_ms + e) / 1000))
-    checkpoints/s         P = c / max(checkpoint_tokens / (T / c), checkpoint_interval_s)   (resumable, not streamed)
+    checkpoints/s         P = c / max(checkpoint_tokens / (T / c), checkpoint_interval_s)   (continued, not streamed)
     Redis CPU (µs/s)      U = R x request_us + K x chunk_us + P x checkpoint_us + w x idle_worker_us
     GPUs one primary carries at a share u of its core:   N = u x 1,000,000 / U
 
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from redroll.shared.settings import Settings
 
 MILLION = 1_000_000.0
 
@@ -64,9 +66,11 @@ CONSTANTS: dict[str, Constant] = {
         "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
         "less stream_chunk_ms (50), median of 3 runs (31.7-44.3), 2026-12-06"),
     "checkpoint_us": Constant(
-        77.4, "µs of redis-server CPU per checkpoint of a resumable request that is not streamed",
-        "taken as chunk_us (benchmarks.capacity_check --measure): the same fenced append, less its reader's "
-        "read, so the figure errs high"),
+        57.7, "µs of redis-server CPU per checkpoint of a request that is not streamed",
+        "python -m benchmarks.checkpoint_cost: 0.26 µs (0.17-0.29) of Redis CPU per checkpointed token x 222 "
+        "tokens a checkpoint (128 generations of 2,000 tokens at 10 ms a token on one worker, checkpoints on "
+        "against off, median of 3 paired runs), 2026-12-06; a worker's saves of one tick are one call, so a "
+        "worker with fewer requests at once pays more a save"),
     "idle_worker_us": Constant(
         24.0, "µs of redis-server CPU per second per worker: heartbeat, blocking reads, reclaim passes",
         "python -m benchmarks.fleet --workers 1024: idle_redis_cpu_1024w_lanes_off (1,024 idle workers in 8 "
@@ -86,14 +90,16 @@ class Workload:
     concurrency: int = 64
     """Requests decoding at once per GPU (sets each stream's speed, hence its chunk size)."""
     stream: bool = False
-    resumable: bool = False
-    """Requests checkpoint their output (not streamed ones: their chunks do)."""
+    continuation: bool = True
+    """Requests continue after a hand-back or a death, so they checkpoint their output (the workers'
+    ``continuation`` setting, on by default, for single-sample requests; streamed ones always, through
+    their chunks). False: nothing is saved but streamed requests' chunks."""
     workers_per_gpu: float = 1.0
-    stream_chunk_tokens: int = 8
-    stream_chunk_ms: float = 50.0
-    checkpoint_tokens: int = 256
-    checkpoint_interval_s: float = 10.0
-    checkpoint_min_new_tokens: int = 1024
+    stream_chunk_tokens: int = Settings.stream_chunk_tokens
+    stream_chunk_ms: float = Settings.stream_chunk_ms
+    checkpoint_tokens: int = Settings.checkpoint_tokens
+    checkpoint_interval_s: float = Settings.checkpoint_interval_s
+    checkpoint_min_new_tokens: int = Settings.checkpoint_min_new_tokens
     """Requests of fewer tokens are never checkpointed (the worker's setting)."""
 
     def __post_init__(self) -> None:
@@ -156,10 +162,10 @@ def tokens_per_chunk(w: Workload, extra_ms: float = 0.0) -> float:
 
 
 def checkpoints_per_s(w: Workload) -> float:
-    """Checkpoint writes per GPU per second: a resumable request saves every ``checkpoint_tokens``
-    tokens or ``checkpoint_interval_s``, whichever comes later, once it has more than
-    ``checkpoint_min_new_tokens`` to make (none otherwise)."""
-    if not w.resumable or w.stream or w.completion_tokens < w.checkpoint_min_new_tokens:
+    """Checkpoint writes per GPU per second: a request that continues saves every
+    ``checkpoint_tokens`` tokens or ``checkpoint_interval_s``, whichever comes later, when it has at
+    least ``checkpoint_min_new_tokens`` to make (none otherwise)."""
+    if not w.continuation or w.stream or w.completion_tokens < w.checkpoint_min_new_tokens:
         return 0.0
     per_stream = w.tokens_per_s / w.concurrency
     every_s = max(w.checkpoint_tokens / per_stream, w.checkpoint_interval_s)
@@ -201,7 +207,7 @@ def render(e: Estimate, gpus: int | None = None) -> str:
     lines = [
         f"workload per GPU: {w.tokens_per_s:,.0f} tokens/s, {w.completion_tokens:,.0f}-token completions, "
         f"{w.concurrency} decoding at once, streaming {'on' if w.stream else 'off'}, "
-        f"checkpoints {'on' if w.resumable and not w.stream else 'off'}, {w.workers_per_gpu:g} worker(s)",
+        f"checkpoints {'on' if w.continuation and not w.stream else 'by chunk' if w.stream else 'off'}, {w.workers_per_gpu:g} worker(s)",
         "",
         f"requests/s      R = T / L = {w.tokens_per_s:,.0f} / {w.completion_tokens:,.0f} = {e.requests_per_s:,.2f}",
     ]

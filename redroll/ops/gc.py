@@ -22,11 +22,18 @@ from redroll.shared.streams import id_tuple, text
 
 @dataclass
 class GcReport:
+    """What a collection deleted (or, dry, would delete), by kind."""
+
     reply_streams: list[str] = field(default_factory=list)
+    """Reply streams without a TTL whose producer has been gone longer than ``reply_ttl_s``."""
     heartbeats: list[str] = field(default_factory=list)
+    """Heartbeats of workers that stopped beating."""
     consumers: list[str] = field(default_factory=list)
+    """Workers' group consumers with nothing pending, idle longer than ``idle_consumer_s``."""
     checkpoints: list[str] = field(default_factory=list)
+    """Checkpoints whose request is gone (no submit de-duplication key names it)."""
     rid_keys: list[str] = field(default_factory=list)
+    """Submit de-duplication keys whose entry is gone (a request cancelled while queued)."""
 
     def to_json(self) -> dict:
         return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers,

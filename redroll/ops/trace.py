@@ -36,13 +36,18 @@ class Event(msgspec.Struct, kw_only=True):
     fields: dict[str, Any]
 
 
-class Submitted(msgspec.Struct, kw_only=True):
-    """The request's submit, as its entry in the request stream tells it."""
+class Step(msgspec.Struct, kw_only=True):
+    """A step of the request's life on one of its entries."""
 
     at: float
-    """When the request entry was added (its id's time)."""
+    """When it happened (Unix seconds)."""
     entry: str
-    """The request entry's id."""
+    """The request entry it happened to."""
+
+
+class Submitted(Step, kw_only=True):
+    """The request's submit, as its entry in the request stream tells it (``at``: its id's time)."""
+
     stream: str
     """The request stream it was queued on."""
     priority: str
@@ -74,27 +79,21 @@ class DeliveryStep(msgspec.Struct, kw_only=True):
     """When it ended, when the log says."""
 
 
-class CheckpointStep(msgspec.Struct, kw_only=True):
-    """A run of checkpoints one delivery saved (the log keeps the last of a run, with its count)."""
+class CheckpointStep(Step, kw_only=True):
+    """A run of checkpoints one delivery saved (the log keeps the last of a run, with its count;
+    ``at``: when the last of them was saved)."""
 
-    at: float
-    """When the last of them was saved."""
     worker: str
-    entry: str
     tokens: int
     """Tokens saved by the last of them."""
     saves: int = 1
 
 
-class RecordStep(msgspec.Struct, kw_only=True):
-    """The request's record: the finish that published it."""
+class RecordStep(Step, kw_only=True):
+    """The request's record: the finish that published it (``at``), of its ``entry``."""
 
-    at: float
-    """When it was published."""
     worker: str
     """The worker whose finish published it."""
-    entry: str
-    """The request entry it finished."""
     status: str
     """finished, aborted, expired or error."""
     reply: str
@@ -117,13 +116,9 @@ class RecordStep(msgspec.Struct, kw_only=True):
     """Whether the record itself is still in ``reply`` (consumers delete or trim what they read)."""
 
 
-class DeadStep(msgspec.Struct, kw_only=True):
-    """The request's entry (or its record, for a consumer group) dead-lettered."""
+class DeadStep(Step, kw_only=True):
+    """The request's entry (or its record, for a consumer group) dead-lettered, at ``at``."""
 
-    at: float
-    """When it was dead-lettered."""
-    entry: str
-    """The entry dead-lettered."""
     source: str
     """Who dead-lettered it: worker, producer or consumer:<group>."""
     reason: str

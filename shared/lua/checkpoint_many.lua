@@ -44,17 +44,7 @@ local ev_cap, ev_ttl = tonumber(ARGV[6]), ARGV[7]
 local n = (#KEYS - S) / 4
 local out = {}
 
--- Entry ids are canonical '<ms>-<seq>': the dash's place orders the ms parts' lengths, and ids of
--- the same shape order as text.
-local function less(a, b)
-  local da, db = string.find(a, '-', 1, true), string.find(b, '-', 1, true)
-  if not da or not db then error('checkpoint_many: not a stream entry id: ' .. (da and b or a)) end
-  if da ~= db then return da < db end
-  if #a == #b then return a < b end
-  local ma, mb = string.sub(a, 1, da), string.sub(b, 1, db)
-  if ma ~= mb then return ma < mb end
-  return #a < #b
-end
+local less = entry_id_less
 
 local owned = {}
 for s = 1, S do

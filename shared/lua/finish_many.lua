@@ -46,17 +46,8 @@ local use_marker = mtype == 'none' or mtype == 'list'
 
 -- Which of the entries this consumer still owns: one XPENDING over the batch's id range, filtered
 -- by consumer (its own pending entries there: at most what it has in flight), instead of one call
--- per item. Entry ids are canonical '<ms>-<seq>': the dash's place orders the ms parts' lengths,
--- and ids of the same shape order as text.
-local function less(a, b)
-  local da, db = string.find(a, '-', 1, true), string.find(b, '-', 1, true)
-  if not da or not db then error('finish_many: not a stream entry id: ' .. (da and b or a)) end
-  if da ~= db then return da < db end
-  if #a == #b then return a < b end
-  local ma, mb = string.sub(a, 1, da), string.sub(b, 1, db)
-  if ma ~= mb then return ma < mb end
-  return #a < #b
-end
+-- per item.
+local less = entry_id_less
 local lo, hi
 for i = 1, n do
   local entry = ARGV[5 + (i - 1) * 6 + 1]

@@ -1,6 +1,6 @@
--- Shared by the functions that write a request's event log (checkpoint, dead_letter, finish_many)
--- or end a request (dead_letter, finish_many): placed once at the top of the library by
--- redroll.shared.functions.build_library.
+-- Shared by the functions that write a request's event log (checkpoint_many, dead_letter,
+-- finish_many), end a request (dead_letter, finish_many) or fence a batch (checkpoint_many,
+-- finish_many): placed once at the top of the library by redroll.shared.functions.build_library.
 
 -- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
 -- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
@@ -27,6 +27,17 @@ local function log_event(ev, cap, ttl, line)
     redis.call('SET', ev, '0\ttrimmed\tn=' .. dropped .. '\n' .. s, 'KEEPTTL')
   end
   redis.call('EXPIRE', ev, ttl)
+end
+-- Whether stream entry id a orders before b. Ids are canonical '<ms>-<seq>': the dash's place
+-- orders the ms parts' lengths, and ids of the same shape order as text.
+local function entry_id_less(a, b)
+  local da, db = string.find(a, '-', 1, true), string.find(b, '-', 1, true)
+  if not da or not db then error('not a stream entry id: ' .. (da and b or a)) end
+  if da ~= db then return da < db end
+  if #a == #b then return a < b end
+  local ma, mb = string.sub(a, 1, da), string.sub(b, 1, db)
+  if ma ~= mb then return ma < mb end
+  return #a < #b
 end
 local function now_ms()
   local t = redis.call('TIME')

@@ -24,7 +24,7 @@ from redroll.shared.types import MAX_TOP_LOGPROBS, CompletionRecord
 from redroll.web.gateway.idempotency import call_name, fingerprint
 from redroll.web.gateway.logprobs import generate_logprobs, prompt_logprobs
 from redroll.web.gateway.protocol import GatewayError, decode_body, invalid
-from redroll.web.gateway.translate import META, check_records, redroll_priority, session_key
+from redroll.web.gateway.translate import META, check_records, redroll_priority, session_key, shared_sampling
 
 SAMPLING_NAMES = {"sampling_params.max_new_tokens": "sampling_params.max_tokens",
                   "sampling_params.min_new_tokens": "sampling_params.min_tokens",
@@ -121,16 +121,7 @@ def refuse(body: GenerateBody) -> None:
 def sampling_of(sp: GenerateSampling, max_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {"n": sp.n, "max_new_tokens": max_tokens, "min_new_tokens": sp.min_tokens,
                            "ignore_eos": sp.ignore_eos, "skip_special_tokens": sp.skip_special_tokens}
-    top_k = -1 if sp.top_k == 0 else sp.top_k
-    for ours, theirs in (("temperature", sp.temperature), ("top_p", sp.top_p), ("top_k", top_k),
-                         ("min_p", sp.min_p), ("sampling_seed", sp.seed), ("repetition_penalty", sp.repetition_penalty),
-                         ("presence_penalty", sp.presence_penalty), ("frequency_penalty", sp.frequency_penalty)):
-        if theirs is not None:
-            out[ours] = theirs
-    if sp.stop:
-        out["stop"] = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-    if sp.stop_token_ids:
-        out["stop_token_ids"] = list(sp.stop_token_ids)
+    out.update(shared_sampling(sp))
     if sp.include_stop_str_in_output:
         out["no_stop_trim"] = True
     if not sp.spaces_between_special_tokens:

@@ -83,6 +83,24 @@ def template_variables(body: ChatBody) -> dict[str, Any] | None:
     return {**out, **(body.chat_template_kwargs or {})}
 
 
+def shared_sampling(source: Any) -> dict[str, Any]:
+    """The sampling fields an OpenAI-style body and the sampling parameters of vLLM's generate
+    body share, those ``source`` sets, in redroll's names."""
+    out: dict[str, Any] = {}
+    top_k = -1 if source.top_k == 0 else source.top_k  # (vLLM's 0 and -1 are both "off"; redroll's off is -1)
+    for ours, theirs in (("temperature", source.temperature), ("top_p", source.top_p), ("top_k", top_k),
+                         ("min_p", source.min_p), ("repetition_penalty", source.repetition_penalty),
+                         ("frequency_penalty", source.frequency_penalty),
+                         ("presence_penalty", source.presence_penalty), ("sampling_seed", source.seed)):
+        if theirs is not None:
+            out[ours] = theirs
+    if source.stop:
+        out["stop"] = [source.stop] if isinstance(source.stop, str) else list(source.stop)
+    if source.stop_token_ids:
+        out["stop_token_ids"] = list(source.stop_token_ids)
+    return out
+
+
 def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: str | None,
                    settings: Settings, fingerprint: str, model: str | None = None,
                    turn: SessionTurn | None = None) -> list[GenerationRequest]:
@@ -94,17 +112,7 @@ def build_requests(body: CompletionBody | ChatBody, *, base_id: str, session: st
     facts_extra: dict[str, Any] = {}
     sampling: dict[str, Any] = {"n": body.n, "ignore_eos": body.ignore_eos, "min_new_tokens": body.min_tokens,
                                 "skip_special_tokens": body.skip_special_tokens, **structured(body)}
-    top_k = -1 if body.top_k == 0 else body.top_k  # (vLLM's 0 and -1 are both "off"; redroll's off is -1)
-    for ours, theirs in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", top_k),
-                         ("min_p", body.min_p), ("repetition_penalty", body.repetition_penalty),
-                         ("frequency_penalty", body.frequency_penalty), ("presence_penalty", body.presence_penalty),
-                         ("sampling_seed", body.seed)):
-        if theirs is not None:
-            sampling[ours] = theirs
-    if body.stop:
-        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-    if body.stop_token_ids:
-        sampling["stop_token_ids"] = list(body.stop_token_ids)
+    sampling.update(shared_sampling(body))
     if isinstance(body, ChatBody):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
