@@ -122,11 +122,13 @@ GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 arrive as these)."""
 
 
-def starts_over(request: GenerationRequest, settings: Any, tokenizer: Any) -> str | None:
+def starts_over(request: GenerationRequest, settings: Any, tokenizer: Any, *,
+                grammar_resume: bool = False) -> str | None:
     """Why ``request``, handed back or taken from a dead worker, starts over from token 0; None
     when it continues from its saved tokens (see docs/spot.md). A streamed or ``resumable`` request
     always continues (a reader has its tokens, or its submitter asked for it); any other does under
-    ``settings.continuation`` when continuing samples from the distribution it would have:"""
+    ``settings.continuation`` when continuing samples from the distribution it would have (a
+    grammar only on an engine that takes it up over the saved tokens: ``grammar_resume``):"""
     if request.stream or request.resumable:
         return None
     if not settings.continuation:
@@ -135,8 +137,8 @@ def starts_over(request: GenerationRequest, settings: Any, tokenizer: Any) -> st
     if sp.n != 1:
         return "n > 1: its samples are made together, and start over together"
     grammar = [key for key in GRAMMAR_KEYS if getattr(sp, key) is not None]
-    if grammar:
-        return f"sampling_params.{grammar[0]}: a grammar cannot be taken up in the middle of an output"
+    if grammar and not grammar_resume:
+        return f"sampling_params.{grammar[0]}: this engine cannot take a grammar up in the middle of an output"
     if sp.stop_regex is not None:
         return "sampling_params.stop_regex: a match may straddle the saved tokens"
     if sp.frequency_penalty or sp.presence_penalty:

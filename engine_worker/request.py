@@ -231,7 +231,7 @@ class RequestRunner:
                 delay, flight.stop, ctx.engine, RecordStatus.EXPIRED, "deadline")
         started = time.monotonic()
         resume = saver = None
-        why = starts_over(request, ctx.settings, ctx.tokenizer)
+        why = starts_over(request, ctx.settings, ctx.tokenizer, grammar_resume=ctx.capabilities.grammar_resume)
         taken_back = flight.deliveries > 1 or flight.reclaimed  # (a first delivery has no checkpoint)
         if why is None:
             if taken_back:

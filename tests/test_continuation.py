@@ -33,6 +33,9 @@ def test_what_continues_and_what_starts_over():
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         why = starts_over(make_request(request_id="a", input_ids=[1], sampling_params={key: "x"}), s, tok)
         assert why is not None and key in why and "grammar" in why
+        # (an engine that advances its grammar over the saved tokens continues it: the transformers engine)
+        assert starts_over(make_request(request_id="a", input_ids=[1], sampling_params={key: "x"}), s, tok,
+                           grammar_resume=True) is None
     assert "stop_regex" in starts_over(make_request(request_id="a", input_ids=[1],
                                                     sampling_params={"stop_regex": "x"}), s, tok)
     assert "penalty" in starts_over(make_request(request_id="a", input_ids=[1],
@@ -77,10 +80,10 @@ def parse_part_ids(prepared) -> list[int]:
 
 
 async def test_a_handed_back_request_continues_or_starts_over_as_stated(settings, r):
-    """One drain hands back a chat, a text prompt, an n = 2 request and one under a grammar; the
-    next worker continues the first two after their saved tokens (one record each, every token once,
-    logprobs and per-token weight versions aligned, segments naming both workers) and starts the
-    others over."""
+    """One drain hands back a chat, a text prompt, an n = 2 request and one with a frequency
+    penalty (a grammar: tests/test_agents_structured.py); the next worker continues the first two
+    after their saved tokens (one record each, every token once, logprobs and per-token weight
+    versions aligned, segments naming both workers) and starts the others over."""
     s = settings.with_(drain_timeout_s=0.0, claim_idle_ms=400)
     a = Worker(s, SyntheticEngine(token_ms=5, weight_version="1"), max_inflight=8, block_ms=100, name="a")
     b = Worker(s, SyntheticEngine(token_ms=2, weight_version="2"), max_inflight=8, block_ms=100, name="b")
@@ -90,7 +93,8 @@ async def test_a_handed_back_request_continues_or_starts_over_as_stated(settings
                              sampling_params={**sp, "sampling_seed": 3}),
         "text": make_request(request_id="text", prompt="once upon", return_logprob=True, sampling_params=sp),
         "n2": make_request(request_id="n2", input_ids=[1, 2, 3], sampling_params={**sp, "n": 2}),
-        "json": make_request(request_id="json", input_ids=[1, 2, 3], sampling_params={**sp, "json_schema": "{}"}),
+        "penalty": make_request(request_id="penalty", input_ids=[1, 2, 3],
+                                sampling_params={**sp, "frequency_penalty": 0.5}),
     }
     async with Producer(s) as p:
         futures = {k: await p.submit(req) for k, req in requests.items()}
@@ -100,7 +104,7 @@ async def test_a_handed_back_request_continues_or_starts_over_as_stated(settings
         a.request_stop()
         await asyncio.wait_for(task, 10)
         saved = {k: parse_checkpoint(await r.get(s.keys.partial(k)) or b"") for k in requests}
-        assert saved["chat"] and saved["text"] and saved["n2"] is None and saved["json"] is None
+        assert saved["chat"] and saved["text"] and saved["n2"] is None and saved["penalty"] is None
         assert all(0 < saved[k].tokens < TOKENS for k in ("chat", "text"))
         async with running(b):
             records = {k: await asyncio.wait_for(f, 20) for k, f in futures.items()}
@@ -115,7 +119,7 @@ async def test_a_handed_back_request_continues_or_starts_over_as_stated(settings
         assert record.output_text[0] == WORDS.decode(ids)  # (the whole text, decoded from every token)
     assert records["chat"].meta_info["prompt_tokens"] == len(WORDS.apply_chat_template(
         [{"role": "user", "content": "hello"}]))
-    for kind in ("n2", "json"):
+    for kind in ("n2", "penalty"):
         record = records[kind]
         assert record.status is RecordStatus.FINISHED and "segments" not in record.meta_info
         assert all(len(ids) == TOKENS for ids in record.output_token_ids) and record.meta_info["attempt"] == 2
