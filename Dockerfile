@@ -13,10 +13,9 @@ ARG BASE_IMAGE=lmsysorg/sglang:v${SGLANG_VERSION}
 ARG VLLM_VERSION=0.34.0
 ARG VLLM_BASE_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
 
-# ---------------------------------------------------------------------------------------------- vllm
-FROM ${VLLM_BASE_IMAGE} AS vllm
-ARG VLLM_VERSION
-WORKDIR /opt/redroll
+# ------------------------------------------------------------------- source (what both images install)
+FROM scratch AS source
+WORKDIR /src
 COPY pyproject.toml README.md MANIFEST.in ./
 COPY scripts/build_backend.py ./scripts/
 COPY shared ./shared
@@ -24,6 +23,12 @@ COPY producer ./producer
 COPY engine_worker ./engine_worker
 COPY consumer ./consumer
 COPY redroll ./redroll
+
+# ---------------------------------------------------------------------------------------------- vllm
+FROM ${VLLM_BASE_IMAGE} AS vllm
+ARG VLLM_VERSION
+WORKDIR /opt/redroll
+COPY --from=source /src ./
 # Exactly the pinned vllm (a no-op on the official image of that release), then redroll; the build
 # fails when any other vllm ends up installed (a local suffix such as +cu129 is ignored).
 RUN python3 -m pip install --no-cache-dir "vllm==${VLLM_VERSION}" ".[metrics]" \
@@ -36,13 +41,7 @@ CMD ["redroll", "--help"]
 FROM ${BASE_IMAGE} AS sglang
 ARG SGLANG_VERSION
 WORKDIR /opt/redroll
-COPY pyproject.toml README.md MANIFEST.in ./
-COPY scripts/build_backend.py ./scripts/
-COPY shared ./shared
-COPY producer ./producer
-COPY engine_worker ./engine_worker
-COPY consumer ./consumer
-COPY redroll ./redroll
+COPY --from=source /src ./
 # Exactly the tested sglang (a no-op when the base image has it), then redroll; the build fails
 # when any other sglang ends up installed.
 RUN pip install --no-cache-dir "sglang==${SGLANG_VERSION}" ".[metrics]" \
