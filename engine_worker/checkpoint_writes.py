@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
@@ -33,8 +33,7 @@ from redroll.shared.batcher import Coalescer
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import CheckpointSave, call_replies, checkpoint_outcomes, checkpoint_refused, with_library
 
-if TYPE_CHECKING:  # (checkpoints.py imports this module)
-    from redroll.engine_worker.checkpoints import Saver
+if TYPE_CHECKING:
     from redroll.engine_worker.context import WorkerContext
 
 log = logging.getLogger("redroll.worker")
@@ -44,6 +43,19 @@ TICK_S = 0.02
 at most this much after it is due); ``stream_chunk_ms`` when that is shorter."""
 MAX_BATCH = 1024
 """The most saves in one round trip."""
+
+
+class Saver(Protocol):
+    """What the writer asks of a generation's saver (:class:`~.checkpoints.Saver`, whose module
+    imports this one)."""
+
+    request: Any
+    flight: Any
+    broken: bool
+
+    def due(self, now: float, beat: bool = False) -> "Prepared | None": ...
+
+    def settle(self, prepared: "Prepared", outcome: Any) -> bool: ...
 
 
 @dataclass

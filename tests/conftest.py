@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -78,6 +79,18 @@ def pytest_report_header(config: pytest.Config) -> str:
     except (OSError, subprocess.SubprocessError) as exc:
         version = f"version unknown: {exc}"
     return f"test server: {exe} ({version})"
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_kept() -> Iterator[None]:
+    """A test that runs the command line (``main([...])``) gets its logging set up: a handler on
+    the stderr of that moment, which pytest closes after the test. The root logger's handlers and
+    level are put back, so later tests' logs reach pytest's capture, not a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

