@@ -46,25 +46,23 @@ class Constant:
 
 CONSTANTS: dict[str, Constant] = {
     "request_us": Constant(
-        283.0, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
+        192.4, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
                "each call carrying one or two): submit, claim, fenced finish and record, the producer's read "
                "and ack",
         "python -m benchmarks.capacity_check --measure: request_us (32 synthetic workers, 4 requests each at once, "
         "15 ms a token, 96-token requests awaited with Producer.generate: Redis CPU over the idle fleet's, per "
-        "request), median of 3 runs (244-327), 2026-12-06, this project's machine (2 shared cores, load 5-9); "
-        "at the ceiling, with hundreds a call, a request costs 27-31 µs (benchmarks.bench --only ceiling)"),
+        "request), median of 3 runs (191.7-215.6), 2026-12-06, this project's machine (2 cores, load under 1); "
+        "at the ceiling, with hundreds a call, a request costs 25-31 µs (benchmarks.bench --only ceiling)"),
     "chunk_us": Constant(
-        77.4, "µs of redis-server CPU per streamed chunk: its fenced write (it checkpoints the request too) and "
+        61.5, "µs of redis-server CPU per streamed chunk: its fenced write (it checkpoints the request too) and "
               "its reader's read",
         "python -m benchmarks.capacity_check --measure: chunk_us (the same fleet streaming, every chunk read: "
-        "Redis CPU over the idle fleet's, less the requests', per chunk written), median of 3 runs (73.3-80.1), "
-        "2026-12-06; one write per chunk (before chunks and checkpoints were written in one call per worker "
-        "tick: rerun it then)"),
+        "Redis CPU over the idle fleet's, less the requests', per chunk written), median of 3 runs (60.7-62.9), "
+        "2026-12-06; a worker's saves of one tick written in one call, a producer's chunk streams read in one"),
     "chunk_timer_extra_ms": Constant(
-        34.2, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the next interval starts once a "
-              "write returned)",
+        10.6, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the streams' timers beat together)",
         "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
-        "less stream_chunk_ms (50), median of 3 runs (31.7-44.3), 2026-12-06"),
+        "less stream_chunk_ms (50), median of 3 runs (10.4-10.7), 2026-12-06"),
     "checkpoint_us": Constant(
         57.7, "µs of redis-server CPU per checkpoint of a request that is not streamed",
         "python -m benchmarks.checkpoint_cost: 0.26 µs (0.17-0.29) of Redis CPU per checkpointed token x 222 "
