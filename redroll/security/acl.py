@@ -194,7 +194,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "or a dead letter; housekeeping releases those whose entry is gone (release_rids.lua: a "
                   "request cancelled while queued) and asks whether a checkpoint's request is still there"),
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
-                  "checkpoints of resumable requests: load one to resume, append parts (checkpoint_many.lua), "
+                  "checkpoints of requests that continue: load one to resume, append parts (checkpoint_many.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
             Grant(("type", "xadd", "xdel", "expire", "del"), rw(chunks),
                   "streamed requests' chunks: each added with its checkpoint part (checkpoint_many.lua; taken "
