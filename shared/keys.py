@@ -11,6 +11,7 @@ import hashlib
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 WORKERS_GROUP = "workers"
 """Consumer group on the request stream."""
@@ -98,6 +99,24 @@ def chunks_key_for(reply_key: str, request_id: str) -> str | None:
     return f"{tag}}}:chunks:{producer}}}{request_id}"
 
 
+class TaggedKey:
+    """A key of a pipeline named by a fixed suffix after its hash tag: ``Keys.results`` is
+    ``TaggedKey("results")``, ``{ns}:results`` (worked out once per ``Keys``, then kept)."""
+
+    def __init__(self, suffix: str):
+        self.suffix = suffix
+        self.name = suffix
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, keys: "Keys | None", owner: type | None = None) -> Any:
+        if keys is None:
+            return self
+        value = keys.__dict__[self.name] = f"{keys.tag}:{self.suffix}"  # (kept: read from the instance next)
+        return value
+
+
 @dataclass(frozen=True)
 class Keys:
     """All key names of a pipeline in namespace ``namespace``.
@@ -122,14 +141,10 @@ class Keys:
             return "{" + self.namespace + "}"
         return "{" + f"{self.namespace}:{self.partition}" + "}"
 
-    @functools.cached_property
-    def requests(self) -> str:
-        return f"{self.tag}:requests"
-
-    @functools.cached_property
-    def requests_high(self) -> str:
-        """High-priority requests: workers claim from here before ``requests``."""
-        return f"{self.tag}:requests:high"
+    requests = TaggedKey("requests")
+    """Stream: the shared request stream (group ``workers``)."""
+    requests_high = TaggedKey("requests:high")
+    """High-priority requests: workers claim from here before ``requests``."""
 
     def lane(self, j: int) -> str:
         """Affinity lane ``j``: requests whose affinity key hashes to it (group ``workers``)."""
@@ -144,77 +159,43 @@ class Keys:
         """Request streams in claiming order (high priority first, then the lanes, then the shared one)."""
         return [self.requests_high, *self.lane_streams, self.requests]
 
-    @functools.cached_property
-    def config(self) -> str:
-        """Hash: settings every process of the pipeline must agree on (``affinity_lanes``)."""
-        return f"{self.tag}:config"
-
-    @functools.cached_property
-    def results(self) -> str:
-        return f"{self.tag}:results"
-
-    @functools.cached_property
-    def dead(self) -> str:
-        return f"{self.tag}:dead"
-
-    @functools.cached_property
-    def control(self) -> str:
-        return f"{self.tag}:control"
-
-    @functools.cached_property
-    def weights(self) -> str:
-        return f"{self.tag}:weights"
-
-    @functools.cached_property
-    def aborted(self) -> str:
-        return f"{self.tag}:aborted"
-
-    @functools.cached_property
-    def handbacks(self) -> str:
-        """Stream: workers' notes that they handed entries back (a notice, a drain), so that idle
-        workers take them at once; capped at about :data:`HANDBACKS_MAXLEN` entries."""
-        return f"{self.tag}:handbacks"
-
-    @functools.cached_property
-    def workers(self) -> str:
-        return f"{self.tag}:workers"
-
-    @functools.cached_property
-    def reclaim_marks(self) -> str:
-        """Sorted set: request stream -> ms part of the newest entry id a worker handed back there
-        (``renew.lua``; the reclaim passes look that far: ``reclaim_scan.lua``)."""
-        return f"{self.tag}:reclaim_marks"
-
-    @functools.cached_property
-    def lane_members(self) -> str:
-        """Sorted set, with affinity lanes: the claiming workers, each scored with the server time
-        (ms) of its last heartbeat (see ``shared/lua/lanes_beat.lua``)."""
-        return f"{self.tag}:lanes:members"
-
-    @functools.cached_property
-    def lane_plan(self) -> str:
-        """String, with affinity lanes: the published list of claiming workers (one name a line)
-        that every worker computes the lanes' owners from (its epoch: ``lane_epoch`` in :attr:`config`)."""
-        return f"{self.tag}:lanes:plan"
-
-    @functools.cached_property
-    def lane_full(self) -> str:
-        """Set, with affinity lanes: the claiming workers whose last heartbeat said no free slot."""
-        return f"{self.tag}:lanes:full"
-
-    @functools.cached_property
-    def errors(self) -> str:
-        """Hash: request entry id → last engine error, so the dead letter can say why."""
-        return f"{self.tag}:errors"
+    config = TaggedKey("config")
+    """Hash: settings every process of the pipeline must agree on (``affinity_lanes``)."""
+    results = TaggedKey("results")
+    """Stream: the default reply stream (any number of consumer groups)."""
+    dead = TaggedKey("dead")
+    """Stream: dead letters (``reason``, ``source``, then the original fields)."""
+    control = TaggedKey("control")
+    """Stream: broadcast commands to every worker (read with plain XREAD)."""
+    weights = TaggedKey("weights")
+    """Hash: the fleet's desired weights and pause state, read by workers at start."""
+    aborted = TaggedKey("aborted")
+    """Sorted set: aborted ``r:<request_id>`` / ``g:<group_id>``, scored by time."""
+    handbacks = TaggedKey("handbacks")
+    """Stream: workers' notes that they handed entries back (a notice, a drain), so that idle
+    workers take them at once; capped at about :data:`HANDBACKS_MAXLEN` entries."""
+    workers = TaggedKey("workers")
+    """Hash: worker heartbeats, name → JSON."""
+    reclaim_marks = TaggedKey("reclaim_marks")
+    """Sorted set: request stream -> ms part of the newest entry id a worker handed back there
+    (``renew.lua``; the reclaim passes look that far: ``reclaim_scan.lua``)."""
+    lane_members = TaggedKey("lanes:members")
+    """Sorted set, with affinity lanes: the claiming workers, each scored with the server time
+    (ms) of its last heartbeat (see ``shared/lua/lanes_beat.lua``)."""
+    lane_plan = TaggedKey("lanes:plan")
+    """String, with affinity lanes: the published list of claiming workers (one name a line)
+    that every worker computes the lanes' owners from (its epoch: ``lane_epoch`` in :attr:`config`)."""
+    lane_full = TaggedKey("lanes:full")
+    """Set, with affinity lanes: the claiming workers whose last heartbeat said no free slot."""
+    errors = TaggedKey("errors")
+    """Hash: request entry id → last engine error, so the dead letter can say why."""
 
     def weight_sync(self, sync_id: str) -> str:
         """Hash: one trainer push's progress, ``<worker>:<attempt>`` → joined / received / committed /
         failed: …, written by the workers, read by the trainer; it expires."""
         return f"{self.tag}:wsync:{sync_id}"
 
-    @functools.cached_property
-    def reply_prefix(self) -> str:
-        return f"{self.tag}:reply:"
+    reply_prefix = TaggedKey("reply:")
 
     def reply(self, producer: str) -> str:
         return self.reply_prefix + producer
