@@ -36,6 +36,11 @@ def engine_options(**extra) -> dict:
     return {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 256, **extra}
 
 
+SESSION_WORKERS: set[int] = set()
+"""Pids of the session's worker processes (:func:`vllm_gateway`): their vLLM processes live until
+the session ends, not the module."""
+
+
 @dataclass
 class VLLMGateway:
     """One ``redroll worker --engine vllm`` process (the tiny checkpoint with a chat template, vLLM's
@@ -61,6 +66,7 @@ def vllm_gateway(redis_server, tmp_path_factory):
                    "--context-length", "1024", "--max-running-requests", "64", "--kv-cache-gib", "0.25",
                    "--max-inflight", "64", "--tool-call-parser", "hermes", "--name", "gw-vllm",
                    log=logs / "worker.log")
+    SESSION_WORKERS.add(worker.pid)
     served = None
     try:
         served = Served(settings, "--model-name", "tiny", "--request-timeout", "300", log=logs / "serve.log")
@@ -69,3 +75,4 @@ def vllm_gateway(redis_server, tmp_path_factory):
         if served is not None:
             served.stop()
         stop_process(worker, 60)
+        SESSION_WORKERS.discard(worker.pid)
