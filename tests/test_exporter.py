@@ -33,18 +33,13 @@ def scrape(port: int) -> dict[tuple[str, tuple], float] | None:
         return None
 
 
-async def test_exporter_reports_backlog_with_no_worker_as_status_does(settings, r, tmp_path):
-    keys = settings.keys
-    await send(settings, r, [make_request(request_id=f"q-{i}", prompt="x") for i in range(3)])
-    await send(settings, r, [make_request(request_id="hi", prompt="x", priority=1)])
-    await r.xadd(keys.dead, {"rid": "dead-1", "reason": "test"})
-    await r.hset(keys.workers, "gone-1", json.dumps({"engine": "synthetic", "seen": time.time() - 120}))
+async def exported(settings, log, *args: str) -> dict[tuple[str, tuple], float]:
+    """What a ``redroll exporter`` process (``args``: more flags) exports once it is up; the process
+    is stopped after and must exit cleanly."""
     port = free_port()
-    proc = spawn(settings, "exporter", "--port", str(port), "--host", "127.0.0.1", "--interval", "0.2",
-                 log=tmp_path / "exporter.log")
+    proc = spawn(settings, "exporter", "--port", str(port), "--interval", "0.2", *args, log=log)
+    got: dict = {}
     try:
-        got: dict = {}
-
         async def scraped() -> bool:
             nonlocal got
             got = scrape(port) or {}
@@ -52,7 +47,17 @@ async def test_exporter_reports_backlog_with_no_worker_as_status_does(settings, 
 
         await wait_until(scraped, timeout=20)
     finally:
-        assert stop_process(proc) in (0, -15, 143), (tmp_path / "exporter.log").read_text()
+        assert stop_process(proc) in (0, -15, 143), log.read_text()
+    return got
+
+
+async def test_exporter_reports_backlog_with_no_worker_as_status_does(settings, r, tmp_path):
+    keys = settings.keys
+    await send(settings, r, [make_request(request_id=f"q-{i}", prompt="x") for i in range(3)])
+    await send(settings, r, [make_request(request_id="hi", prompt="x", priority=1)])
+    await r.xadd(keys.dead, {"rid": "dead-1", "reason": "test"})
+    await r.hset(keys.workers, "gone-1", json.dumps({"engine": "synthetic", "seen": time.time() - 120}))
+    got = await exported(settings, tmp_path / "exporter.log", "--host", "127.0.0.1")
     status = await collect_pipeline_status(r, keys, settings.partition_keys)
     assert status["queued_total"] == 4 and status["workers_alive"] == 0
     assert got[("redroll_pipeline_backlog", (("priority", "normal"),))] == status["requests"]["backlog"] == 3

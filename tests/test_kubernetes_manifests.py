@@ -200,9 +200,7 @@ async def test_keda_scales_from_zero_on_a_backlog_no_worker_could_report(setting
     pytest.importorskip("prometheus_client")
     from redroll.producer.client import make_request, send
     from redroll.shared.lanes import set_lanes
-    from redroll.testing.embedded import free_port
-    from tests.conftest import spawn, wait_until
-    from tests.test_exporter import scrape
+    from tests.test_exporter import exported
 
     docs = manifests()
     scaled, lanes = docs["ScaledObject/redroll-engine-worker"], docs["ScaledObject/redroll-engine-worker-lanes"]
@@ -224,20 +222,7 @@ async def test_keda_scales_from_zero_on_a_backlog_no_worker_could_report(setting
     s = settings.with_(affinity_lanes=4, namespace=settings.namespace + "-lanes")
     await set_lanes(r, s.keys, s.partition_keys, 4)
     await send(s, r, [make_request(request_id=f"l-{i}", input_ids=[1], affinity_key=f"session-{i}") for i in range(5)])
-    port = free_port()
-    proc = spawn(s, "exporter", "--port", str(port), "--interval", "0.2", "--affinity-lanes", "4",
-                 log=tmp_path / "exporter.log")
-    try:
-        got: dict = {}
-
-        async def scraped() -> bool:
-            nonlocal got
-            got = scrape(port) or {}
-            return got.get(("redroll_exporter_up", ())) == 1.0
-
-        await wait_until(scraped, timeout=20)
-    finally:
-        stop_process(proc)
+    got = await exported(s, tmp_path / "exporter.log", "--affinity-lanes", "4")
     # The trigger's query: sum(backlog) + sum(in flight), over the exporter's series.
     metric = sum(v for (name, _), v in got.items() if name in ("redroll_pipeline_backlog", "redroll_pipeline_in_flight"))
     assert got[("redroll_pipeline_workers_alive", ())] == 0 and metric == 5
