@@ -19,6 +19,43 @@ CALL_TEXT = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 
              "llama3_json": '{"name": "add", "parameters": {"a": 2, "b": 3}}'}
 """The model's tool call as each family writes it."""
 
+CARD_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "name", "tags"],
+               "properties": {"color": {"enum": ["red", "green", "blue"]},
+                              "name": {"type": "string", "maxLength": 8},
+                              "tags": {"type": "array", "maxItems": 2,
+                                       "items": {"type": "string", "maxLength": 4}}}}
+"""A bounded strict JSON schema (enums, ``maxLength``, ``maxItems``): what the structured-output
+tests hold a random-weight model's completions to."""
+
+
+def valid_card(text: str) -> bool:
+    """Whether ``text`` parses as JSON and validates against :data:`CARD_SCHEMA`."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), CARD_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+async def streamed_message(client, **kw) -> tuple[str, list[dict], str | None]:
+    """A streamed chat (``client``: an ``openai.AsyncOpenAI``) rebuilt as OpenAI's SDK users do:
+    content concatenated, tool calls accumulated by index; and its finish reason."""
+    content, calls, finish = "", {}, None
+    async for chunk in await client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or ():
+                slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function is not None:
+                    slot["name"] = tc.function.name or slot["name"]
+                    slot["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
 
 def after_call(call_id: str) -> list[dict]:
     """The conversation once the model called ``add`` and the tool answered."""

@@ -24,12 +24,9 @@ from redroll.producer import Producer  # noqa: E402
 from redroll.producer.client import make_request  # noqa: E402
 from redroll.shared.types import RecordStatus  # noqa: E402
 from tests.agents_engines import NoGrammarResume, StepDelayed  # noqa: E402
+from tests.agents_support import CARD_SCHEMA, valid_card  # noqa: E402
 from tests.conftest import running, spawn, stop_process, wait_until  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "name", "tags"],
-          "properties": {"color": {"enum": ["red", "green", "blue"]},
-                         "name": {"type": "string", "maxLength": 8},
-                         "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 4}}}}
 PROMPT = [10, 20, 30, 40]
 EVERY = {"checkpoint_tokens": 4, "checkpoint_interval_s": 0.0, "checkpoint_min_new_tokens": 16}
 """A checkpoint every 4 tokens, from the first ones on."""
@@ -38,15 +35,7 @@ EVERY = {"checkpoint_tokens": 4, "checkpoint_interval_s": 0.0, "checkpoint_min_n
 def structured(rid: str, seed: int, **kw):
     return make_request(request_id=rid, input_ids=PROMPT, resumable=not kw.get("stream"), return_logprob=True,
                         sampling_params={"max_new_tokens": 160, "temperature": 1.0, "sampling_seed": seed,
-                                         "json_schema": json.dumps(SCHEMA)}, **kw)
-
-
-def valid(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
+                                         "json_schema": json.dumps(CARD_SCHEMA)}, **kw)
 
 
 async def checkpoint_of(r, settings, rid: str):
@@ -80,7 +69,7 @@ async def test_a_worker_killed_after_the_first_checkpoint_the_survivor_advances_
             stop_process(proc)
     ids = record.output_token_ids[0]
     assert record.status is RecordStatus.FINISHED and record.finish_reasons == ["stop"]
-    assert valid(survivor.engine.tokenizer.decode(ids)), ids
+    assert valid_card(survivor.engine.tokenizer.decode(ids)), ids
     assert ids[:cp.tokens] == cp.token_ids and record.meta_info["resumed_from"] == cp.tokens
     assert [x["worker"] for x in record.meta_info["segments"]] == ["killed", "survivor"]
     assert survivor.engine.tokens_decoded == len(ids) - cp.tokens  # (the grammar was advanced, not re-run)
@@ -106,7 +95,7 @@ async def test_an_engine_that_cannot_take_a_grammar_up_starts_the_request_over(s
     # started over on b: from the prompt, under the whole grammar, nothing stitched
     ids = record.output_token_ids[0]
     assert record.status is RecordStatus.FINISHED and record.finish_reasons == ["stop"]
-    assert valid(b.engine.tokenizer.decode(ids)) and "segments" not in record.meta_info and b.stats.resumed == 0
+    assert valid_card(b.engine.tokenizer.decode(ids)) and "segments" not in record.meta_info and b.stats.resumed == 0
     assert record.meta_info["worker"] == "b" and record.meta_info["prompt_tokens"] == len(PROMPT)
     assert b.engine.tokens_decoded == len(ids)
     assert not await r.exists(s.keys.partial("over-1"))

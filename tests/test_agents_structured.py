@@ -20,12 +20,9 @@ from redroll.engine_worker.engines.transformers_engine import TransformersEngine
 from redroll.shared.codec import ValidationError  # noqa: E402
 from redroll.shared.continuing import continue_after  # noqa: E402
 from redroll.shared.types import GenerationRequest, SamplingParams  # noqa: E402
+from tests.agents_support import CARD_SCHEMA, valid_card  # noqa: E402
 from tests.conftest import started  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "name", "tags"],
-          "properties": {"color": {"enum": ["red", "green", "blue"]},
-                         "name": {"type": "string", "maxLength": 8},
-                         "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 4}}}}
 PROMPT = [10, 20, 30, 40]
 
 
@@ -35,23 +32,15 @@ def request(i: int, schema: dict | None, **sampling) -> GenerationRequest:
                              sampling_params=SamplingParams(max_new_tokens=160, sampling_seed=i, **extra, **sampling))
 
 
-def valid(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
-
-
 async def test_fifty_completions_under_a_schema_all_validate_and_without_it_none_do():
     async with started(TransformersEngine("tiny-random")) as engine:
-        outputs = await asyncio.gather(*[engine.generate(request(i, SCHEMA), f"c{i}") for i in range(50)],
+        outputs = await asyncio.gather(*[engine.generate(request(i, CARD_SCHEMA), f"c{i}") for i in range(50)],
                                        *[engine.generate(request(i, None), f"f{i}") for i in range(50)])
         constrained = [o.samples[0] for o in outputs[:50]]
         free = [o.samples[0] for o in outputs[50:]]
-        assert all(s.finish_reason == "stop" and valid(s.text) for s in constrained), \
-            [(s.finish_reason, s.text) for s in constrained if not valid(s.text)]
-        assert sum(valid(s.text) for s in free) == 0
+        assert all(s.finish_reason == "stop" and valid_card(s.text) for s in constrained), \
+            [(s.finish_reason, s.text) for s in constrained if not valid_card(s.text)]
+        assert sum(valid_card(s.text) for s in free) == 0
         # the logprobs are the model's own: teacher forcing without the grammar gives them back
         sample = constrained[0]
         forced = teacher_forced_logprobs(engine._model, PROMPT, sample.token_ids, 1.0)
@@ -60,14 +49,14 @@ async def test_fifty_completions_under_a_schema_all_validate_and_without_it_none
 
 async def test_a_continuation_advances_the_grammar_over_the_saved_tokens():
     async with started(TransformersEngine("tiny-random")) as engine:
-        whole = await engine.generate(request(7, SCHEMA, temperature=0.0), "w")
+        whole = await engine.generate(request(7, CARD_SCHEMA, temperature=0.0), "w")
         ids = whole.samples[0].token_ids
-        original = request(7, SCHEMA, temperature=0.0)
+        original = request(7, CARD_SCHEMA, temperature=0.0)
         for cut in (1, len(ids) // 2, len(ids) - 2):
             continued = mark_continued(continue_after(original, ids[:cut]), original, cut)
             rest = (await engine.generate(continued, f"r{cut}")).samples[0]
             joined = engine.tokenizer.decode(ids[:cut] + rest.token_ids)
-            assert valid(joined) and ids[:cut] + rest.token_ids == ids, cut  # (greedy: the same tokens)
+            assert valid_card(joined) and ids[:cut] + rest.token_ids == ids, cut  # (greedy: the same tokens)
         # saved tokens the grammar refuses: the continuation is refused, naming the grammar's field
         bad = mark_continued(continue_after(original, [ord("x")]), original, 1)
         with pytest.raises(ValidationError) as err:

@@ -29,6 +29,7 @@ from tests.agents_support import (  # noqa: E402
     after_call,
     script_file,
     scripted_checkpoint,
+    streamed_message,
 )
 from tests.conftest import spawn, stop_process  # noqa: E402
 from tests.gateway_support import Served  # noqa: E402
@@ -75,24 +76,6 @@ async def client(gateway):
         yield c
 
 
-async def streamed(client, **kw):
-    """A streamed chat's message, rebuilt as OpenAI's SDK users do: content concatenated, tool
-    calls accumulated by index; and its finish reason."""
-    content, calls, finish = "", {}, None
-    async for chunk in await client.chat.completions.create(stream=True, **kw):
-        for choice in chunk.choices:
-            delta = choice.delta
-            content += delta.content or ""
-            for tc in delta.tool_calls or ():
-                slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-                slot["id"] = tc.id or slot["id"]
-                if tc.function is not None:
-                    slot["name"] = tc.function.name or slot["name"]
-                    slot["arguments"] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
-
-
 @pytest.mark.parametrize("model", MODELS)
 async def test_a_tool_call_its_result_and_the_answer(client, model):
     """Must-show 1: the model's call parsed into tool_calls (id, name, JSON arguments) with
@@ -103,7 +86,7 @@ async def test_a_tool_call_its_result_and_the_answer(client, model):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == ARGUMENTS and not choice.message.content
-    content, calls, finish = await streamed(client, model=model, messages=QUESTION, tools=TOOLS, **GREEDY)
+    content, calls, finish = await streamed_message(client, model=model, messages=QUESTION, tools=TOOLS, **GREEDY)
     assert finish == "tool_calls" and not content.strip()
     assert [(c["name"], c["arguments"]) for c in calls] == [("add", call.function.arguments)]
     assert calls[0]["id"].startswith("call_")  # (another call: another id)
@@ -113,7 +96,7 @@ async def test_a_tool_call_its_result_and_the_answer(client, model):
     final = await client.chat.completions.create(model=model, messages=conversation, tools=TOOLS, **GREEDY)
     assert final.choices[0].message.content == ANSWER and final.choices[0].finish_reason == "stop"
     assert not final.choices[0].message.tool_calls
-    content, calls, finish = await streamed(client, model=model, messages=conversation, tools=TOOLS, **GREEDY)
+    content, calls, finish = await streamed_message(client, model=model, messages=conversation, tools=TOOLS, **GREEDY)
     assert (content, calls, finish) == (ANSWER, [], "stop")
 
 
@@ -139,7 +122,7 @@ async def test_required_and_named_choices_constrain_the_transformers_engine(clie
             kw = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=3,
                       parallel_tool_calls=False, max_tokens=120)
             if stream:
-                _, calls, finish = await streamed(client, **kw)
+                _, calls, finish = await streamed_message(client, **kw)
             else:
                 out = (await client.chat.completions.create(**kw)).choices[0]
                 assert out.message.tool_calls, out

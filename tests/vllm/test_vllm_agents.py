@@ -22,6 +22,8 @@ import pytest_asyncio
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from tests.agents_support import CARD_SCHEMA, streamed_message, valid_card  # noqa: E402
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -32,10 +34,6 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
              "type": "object", "properties": {"text": {"type": "string", "maxLength": 6}}, "required": ["text"],
              "additionalProperties": False}}}]
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "name", "tags"],
-          "properties": {"color": {"enum": ["red", "green", "blue"]},
-                         "name": {"type": "string", "maxLength": 8},
-                         "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 4}}}}
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -53,20 +51,6 @@ def check_calls(calls: list[dict], names: set[str]) -> None:
         jsonschema.validate(json.loads(call["arguments"]), schema)
 
 
-async def streamed_calls(client, **kw) -> tuple[list[dict], str | None]:
-    calls, finish = {}, None
-    async for chunk in await client.chat.completions.create(stream=True, **kw):
-        for choice in chunk.choices:
-            for tc in choice.delta.tool_calls or ():
-                slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-                slot["id"] = tc.id or slot["id"]
-                if tc.function is not None:
-                    slot["name"] = tc.function.name or slot["name"]
-                    slot["arguments"] += tc.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish
-
-
 async def test_required_and_named_choices_return_valid_calls(client, vllm_gateway):
     """Must-show 1 (vLLM): sampled at temperature 1 from a random model, every call validates
     against its tool's schema; finish_reason tool_calls for required, stop for named (OpenAI's rule)."""
@@ -79,7 +63,7 @@ async def test_required_and_named_choices_return_valid_calls(client, vllm_gatewa
             assert c.finish_reason == reason, c
             check_calls([{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
                          for t in c.message.tool_calls], names)
-        calls, finish = await streamed_calls(client, **kw)
+        _, calls, finish = await streamed_message(client, **kw)
         assert finish == reason
         check_calls(calls, names)
 
@@ -102,27 +86,19 @@ async def test_the_python_api_reads_the_calls_vllms_parser_read(vllm_gateway):
         sample.calls[0].name, sample.calls[0].arguments)
 
 
-def valid(text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
-
-
 async def test_fifty_completions_under_a_bounded_schema_all_validate_and_stop(client, vllm_gateway):
     """Must-show 2 (vLLM): 50 sampled completions under a strict json_schema all validate and
     stop; without it most do not (the grammar did it). The logprobs are the masked distribution:
     the forced first token ``{`` has logprob 0 exactly."""
     kw = dict(model=vllm_gateway.model, messages=QUESTION, n=50, temperature=1.0, seed=7, max_tokens=160)
-    fmt = {"type": "json_schema", "json_schema": {"name": "card", "strict": True, "schema": SCHEMA}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "card", "strict": True, "schema": CARD_SCHEMA}}
     out = await client.chat.completions.create(response_format=fmt, logprobs=True, **kw)
     assert [c.finish_reason for c in out.choices] == ["stop"] * 50
-    assert all(valid(c.message.content) for c in out.choices), [c.message.content for c in out.choices]
+    assert all(valid_card(c.message.content) for c in out.choices), [c.message.content for c in out.choices]
     assert len({c.logprobs.content[0].token for c in out.choices}) == 1  # (the gateway names it token_id:N)
     assert {c.logprobs.content[0].logprob for c in out.choices} == {0.0}
     free = await client.chat.completions.create(**kw)
-    assert sum(valid(c.message.content) for c in free.choices) == 0  # (a random model writes no such JSON)
+    assert sum(valid_card(c.message.content) for c in free.choices) == 0  # (a random model writes no such JSON)
 
 
 async def test_regex_and_ebnf_through_structured_outputs(client, vllm_gateway):
