@@ -112,3 +112,19 @@ async def produce_in_chunks(count: int, out: str, enqueue: Callable[[dict], Awai
         await asyncio.gather(*(enqueue(make_job(i)) for i in range(sent, sent + k)))
         sent += k
     report(out, t_first, sent, cpu0)
+
+
+def producer_main(produce: Callable[[int, str], Any]) -> None:
+    """A peer's producer command line: ``--count N --out FILE``, then ``produce(N, FILE)`` (run
+    with ``asyncio.run`` when it is a coroutine function)."""
+    import argparse
+    import inspect
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if inspect.iscoroutinefunction(produce):
+        asyncio.run(produce(a.count, a.out))
+    else:
+        produce(a.count, a.out)

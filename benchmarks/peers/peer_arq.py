@@ -10,9 +10,6 @@ Tuned for throughput: ``max_jobs`` 256 (default 10), ``poll_delay`` 10 ms (defau
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-
 from arq import create_pool
 from arq.connections import RedisSettings
 
@@ -65,8 +62,4 @@ async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--count", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    asyncio.run(produce(a.count, a.out))
+    common.producer_main(produce)

@@ -10,7 +10,6 @@ Producer: python -m benchmarks.peers.peer_celery --count N --out FILE
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -57,8 +56,4 @@ def produce(count: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--count", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    produce(a.count, a.out)
+    common.producer_main(produce)

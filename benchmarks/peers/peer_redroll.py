@@ -53,6 +53,7 @@ def consumer_argv(py: str) -> list[str]:
 
 
 if __name__ == "__main__":
+    # (written out, not common.producer_main: this file is the script a user writes, asyncio.run and all)
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--out", required=True)

@@ -11,9 +11,6 @@ joined), like redroll's.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-
 from taskiq import TaskiqEvents, TaskiqState
 from taskiq_redis import RedisStreamBroker
 
@@ -53,8 +50,4 @@ async def produce(count: int, out: str, chunk: int = common.CHUNK) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--count", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    asyncio.run(produce(a.count, a.out))
+    common.producer_main(produce)
