@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -46,6 +45,7 @@ from benchmarks.harness import (
     Server,
     emit_json,
     make_base_dir,
+    median_range,
     new_run_dir,
     raise_fd_limit,
     redroll_env,
@@ -188,9 +188,7 @@ def measure(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, A
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
-    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs)} for k in keys}
+    return median_range(runs, [k for k, v in runs[0].items() if isinstance(v, (int, float))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 import uuid
 
+from benchmarks.harness import median_range
 from benchmarks.stream_cost import server_cpu_usec
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
@@ -78,9 +78,7 @@ def main() -> None:
         pairs = [asyncio.run(one_pair(server.url, args, i % 2 == 0)) for i in range(args.pairs)]
     finally:
         server.stop()
-    summary = {k: {"median": statistics.median(x[k] for x in pairs), "min": min(x[k] for x in pairs),
-                   "max": max(x[k] for x in pairs)} for k in pairs[0]}
-    print(json.dumps({"args": vars(args), "pairs": pairs, "summary": summary}, indent=1))
+    print(json.dumps({"args": vars(args), "pairs": pairs, "summary": median_range(pairs)}, indent=1))
 
 
 if __name__ == "__main__":

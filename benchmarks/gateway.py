@@ -27,6 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.harness import median_range
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -123,8 +125,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         runs = [await one_run(server.url, args) for _ in range(args.runs)]
     finally:
         server.stop()
-    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                   "max": max(r[k] for r in runs)} for k in runs[0]}
+    summary = median_range(runs)
     return {"calls": args.calls, "throughput_calls": args.throughput_calls, "concurrency": args.concurrency,
             "runs": runs, "summary": summary}
 

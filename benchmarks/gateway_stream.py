@@ -26,13 +26,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 import uuid
 
 from benchmarks.gateway import ROOT, p50_ms, serve_env, wait_healthy
+from benchmarks.harness import median_range
 
 
 async def _streamed(http, url: str, body: dict, headers: dict | None = None) -> tuple[float, float]:
@@ -138,8 +138,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         runs = [await one_run(server.url, args) for _ in range(args.runs)]
     finally:
         server.stop()
-    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                   "max": max(r[k] for r in runs)} for k in runs[0]}
+    summary = median_range(runs)
     chunks = {k: os.environ[k] for k in ("REDROLL_STREAM_CHUNK_TOKENS", "REDROLL_STREAM_CHUNK_MS") if k in os.environ}
     return {"calls": args.calls, "max_tokens": args.max_tokens, "token_ms": args.token_ms,
             "concurrency": args.concurrency, "chunk_settings": chunks, "runs": runs, "summary": summary}

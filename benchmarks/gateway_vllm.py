@@ -39,6 +39,8 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.harness import median_range
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 
@@ -243,8 +245,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             _stop(proc)
         server.stop()
     keys = ("redroll_tokens_per_s", "vllm_tokens_per_s", "ratio", "redroll_alone_p50_ms", "vllm_alone_p50_ms")
-    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                   "max": max(r[k] for r in runs)} for k in keys}
+    summary = median_range(runs, keys)
     return {"model": "tiny checkpoint" if args.model_path is None else args.model_path, "calls": args.calls,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "concurrency": args.concurrency, "max_num_seqs": args.max_num_seqs,
             "kv_cache_gib": args.kv_cache_gib, "pause_idle": args.pause_idle, "logs": str(work), "runs": runs,

@@ -213,6 +213,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def median_range(runs: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each figure of ``runs`` (``keys``; default: every key of the first run) as its median, min
+    and max over the runs: how the benchmarks report three runs."""
+    import statistics
+
+    keys = list(runs[0]) if keys is None else keys
+    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
+                "max": max(r[k] for r in runs)} for k in keys}
+
+
 def emit_json(result: Any, json_out: str | None) -> None:
     """Print a bench's JSON document, and write it to ``json_out`` too when given."""
     text = json.dumps(result, indent=2)

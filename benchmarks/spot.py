@@ -55,6 +55,7 @@ from pathlib import Path
 
 import redis.asyncio as aredis
 
+from benchmarks.harness import median_range
 from benchmarks.spot_engine import decoded_tokens
 from redroll.producer.client import make_request, send
 from redroll.shared.codec import decode_record
@@ -264,9 +265,7 @@ def summarize(runs: list[dict[str, dict]], modes: tuple[str, ...]) -> dict:
     out: dict = {}
     for mode in modes:
         rows = [run[mode] for run in runs]
-        out[mode] = {k: {"median": statistics.median(r[k] for r in rows), "min": min(r[k] for r in rows),
-                         "max": max(r[k] for r in rows)}
-                     for k in rows[0] if k != "mode"}
+        out[mode] = median_range(rows, [k for k in rows[0] if k != "mode"])
     if "none" in modes and "notice" in modes:
         ratios = [run["notice"]["makespan_s"] / run["none"]["makespan_s"] for run in runs]
         out["notice_makespan_vs_none"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}

@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Awaitable, Callable
 
+from benchmarks.harness import median_range
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
@@ -133,8 +134,7 @@ def print_runs(args: argparse.Namespace, one_run: Callable[[str, argparse.Namesp
         runs = [asyncio.run(one_run(server.url, args)) for _ in range(args.runs)]
     finally:
         server.stop()
-    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                   "max": max(r[k] for r in runs)} for k in runs[0]}
+    summary = median_range(runs)
     print(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
 
 
