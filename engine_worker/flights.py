@@ -79,6 +79,12 @@ class InFlight:
         return self.deliveries + self.uncounted_runs
 
     @property
+    def taken_back(self) -> bool:
+        """Delivered before this run (a reclaim, a hand-back): it may have a checkpoint and notes in
+        ``{ns}:errors``; a first delivery has neither."""
+        return self.deliveries > 1 or self.reclaimed
+
+    @property
     def generating(self) -> bool:
         return self.task is not None and not self.released
 

@@ -70,9 +70,8 @@ class Outcomes:
                       cap=self._results_cap if reply_key == part.results else 0,
                       partial_key=part.partial(request.request_id)
                       if flight.checkpointed or is_resumed(request) else None,
-                      incidents=(flight.reclaimed or flight.deliveries > 1 or flight.uncounted_runs > 0
-                                 or flight.checkpointed or request.requeued > 0 or request.resumable
-                                 or request.stream))
+                      incidents=(flight.taken_back or flight.uncounted_runs > 0 or flight.checkpointed
+                                 or request.requeued > 0 or is_resumed(request)))
 
     async def finish(self, flight: InFlight, request: GenerationRequest, record: CompletionRecord) -> None:
         publication = self._publication(flight, request, record)
@@ -128,7 +127,7 @@ class Outcomes:
             stats.by_status[record.status.value] = stats.by_status.get(record.status.value, 0) + 1
             if ctx.metrics is not None:
                 ctx.metrics.observe(record.meta_info.get("queue_ms"), record.meta_info.get("engine_ms"))
-            if flight.deliveries > 1 or flight.reclaimed:
+            if flight.taken_back:
                 await ctx.redis.hdel(ctx.keys.errors, *notes_of(flight))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s %s", request.request_id, record.status.value, extra=flight.context())
@@ -185,7 +184,7 @@ class Outcomes:
             ctx.stats.dead_lettered += 1
             if owner is not None and record is not None:
                 await ctx.redis.hdel(owner, request_id)  # (it named this entry: checked above)
-            if flight.deliveries > 1 or flight.reclaimed:
+            if flight.taken_back:
                 await ctx.redis.hdel(ctx.keys.errors, *notes_of(flight))
             log.warning("request %s (entry %s) dead-lettered: %s", request_id or "?", flight.entry_id, reason,
                         extra={"request_id": request_id, "entry_id": flight.entry_id})

@@ -138,7 +138,7 @@ class RequestRunner:
             request = self._decoded(flight, fields)
         except ValidationError:  # (decoded again in its own task, which says why)
             return None
-        if (request in self.aborted or is_resumed(request) or flight.deliveries > 1 or flight.reclaimed
+        if (request in self.aborted or is_resumed(request) or flight.taken_back
                 or (request.deadline is not None and request.deadline <= time.time())
                 or (request.min_weight_version is not None and not self.weights.serves(request.min_weight_version))):
             return None
@@ -232,9 +232,8 @@ class RequestRunner:
         started = time.monotonic()
         resume = saver = None
         why = starts_over(request, ctx.settings, ctx.tokenizer, grammar_resume=ctx.capabilities.grammar_resume)
-        taken_back = flight.deliveries > 1 or flight.reclaimed  # (a first delivery has no checkpoint)
         if why is None:
-            if taken_back:
+            if flight.taken_back:  # (a first delivery has no checkpoint)
                 resume = await self.checkpoints.load(ctx.part_of[flight.stream], request, flight.entry_id)
                 resume = await self._grammar_allows(flight, request, resume)
             if resume is not None:
@@ -244,7 +243,7 @@ class RequestRunner:
                          extra=flight.context())
             # (saved while it runs, or only what a drain or a notice cuts short)
             saver = self.checkpoints.saver(flight, request, resume, periodic=is_checkpointed(request, ctx.settings))
-        elif taken_back:
+        elif flight.taken_back:
             log.info("request %s starts over: %s", request.request_id, why, extra=flight.context())
         output = await self._generate(flight, request, resume, saver)
         engine_ms = (time.monotonic() - started) * 1000.0
