@@ -19,8 +19,8 @@ from tests.conftest import ROOT
 OLDER = ("vllm", "0.10.1.1")
 """An older official release the contract must refuse (no pause_generation, no stream_interval, ...)."""
 
-ADAPTERS = [ROOT / "engine_worker" / "engines" / f"vllm_{part}.py" for part in ("engine", "process", "weights")]
-"""The adapter's modules: generation, process, weights."""
+ADAPTERS = [ROOT / "engine_worker" / "engines" / f"vllm_{part}.py" for part in ("engine", "process", "weights", "tools")]
+"""The adapter's modules: generation, process, weights, tool calls and structured output."""
 
 download = pytest.mark.timeout(900)
 
@@ -76,6 +76,9 @@ def test_the_checker_reports_a_missing_name_from_every_list(cpu_wheel, monkeypat
         "WORKER_METHODS": {**contract.WORKER_METHODS, "GPUModelRunner": {"reload_weights": ("no_such_param",)}},
         "FINISH_REASONS": {**contract.FINISH_REASONS, "STOP": "stopped"},
         "ENV_VARS": (*contract.ENV_VARS, "VLLM_NO_SUCH_VARIABLE"),
+        "TOOL_METHODS": {**contract.TOOL_METHODS, "Parser": {"parse": ("no_such_param",)}},
+        "TOOL_FIELDS": {**contract.TOOL_FIELDS, "StructuredOutputsParams": ("no_such_field",)},
+        "FUNCTIONS": {**contract.FUNCTIONS, "no_such_function": "v1/structured_output/backend_guidance.py"},
     }
     for name, value in patch.items():
         monkeypatch.setattr(contract, name, value)
@@ -84,7 +87,8 @@ def test_the_checker_reports_a_missing_name_from_every_list(cpu_wheel, monkeypat
         "AsyncLLM.no_such_attribute", "SamplingParams.no_such_field", "RequestOutputKind.NO_SUCH_KIND",
         "Logprob.no_such_field", "PauseMode 'no_such_mode'", "LogprobsMode 'no_such_mode'",
         "GPUModelRunner.reload_weights(no_such_param=)", "FinishReason.STOP ('stopped')",
-        "envs.VLLM_NO_SUCH_VARIABLE",
+        "envs.VLLM_NO_SUCH_VARIABLE", "Parser.parse(no_such_param=)", "StructuredOutputsParams.no_such_field",
+        "no_such_function() (v1/structured_output/backend_guidance.py)",
     ])
     monkeypatch.setattr(contract, "SOURCES", {**contract.SOURCES, "AsyncLLM": "v1/engine/no_such_module.py"})
     missing = checker.check(cpu_wheel)

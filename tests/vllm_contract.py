@@ -192,6 +192,15 @@ def check(root: Path) -> list[str]:
     have = set().union(*(_fields(c) for c in prompts.values())) if prompts else set()
     missing += [f"prompt field {f!r} (inputs/llm.py)" for f in contract.PROMPT_FIELDS if f not in have]
 
+    for cls_name, wanted in contract.TOOL_METHODS.items():
+        missing += _missing_methods(root, cls_name, wanted)
+    for cls_name, names in contract.TOOL_FIELDS.items():
+        missing += _missing_fields(root, cls_name, names)
+    for name, path in contract.FUNCTIONS.items():
+        if not (root / path).exists() or not any(isinstance(n, ast.FunctionDef) and n.name == name
+                                                 for n in _parse(root / path).body):
+            missing.append(f"{name}() ({path})")
+
     have = env_vars(root)
     missing += [f"envs.{v}" for v in contract.ENV_VARS if v not in have]
     return missing

@@ -67,6 +67,11 @@ SOURCES = {
     "IPCWeightTransferUpdateInfo": "distributed/weight_transfer/ipc_engine.py",  # :62
     "WeightTransferConfig": "config/weight_transfer.py",  # :9
     "SchedulerConfig": "config/scheduler.py",  # :25 (max_num_seqs: the engine's capacity)
+    # tool calls and structured output, as vllm serve composes them (vllm_tools.py)
+    "ParserManager": "parser/parser_manager.py",  # :22
+    "Parser": "parser/abstract_parser.py",  # :108 (what ParserManager.get_parser composes)
+    "ChatCompletionRequest": "entrypoints/openai/chat_completion/protocol.py",  # :220
+    "StructuredOutputsParams": "sampling_params.py",  # :99
 }
 """Where each name below is defined."""
 
@@ -175,6 +180,7 @@ SAMPLING_PARAMS_FIELDS = (
     "stream_interval",  # :384
     "spaces_between_special_tokens",  # :379
     "logit_bias",  # :406
+    "structured_outputs",  # :404 (vllm_tools.py: json, regex, grammar, or a tool choice's schema)
 )
 
 REQUEST_OUTPUT_KINDS = ("CUMULATIVE", "DELTA", "FINAL_ONLY")
@@ -209,6 +215,25 @@ WORKER_METHODS = {
     },
 }
 
+TOOL_METHODS = {
+    # the tool-call parser vllm_tools.py composes and calls: class -> method -> parameters
+    "ParserManager": {"get_parser": ("tool_parser_name", "enable_auto_tools", "tokenizer")},  # :100-109
+    "Parser": {"__init__": ("tokenizer", "tools"),  # :125-129
+               "adjust_request": ("request",),  # :198
+               "parse": ("model_output", "request", "enable_auto_tools", "model_output_token_ids")},  # :235-240
+}
+
+TOOL_FIELDS = {
+    # the fields vllm_tools.py sets or reads: class -> fields
+    "ChatCompletionRequest": ("tools", "tool_choice", "parallel_tool_calls", "structured_outputs"),  # :244-384
+    "StructuredOutputsParams": ("json", "regex", "grammar"),  # :101-104
+}
+
+FUNCTIONS = {
+    # module-level functions the adapter calls: name -> its module
+    "validate_guidance_grammar": "v1/structured_output/backend_guidance.py",  # :373 (a grammar llguidance refuses)
+}
+
 FINISH_REASONS = {
     # v1/engine/__init__.py FinishReason (an IntEnum, :48-69): member -> str(member), the
     # CompletionOutput.finish_reason string (FINISH_REASON_STRINGS[value], :36)
@@ -221,4 +246,5 @@ ENV_VARS = (
     # envs.py environment_variables (:617): the variables the adapter sets
     "VLLM_CPU_KVCACHE_SPACE",  # :887 (GiB of KV cache on the CPU backend)
     "VLLM_WORKER_MULTIPROC_METHOD",  # :956 ("spawn" or "fork")
+    "VLLM_ENFORCE_STRICT_TOOL_CALLING",  # :1861 (0: a tool choice constrained by its JSON schema)
 )

