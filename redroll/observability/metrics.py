@@ -56,16 +56,28 @@ class _StatsCollector:
         return self._families()
 
 
-class WorkerMetrics:
-    def __init__(self, worker: Any):
-        pc = _require()
-        self.registry = pc.CollectorRegistry()
-        self.queue_wait = pc.Histogram("redroll_worker_queue_wait_seconds", "Submit to claim.",
-                                       buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.engine_time = pc.Histogram("redroll_worker_engine_seconds", "Time in the engine.",
-                                        buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._worker = worker
+class _ProcessMetrics:
+    """A process's own registry: the counters its ``_families`` read from ``process`` (a worker or a
+    consumer runner) at each scrape, and the latency histograms made with :meth:`_histogram`."""
+
+    def __init__(self, process: Any):
+        self._process = process
+        self._pc = _require()
+        self.registry = self._pc.CollectorRegistry()
         self.registry.register(_StatsCollector(self._families))
+
+    def _histogram(self, name: str, documentation: str) -> Any:
+        return self._pc.Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def _families(self) -> Iterable[Any]:
+        raise NotImplementedError
+
+
+class WorkerMetrics(_ProcessMetrics):
+    def __init__(self, worker: Any):
+        super().__init__(worker)
+        self.queue_wait = self._histogram("redroll_worker_queue_wait_seconds", "Submit to claim.")
+        self.engine_time = self._histogram("redroll_worker_engine_seconds", "Time in the engine.")
 
     def observe(self, queue_ms: float | None, engine_ms: float | None) -> None:
         if queue_ms is not None:
@@ -76,14 +88,14 @@ class WorkerMetrics:
     def _families(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        st = self._worker.stats
+        st = self._process.stats
         req = CounterMetricFamily("redroll_worker_requests", "Records published, by outcome.", labels=["outcome"])
         for outcome in ("finished", "aborted", "expired", "error"):
             req.add_metric([outcome], st.by_status.get(outcome, 0))
         req.add_metric(["dead_lettered"], st.dead_lettered)
         req.add_metric(["fenced"], st.fenced)
         yield req
-        yield GaugeMetricFamily("redroll_worker_inflight", "Requests in flight.", value=self._worker.inflight_count)
+        yield GaugeMetricFamily("redroll_worker_inflight", "Requests in flight.", value=self._process.inflight_count)
         yield CounterMetricFamily("redroll_worker_tokens_generated", "Output tokens.", value=st.tokens)
         claims = CounterMetricFamily("redroll_worker_claims", "Entries claimed.", labels=["kind"])
         claims.add_metric(["new"], st.claimed)
@@ -99,8 +111,8 @@ class WorkerMetrics:
             yield GaugeMetricFamily("redroll_pipeline_queued", "Entries waiting in the request streams this worker "
                                     "reads (high, lanes, shared), summed: scale on max() over the workers.",
                                     value=st.queued)
-        if self._worker.capabilities.prefill_counters:
-            engine = self._worker.engine
+        if self._process.capabilities.prefill_counters:
+            engine = self._process.engine
             prefill = CounterMetricFamily("redroll_worker_prefill_tokens", "Prompt tokens: computed by prefill, or "
                                           "served from the prefix cache.", labels=["kind"])
             prefill.add_metric(["computed"], engine.prefill_tokens_computed)
@@ -114,24 +126,20 @@ class WorkerMetrics:
         yield CounterMetricFamily("redroll_worker_engine_errors", "Engine exceptions.", value=st.engine_errors)
         info = GaugeMetricFamily("redroll_worker_weight_version_info", "Weight version served.",
                                  labels=["weight_version"])
-        info.add_metric([str(self._worker.engine.info.weight_version)], 1)
+        info.add_metric([str(self._process.engine.info.weight_version)], 1)
         yield info
         yield GaugeMetricFamily("redroll_worker_publish_blocked", "Streams refusing this worker's writes.",
-                                value=len(self._worker.blocked))
+                                value=len(self._process.blocked))
         refusals = CounterMetricFamily("redroll_worker_refusals", "Writes Redis refused.", labels=["kind"])
         for kind, n in sorted(st.refusals.items()):
             refusals.add_metric([kind], n)
         yield refusals
 
 
-class ConsumerMetrics:
+class ConsumerMetrics(_ProcessMetrics):
     def __init__(self, runner: Any):
-        pc = _require()
-        self.registry = pc.CollectorRegistry()
-        self.callback_time = pc.Histogram("redroll_consumer_callback_seconds", "Callback duration.",
-                                          buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._runner = runner
-        self.registry.register(_StatsCollector(self._families))
+        super().__init__(runner)
+        self.callback_time = self._histogram("redroll_consumer_callback_seconds", "Callback duration.")
 
     def observe(self, seconds: float) -> None:
         self.callback_time.observe(seconds)
@@ -139,7 +147,7 @@ class ConsumerMetrics:
     def _families(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        st = self._runner.stats
+        st = self._process.stats
         cb = CounterMetricFamily("redroll_consumer_callbacks", "Callbacks by outcome.", labels=["outcome"])
         cb.add_metric(["applied"], st.applied)
         cb.add_metric(["duplicate"], st.duplicates_skipped)
@@ -149,7 +157,7 @@ class ConsumerMetrics:
         yield CounterMetricFamily("redroll_consumer_reclaimed", "Records reclaimed.", value=st.reclaimed)
         yield CounterMetricFamily("redroll_consumer_trimmed", "Records trimmed.", value=st.trimmed)
         yield GaugeMetricFamily("redroll_consumer_blocked", "1 while Redis refuses the applied markers.",
-                                value=int(self._runner.blocked is not None))
+                                value=int(self._process.blocked is not None))
         yield CounterMetricFamily("redroll_consumer_refusals", "Markers or dead letters Redis refused.",
                                   value=st.refusals)
 
