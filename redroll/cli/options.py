@@ -8,7 +8,6 @@ import socket
 import sys
 from typing import Any
 
-from redroll.cli import sentinel_options
 from redroll.shared.settings import Settings
 from redroll.shared.values import (  # noqa: F401  (the argument types every command uses)
     non_negative_int,
@@ -19,35 +18,51 @@ from redroll.shared.values import (  # noqa: F401  (the argument types every com
     seconds_from_zero,
 )
 
+CONNECTION_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--redis-url", dict(help="redis://, rediss://, unix:// or redis+sentinel://host:port,.../master URL "
+                              "(env REDROLL_REDIS_URL)")),
+    ("--namespace", dict(help="pipeline namespace (env REDROLL_NAMESPACE)")),
+    ("--partitions", dict(type=int, help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; "
+                                         "default 1)")),
+    ("--affinity-lanes", dict(type=int, metavar="L", help="affinity lanes per partition (env REDROLL_AFFINITY_LANES; "
+                              "default 0 = off); every process of a pipeline must use the pipeline's L (see "
+                              "`redroll lanes`)")),
+    ("--steal-after-ms", dict(type=int, metavar="MS", help="with affinity lanes: any worker takes an entry that "
+                              "waited this long in a lane (env REDROLL_STEAL_AFTER_MS; default 1000)")),
+    ("--cluster", dict(dest="redis_cluster", action="store_const", const=True,
+                       help="the URL names a node of a Redis Cluster (env REDROLL_REDIS_CLUSTER=1)")),
+    ("--redis-username", dict(help="ACL user (env REDROLL_REDIS_USERNAME)")),
+    ("--redis-password-file", dict(help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or "
+                                        "REDROLL_REDIS_PASSWORD)")),
+    ("--tls-ca-file", dict(help="with rediss://: the CA that signed the server's certificate (env "
+                                "REDROLL_TLS_CA_FILE; default: the system's CAs)")),
+    ("--tls-cert-file", dict(help="with rediss://: this client's certificate, for servers that require one "
+                                  "(env REDROLL_TLS_CERT_FILE)")),
+    ("--tls-key-file", dict(help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")),
+    # Redis Sentinel (named by the URL, redis+sentinel://...) and replicated durability.
+    ("--sentinel-username", dict(help="with a redis+sentinel:// URL: the sentinels' ACL user (env "
+                                      "REDROLL_SENTINEL_USERNAME)")),
+    ("--sentinel-password-file", dict(help="file holding the sentinels' password (env "
+                                           "REDROLL_SENTINEL_PASSWORD_FILE; or REDROLL_SENTINEL_PASSWORD)")),
+    ("--wait-replicas", dict(type=int, metavar="N", help="acknowledge a submit, finish or consumer ack only once "
+                             "N replicas have it (env REDROLL_WAIT_REPLICAS; default 0 = asynchronous replication)")),
+    ("--wait-timeout-ms", dict(type=int, metavar="MS", help="how long one wait for the replicas lasts before the "
+                               "write is sent again (env REDROLL_WAIT_TIMEOUT_MS; default 1000)")),
+    ("--wait-aof", dict(action="store_const", const=True, help="wait with WAITAOF: fsynced on the primary and N "
+                        "replicas (Redis 7.2+, Valkey 8, appendonly yes; env REDROLL_WAIT_AOF=1)")),
+)
+"""The connection flags of every command that connects, with ``add_argument``'s options: each sets
+the Settings field it is named after (``--cluster``: its ``dest``), and only when given (else the
+``REDROLL_*`` variable, else the default: see :func:`settings_from_args`)."""
+
+CONNECTION_SETTINGS = tuple(options.get("dest", flag[2:].replace("-", "_")) for flag, options in CONNECTION_FLAGS)
+"""The Settings fields the connection flags set."""
+
 
 def add_connection_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection (also REDROLL_* environment variables)")
-    g.add_argument("--redis-url", default=argparse.SUPPRESS,
-                   help="redis://, rediss://, unix:// or redis+sentinel://host:port,.../master URL "
-                        "(env REDROLL_REDIS_URL)")
-    g.add_argument("--namespace", default=argparse.SUPPRESS, help="pipeline namespace (env REDROLL_NAMESPACE)")
-    g.add_argument("--partitions", type=int, default=argparse.SUPPRESS,
-                   help="partitions of the pipeline, {ns:0}..{ns:P-1} (env REDROLL_PARTITIONS; default 1)")
-    g.add_argument("--affinity-lanes", type=int, default=argparse.SUPPRESS, metavar="L",
-                   help="affinity lanes per partition (env REDROLL_AFFINITY_LANES; default 0 = off); every "
-                        "process of a pipeline must use the pipeline's L (see `redroll lanes`)")
-    g.add_argument("--steal-after-ms", type=int, default=argparse.SUPPRESS, metavar="MS",
-                   help="with affinity lanes: any worker takes an entry that waited this long in a lane "
-                        "(env REDROLL_STEAL_AFTER_MS; default 1000)")
-    g.add_argument("--cluster", dest="redis_cluster", action="store_const", const=True, default=argparse.SUPPRESS,
-                   help="the URL names a node of a Redis Cluster (env REDROLL_REDIS_CLUSTER=1)")
-    g.add_argument("--redis-username", default=argparse.SUPPRESS, help="ACL user (env REDROLL_REDIS_USERNAME)")
-    g.add_argument("--redis-password-file", default=argparse.SUPPRESS,
-                   help="file holding the password (env REDROLL_REDIS_PASSWORD_FILE; or REDROLL_REDIS_PASSWORD)")
-    g.add_argument("--tls-ca-file", default=argparse.SUPPRESS,
-                   help="with rediss://: the CA that signed the server's certificate (env REDROLL_TLS_CA_FILE; "
-                        "default: the system's CAs)")
-    g.add_argument("--tls-cert-file", default=argparse.SUPPRESS,
-                   help="with rediss://: this client's certificate, for servers that require one "
-                        "(env REDROLL_TLS_CERT_FILE)")
-    g.add_argument("--tls-key-file", default=argparse.SUPPRESS,
-                   help="with rediss://: the key of --tls-cert-file (env REDROLL_TLS_KEY_FILE)")
-    sentinel_options.add_arguments(g)
+    for flag, options in CONNECTION_FLAGS:
+        g.add_argument(flag, default=argparse.SUPPRESS, **options)
     g.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"],
                    help="log level (env REDROLL_LOG_LEVEL; default info)")
     g.add_argument("--log-format", default=argparse.SUPPRESS, choices=["text", "json"],
@@ -105,10 +120,9 @@ def add_metrics_flags(p: argparse.ArgumentParser) -> None:
 SETTING_DEFAULTS = Settings()
 """The settings' own defaults, as the help shows them."""
 
+
 def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
-    keys = ("redis_url", "namespace", "partitions", "affinity_lanes", "steal_after_ms", "redis_cluster", "redis_username", "redis_password_file", "tls_ca_file", "tls_cert_file",
-            "tls_key_file", *sentinel_options.SETTINGS)
-    overrides = {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    overrides = {k: getattr(args, k) for k in CONNECTION_SETTINGS if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return Settings.from_env(**overrides)
 
