@@ -7,28 +7,34 @@ import json
 import sys
 from typing import Any
 
-from redroll.cli.options import add_connection_options, seconds_from_zero, settings_from_args, usage_error
-from redroll.shared.connection import connect
+from redroll.cli.options import add_connection_options, connected, seconds_from_zero, usage_error
+
+
+def _command(parent: Any, name: str, help: str, run: Any) -> argparse.ArgumentParser:
+    """A sub-command of ``parent`` that connects (the connection options) and runs ``run``."""
+    p = parent.add_parser(name, help=help)
+    add_connection_options(p)
+    p.set_defaults(run=run)
+    return p
+
+
+JSON_HELP = "JSON for scripts"
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("lanes", help="show or change the pipeline's affinity lanes (backlog and owner per lane)")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = actions.add_parser("show", help="the lanes, each lane's backlog and owner")
-    add_connection_options(show)
-    show.add_argument("--json", action="store_true", help="JSON for scripts")
-    show.set_defaults(run=run_lanes)
-    change = actions.add_parser("set", help="change the number of lanes (every process must then use it)")
-    add_connection_options(change)
+    show = _command(actions, "show", "the lanes, each lane's backlog and owner", run_lanes)
+    show.add_argument("--json", action="store_true", help=JSON_HELP)
+    change = _command(actions, "set", "change the number of lanes (every process must then use it)", run_lanes)
     change.add_argument("lanes", type=int, help="the new number of lanes (0 = off)")
     change.add_argument("--force", action="store_true",
                         help="change it even though lanes still hold entries (they stay there, unread, until L is "
                              "set back: see docs/cluster.md)")
-    change.add_argument("--json", action="store_true", help="JSON for scripts")
-    change.set_defaults(run=run_lanes)
+    change.add_argument("--json", action="store_true", help=JSON_HELP)
 
-    p = sub.add_parser("repair", help="give streams whose ids were exhausted (XADD with the largest id) their ids back")
-    add_connection_options(p)
+    p = _command(sub, "repair", "give streams whose ids were exhausted (XADD with the largest id) their ids back",
+                 run_repair)
     p.add_argument("streams", nargs="*", help="stream keys to repair, e.g. '{redroll}:results'")
     p.add_argument("--all", action="store_true", help="every stream of the pipeline (requests, results, dead, "
                                                       "control, reply streams)")
@@ -36,36 +42,28 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-rebuild", type=int, default=None, metavar="N",
                    help="on servers that need the stream rebuilt (Valkey 8), copy at most N entries in the one "
                         "script (default 200000; the server is blocked meanwhile)")
-    p.add_argument("--json", action="store_true", help="JSON for scripts")
-    p.set_defaults(run=run_repair)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
-    p = sub.add_parser("drain", help="ask workers to drain and exit (through the control stream)")
-    add_connection_options(p)
+    p = _command(sub, "drain", "ask workers to drain and exit (through the control stream)", run_drain)
     p.add_argument("workers", nargs="*", help="worker names (see redroll status)")
     p.add_argument("--all", action="store_true", help="every worker")
-    p.set_defaults(run=run_drain)
 
-    p = sub.add_parser("gc", help="remove reply streams of producers that never came back, gone workers' heartbeats")
-    add_connection_options(p)
+    p = _command(sub, "gc", "remove reply streams of producers that never came back, gone workers' heartbeats", run_gc)
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument("--stale-worker-s", type=seconds_from_zero, default=3600.0,
                    help="remove heartbeats of workers not seen for this many seconds")
     p.add_argument("--idle-consumer-s", type=seconds_from_zero, default=3600.0,
                    help="remove consumers idle this many seconds that hold nothing")
-    p.set_defaults(run=run_gc)
 
-    p = sub.add_parser("abort", help="abort requests by request_id or group_id")
-    add_connection_options(p)
+    p = _command(sub, "abort", "abort requests by request_id or group_id", run_abort)
     p.add_argument("request_ids", nargs="*", help="request ids to abort")
     p.add_argument("--group", action="append", default=[], help="abort every request of this group_id (repeatable)")
-    p.set_defaults(run=run_abort)
 
 
 async def run_gc(args: argparse.Namespace) -> int:
     from redroll.ops.gc import collect_garbage
 
-    settings = settings_from_args(args)
-    async with connect(settings) as r:
+    async with connected(args) as (settings, r):
         report = await collect_garbage(r, settings.keys, reply_ttl_s=settings.reply_ttl_s,
                                        partitions=settings.partition_keys,
                                        stale_worker_s=args.stale_worker_s, idle_consumer_s=args.idle_consumer_s,
@@ -77,8 +75,7 @@ async def run_gc(args: argparse.Namespace) -> int:
 async def run_lanes(args: argparse.Namespace) -> int:
     from redroll.shared.lanes import lane_report, set_lanes
 
-    settings = settings_from_args(args)
-    async with connect(settings) as r:
+    async with connected(args) as (settings, r):
         if args.action == "set":
             try:
                 before = await set_lanes(r, settings.keys, settings.with_(affinity_lanes=0).partition_keys,
@@ -108,8 +105,7 @@ async def run_repair(args: argparse.Namespace) -> int:
 
     if not args.streams and not args.all:
         return usage_error("repair", "name stream keys or --all")
-    settings = settings_from_args(args)
-    async with connect(settings) as r:
+    async with connected(args) as (settings, r):
         keys = args.streams or await pipeline_streams(r, settings.keys, settings.partition_keys)
         limit = args.max_rebuild if args.max_rebuild is not None else MAX_REBUILD_ENTRIES
         reports = [await repair_stream(r, key, dry_run=args.dry_run, max_rebuild=limit) for key in keys]
@@ -147,8 +143,7 @@ async def run_drain(args: argparse.Namespace) -> int:
         return usage_error("drain", "name workers or --all")
     from redroll.ops.control import live_workers
 
-    settings = settings_from_args(args)
-    async with connect(settings) as r:
+    async with connected(args) as (settings, r):
         if not args.all:
             live = await live_workers(r, settings.keys)
             unknown = [name for name in args.workers if name not in live]
@@ -167,8 +162,7 @@ async def run_abort(args: argparse.Namespace) -> int:
 
     if not args.request_ids and not args.group:
         return usage_error("abort", "name request ids or --group G")
-    settings = settings_from_args(args)
-    async with connect(settings) as r:
+    async with connected(args) as (settings, r):
         cancelled = await abort_requests(r, settings.keys, args.request_ids, group_ids=args.group,
                                          parts=settings.partition_keys, what="redroll abort")
     print(f"abort sent for {len(args.request_ids)} request(s) and {len(args.group)} group(s); "

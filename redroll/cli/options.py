@@ -4,10 +4,14 @@ formatter, and the settings the options make."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
-from typing import Any
+from typing import Any, AsyncIterator
 
+from redis.asyncio import Redis
+
+from redroll.shared.connection import connect
 from redroll.shared.settings import Settings
 from redroll.shared.values import (  # noqa: F401  (the argument types every command uses)
     non_negative_int,
@@ -125,6 +129,15 @@ def settings_from_args(args: argparse.Namespace, **extra: Any) -> Settings:
     overrides = {k: getattr(args, k) for k in CONNECTION_SETTINGS if hasattr(args, k)}
     overrides.update({k: v for k, v in extra.items() if v is not None})
     return Settings.from_env(**overrides)
+
+
+@contextlib.asynccontextmanager
+async def connected(args: argparse.Namespace) -> AsyncIterator[tuple[Settings, Redis]]:
+    """The settings the options make and a client on their Redis, closed on leaving the block:
+    ``async with connected(args) as (settings, r):``."""
+    settings = settings_from_args(args)
+    async with connect(settings) as r:
+        yield settings, r
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
