@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 from redroll.shared.continuing import continue_after, join_parts
+from redroll.shared.tally import Tally
 from redroll.shared.types import CompletionRecord, GenerationRequest, RecordStatus
 
 
@@ -24,23 +25,21 @@ class Aborter(Protocol):
 
 
 @dataclass
-class GroupOutcome:
-    """Every member of a group, each in exactly one list."""
+class GroupOutcome(Tally):
+    """Every member of a group, each in exactly one list: ``accepted`` (finished, and the filter
+    said yes: the first k of them), ``rejected`` (finished, but the filter said no), ``surplus``
+    (finished after k were accepted: the abort came too late for them), ``aborted`` (aborted once
+    k were accepted, before they finished) or ``failed`` (status error or expired)."""
 
     accepted: list[CompletionRecord] = field(default_factory=list)
-    """Finished, and the filter said yes (the first k of them)."""
     rejected: list[CompletionRecord] = field(default_factory=list)
-    """Finished, but the filter said no."""
     surplus: list[CompletionRecord] = field(default_factory=list)
-    """Finished after k were accepted (the abort came too late for them)."""
     aborted: list[CompletionRecord] = field(default_factory=list)
-    """Aborted once k were accepted, before they finished."""
     failed: list[CompletionRecord] = field(default_factory=list)
-    """Status error or expired."""
 
     @property
     def members(self) -> int:
-        return len(self.accepted) + len(self.rejected) + len(self.surplus) + len(self.aborted) + len(self.failed)
+        return self.total
 
 
 class RolloutGroup:

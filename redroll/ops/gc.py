@@ -18,10 +18,11 @@ from redroll.shared.keys import WORKERS_GROUP, Keys
 from redroll.shared.lanes import pipeline_lanes
 from redroll.shared.scripts import Scripts
 from redroll.shared.streams import id_tuple, text
+from redroll.shared.tally import Tally
 
 
 @dataclass
-class GcReport:
+class GcReport(Tally):
     """What a collection deleted (or, dry, would delete), by kind."""
 
     reply_streams: list[str] = field(default_factory=list)
@@ -36,13 +37,7 @@ class GcReport:
     """Submit de-duplication keys whose entry is gone (a request cancelled while queued)."""
 
     def to_json(self) -> dict:
-        return {"reply_streams": self.reply_streams, "heartbeats": self.heartbeats, "consumers": self.consumers,
-                "checkpoints": self.checkpoints, "rid_keys": self.rid_keys}
-
-    @property
-    def total(self) -> int:
-        return (len(self.reply_streams) + len(self.heartbeats) + len(self.consumers) + len(self.checkpoints)
-                + len(self.rid_keys))
+        return self.by_name()
 
 
 async def _reply_stream_idle_s(r: Redis, key: str, now: float) -> float | None:
