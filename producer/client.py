@@ -12,7 +12,8 @@ import logging
 import secrets
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, TypeVar
 
 import msgspec
 import redis
@@ -74,6 +75,17 @@ def _refuse_repeated_ids(items: list[GenerationRequest | Mapping[str, Any]]) -> 
         if rid in seen:
             raise ValueError(f"request_id {rid!r} appears twice in one submit: nothing was sent")
         seen.add(rid)
+
+
+_T = TypeVar("_T")
+
+
+def _started(part: _T | None) -> _T:
+    """``part`` of a started producer (its client, its reply reader); before the start, an error
+    saying how to start it."""
+    if part is None:
+        raise RuntimeError("producer not started: use 'async with Producer(...)' or 'await start()'")
+    return part
 
 
 class Producer:
@@ -148,21 +160,14 @@ class Producer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def weight_version(self) -> int:
-        """The trainer's weight version, as :meth:`set_weight_version` or :meth:`update_weights` set it."""
-        return self.admission.weight_version
-
-    @property
-    def admitted(self) -> int:
-        """Requests admitted under the staleness bound (see :class:`~.admission.Admission`)."""
-        return self.admission.admitted
+    weight_version = property(attrgetter("admission.weight_version"), doc="The trainer's weight version, as "
+                              ":meth:`set_weight_version` or :meth:`update_weights` set it.")
+    admitted = property(attrgetter("admission.admitted"), doc="Requests admitted under the staleness bound (see "
+                        ":class:`~.admission.Admission`).")
 
     @property
     def redis(self) -> Redis:
-        if self._redis is None:
-            raise RuntimeError("producer not started: use 'async with Producer(...)' or 'await start()'")
-        return self._redis
+        return _started(self._redis)
 
     async def start(self) -> "Producer":
         if self._redis is None:
@@ -194,9 +199,7 @@ class Producer:
 
     @property
     def reader(self) -> ReplyReader:
-        if self._reader is None:
-            raise RuntimeError("producer not started: use 'async with Producer(...)' or 'await start()'")
-        return self._reader
+        return _started(self._reader)
 
     async def close(self) -> None:
         self._closed = True

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 from concurrent.futures import Future
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Iterator
 
 from redroll.producer.client import Callback, Producer, warn_renamed
@@ -59,14 +60,9 @@ class SyncProducer:
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    @property
-    def name(self) -> str:
-        return self._producer.name
-
-    @property
-    def outstanding(self) -> int:
-        """Requests submitted here whose record has not arrived yet."""
-        return self._producer.outstanding
+    name = property(attrgetter("_producer.name"))
+    outstanding = property(attrgetter("_producer.outstanding"),
+                           doc="Requests submitted here whose record has not arrived yet.")
 
     def submit(self, request: GenerationRequest | None = None, *, callback: Callback | None = None,
                **fields: Any) -> Future:
@@ -225,9 +221,9 @@ class SyncSession:
         self._sp = producer
         self._session = session
 
-    key = property(lambda self: self._session.key)
-    conversation = property(lambda self: self._session.conversation)
-    records = property(lambda self: self._session.records)
+    key = property(attrgetter("_session.key"))
+    conversation = property(attrgetter("_session.conversation"))
+    records = property(attrgetter("_session.records"))
 
     def turn(self, new_ids: list[int], **fields: Any) -> CompletionRecord:
         return self._sp._call(self._session.turn(new_ids, **fields))
