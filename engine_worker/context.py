@@ -83,7 +83,7 @@ class WorkerContext:
         """Pipeline-wide keys (control, weights, workers, aborted, errors)."""
         self.scripts = Scripts(self.redis, EventLog.from_settings(self.settings))
         self.batcher = CommandBatcher(self.redis)
-        self.publisher = Publisher(self.redis, self.scripts, consumer=self.name, worker=self.name,
+        self.publisher = Publisher(self.scripts, self.name,
                                    durability=Durability.of(self.settings))
         self.deliveries = DeliveryLog(self.redis, self.scripts.events, self.name)
         """Each delivery (a claim read, a reclaim) noted in its request's event log."""

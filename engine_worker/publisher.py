@@ -13,8 +13,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-
 from redroll.shared.batcher import Coalescer
 from redroll.shared.codec import encode_record
 from redroll.shared.connection.durability import Durability
@@ -66,17 +64,16 @@ class _Queued:
 class Publisher(Coalescer[list[_Queued]]):
     """Queued items are groups of finishes (one request's, or a whole batch's), each with one future."""
 
-    def __init__(self, redis_client: Redis, scripts: Scripts, consumer: str, worker: str, max_batch: int = 256,
+    def __init__(self, scripts: Scripts, worker: str, max_batch: int = 256,
                  max_call_bytes: int = 1 << 20, durability: Durability = Durability()):
         super().__init__(max_batch)
         self.durability = durability
         """What a flush waits for after its finishes (replicas: see redroll.shared.connection.durability)."""
-        self.redis = redis_client
         self.scripts = scripts
-        self.consumer = consumer
+        """The function library, on the worker's Redis client (``scripts.redis``)."""
         self.worker = worker
+        """The worker's name: its consumer in the workers group, and the owner its finishes check."""
         self.max_call_bytes = max_call_bytes
-        self.max_call_items = max_batch
         self.flushes = 0
         self.found_published = 0
         """Finishes retried after a lost reply that found their record published by the first try."""
@@ -101,14 +98,14 @@ class Publisher(Coalescer[list[_Queued]]):
                               for f in finishes])
 
     def _calls(self, items: list[_Queued]) -> list[list[_Queued]]:
-        """``items`` as script calls: one request stream each, at most ``max_call_items`` and
+        """``items`` as script calls: one request stream each, at most ``max_batch`` and
         ``max_call_bytes`` of records each (at least one record)."""
         calls: list[list[_Queued]] = []
         open_call: dict[str, tuple[list[_Queued], int]] = {}
         for item in items:
             size = len(item.encoded["data"])
             call, used = open_call.get(item.finish.stream, (None, 0))
-            if call is None or used + size > self.max_call_bytes or len(call) >= self.max_call_items:
+            if call is None or used + size > self.max_call_bytes or len(call) >= self.max_batch:
                 call, used = [], 0
                 calls.append(call)
             call.append(item)
@@ -125,7 +122,7 @@ class Publisher(Coalescer[list[_Queued]]):
                     fut.set_exception(exc)
             return
         self.flushes += 1
-        await leave_demoted_primary(self.redis, [x.decode() if isinstance(x, bytes) else x
+        await leave_demoted_primary(self.scripts.redis, [x.decode() if isinstance(x, bytes) else x
                                                  for reply in replies for x in reply if isinstance(x, (bytes, str))])
         for items, reply in zip(calls, replies):
             for item, outcome in zip(items, reply):
@@ -146,14 +143,14 @@ class Publisher(Coalescer[list[_Queued]]):
     async def _execute(self, calls: list[list[_Queued]]) -> list:
         """All of ``calls`` in one round trip (Redis serves other clients between them)."""
         async def attempt() -> list:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.scripts.redis.pipeline(transaction=False) as pipe:
                 for items in calls:
                     self.scripts.finish_many_in(pipe, requests_key=items[0].finish.stream, group=WORKERS_GROUP,
-                                                consumer=self.consumer, worker=self.worker,
+                                                consumer=self.worker, worker=self.worker,
                                                 items=[(i.finish.entry_id, i.finish.reply_key, i.finish.rid_key,
                                                         i.encoded, i.finish.cap, i.finish.partial_key, i.summary)
                                                        for i in items])
                 return call_replies(await self.durability.execute(pipe),
                                     [finish_refused(len(items)) for items in calls])
 
-        return await with_library(self.redis, attempt)
+        return await with_library(self.scripts.redis, attempt)

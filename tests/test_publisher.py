@@ -65,7 +65,7 @@ async def test_finishes_of_one_round_trip_are_split_into_calls_of_bounded_size(r
     entries = await claimed(r, keys, [rec.request_id for rec in records], "w1")
     scripts = CountingScripts(r)
     await scripts.load_all()
-    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=2 * size + size // 2)
+    publisher = Publisher(scripts, "w1", max_call_bytes=2 * size + size // 2)
     published = await finish_all(publisher, keys, entries, records)
     assert published == [True] * 5
     assert publisher.flushes == 1 and scripts.calls == [2, 2, 1]  # one round trip, three calls
@@ -86,7 +86,7 @@ async def test_each_caller_gets_its_own_outcome_whichever_call_carried_it(r, set
     entries = [mine[0], theirs[0], mine[1], theirs[1]]
     scripts = CountingScripts(r)
     await scripts.load_all()
-    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_call_bytes=size)  # one record a call
+    publisher = Publisher(scripts, "w1", max_call_bytes=size)  # one record a call
     published = await finish_all(publisher, keys, entries, records)
     assert published == [True, False, True, False]
     assert scripts.calls == [1, 1, 1, 1]
@@ -99,7 +99,7 @@ async def test_small_finishes_share_one_call(r, settings):
     entries = await claimed(r, keys, [rec.request_id for rec in records], "w1")
     scripts = CountingScripts(r)
     await scripts.load_all()
-    publisher = Publisher(r, scripts, consumer="w1", worker="w1")
+    publisher = Publisher(scripts, "w1")
     published = await finish_all(publisher, keys, entries, records)
     assert published == [True] * 20
     assert scripts.calls == [20]
@@ -117,7 +117,7 @@ async def test_a_group_of_finishes_has_one_future_and_each_its_own_outcome(r, se
     await r.hset(keys.owner("broken"), "grp-2", submitted_as(keys.requests, mine[1]))  # (its producer's submit noted it: the XADD is reached)
     scripts = CountingScripts(r)
     await scripts.load_all()
-    publisher = Publisher(r, scripts, consumer="w1", worker="w1", max_batch=2)  # two records a call
+    publisher = Publisher(scripts, "w1", max_batch=2)  # two records a call
     entries, replies = [mine[0], theirs[0], mine[1], mine[2]], [keys.results, keys.results, broken, keys.results]
     try:
         outcomes = await publisher.finish_many([
