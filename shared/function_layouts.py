@@ -57,27 +57,29 @@ class LayoutError(RedrollError, ValueError):
 
 @dataclass(frozen=True)
 class Key:
+    """One key; ``optional``: the packer may give None, then the key is left out and the Lua name is ``false``."""
+
     name: str
     optional: bool = False
-    """The packer may give None: the key is left out and the Lua name is ``false``."""
 
 
 @dataclass(frozen=True)
 class KeyList:
+    """Any number of keys: a Lua table (their count goes in ARGV's header)."""
+
     name: str
 
 
 @dataclass(frozen=True)
 class Arg:
+    """One value; ``number``: bound in Lua as ``tonumber`` of it (else the string as it came)."""
+
     name: str
     number: bool = False
-    """Bound in Lua as ``tonumber`` of the value (else the string as it came)."""
 
 
-@dataclass(frozen=True)
-class ArgList:
-    name: str
-    number: bool = False
+class ArgList(Arg):
+    """Any number of values: a Lua table (their count goes in ARGV's header), each bound as :class:`Arg` binds one."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,8 @@ class FunctionLayout:
         if self.items is not None:
             top += [self.items.count, self.items.name]
             fields = [*self.items.keys, *(a.name for a in self.items.args)]
-            if not fields:
-                raise LayoutError(f"{self.name}: items with neither keys nor args")
+            if not fields or any(isinstance(a, ArgList) for a in self.items.args):
+                raise LayoutError(f"{self.name}: an item has one value per key and arg, and at least one")
         for n in (*top, *fields):
             if not _NAME.match(n) or n in LUA_RESERVED:
                 raise LayoutError(f"{self.name}: {n!r} is not a usable Lua name")
@@ -158,28 +160,22 @@ class FunctionLayout:
         self._check("key", keys, self.keys)
         self._check("arg", args, self.args)
         out_keys: list[Any] = []
+        out_args: list[Any] = []
         header: list[Any] = []
-        for kp in self.keys:
-            value = keys[kp.name]
-            if isinstance(kp, KeyList):
+        for part in (*self.keys, *self.args):
+            is_key = isinstance(part, (Key, KeyList))
+            out, value = (out_keys, keys[part.name]) if is_key else (out_args, args[part.name])
+            if isinstance(part, (KeyList, ArgList)):
                 header.append(len(value))
-                out_keys.extend(value)
-            elif kp.optional:
+                out.extend(value)
+            elif isinstance(part, Key) and part.optional:
                 header.append(0 if value is None else 1)
                 if value is not None:
-                    out_keys.append(value)
+                    out.append(value)
             elif value is None:
-                raise LayoutError(f"{self.name}: key {kp.name!r} may not be None")
+                raise LayoutError(f"{self.name}: {part.name!r} may not be None")
             else:
-                out_keys.append(value)
-        out_args: list[Any] = []
-        for ap in self.args:
-            value = args[ap.name]
-            if isinstance(ap, ArgList):
-                header.append(len(value))
-                out_args.extend(value)
-            else:
-                out_args.append(value)
+                out.append(value)
         if self.items is not None:
             header.append(len(items))
             key_fields = self.items.keys
