@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from functools import cached_property
+from operator import itemgetter
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from redroll.shared.errors import RedrollError
 
@@ -178,20 +180,26 @@ class FunctionLayout:
                 out.append(value)
         if self.items is not None:
             header.append(len(items))
-            key_fields = self.items.keys
-            arg_fields = tuple(a.name for a in self.items.args)
-            width = len(key_fields) + len(arg_fields)
+            key_fields, arg_fields, width, item_keys, item_args = self._item_getters
             try:
                 for item in items:
                     if len(item) != width:
                         raise KeyError(sorted(set(item) ^ {*key_fields, *arg_fields}))
-                    out_keys.extend([item[f] for f in key_fields])
-                    out_args.extend([item[f] for f in arg_fields])
+                    out_keys.extend(item_keys(item))
+                    out_args.extend(item_args(item))
             except KeyError as exc:
                 raise LayoutError(f"{self.name}: an item's fields are not its layout's: {exc.args[0]}") from None
         elif items:
             raise LayoutError(f"{self.name}: has no items")
         return out_keys, header + out_args
+
+    @cached_property
+    def _item_getters(self) -> tuple[tuple[str, ...], tuple[str, ...], int, Callable[[Any], tuple],
+                                     Callable[[Any], tuple]]:
+        """The items' key and arg fields, their number, and what reads each part's values off an item."""
+        assert self.items is not None
+        key_fields, arg_fields = self.items.keys, tuple(a.name for a in self.items.args)
+        return key_fields, arg_fields, len(key_fields) + len(arg_fields), _getter(key_fields), _getter(arg_fields)
 
     def _check(self, what: str, given: Mapping[str, Any], parts: Sequence[KeyPart | ArgPart]) -> None:
         declared = {p.name for p in parts}
@@ -240,19 +248,30 @@ class FunctionLayout:
         items = self.items
         assert items is not None
         fields = [*items.keys, *(f.name for f in items.args)]
+        columns = [f"_{f}" for f in fields]
         lines = [f"local {items.name} = {{{', '.join(f'{f} = {{}}' for f in fields)}}}",
-                 f"for i = 1, {items.count} do"]
+                 "do",
+                 f"  local {', '.join(columns)} = {', '.join(f'{items.name}.{f}' for f in fields)}",
+                 f"  for i = 1, {items.count} do"]
         nk, na = len(items.keys), len(items.args)
         if nk:
-            lines.append(f"  local k = {k.plus(f'(i - 1) * {nk}')}")
+            lines.append(f"    local k = {k.plus(f'(i - 1) * {nk}')}")
         if na:
-            lines.append(f"  local a = {a.plus(f'(i - 1) * {na}')}")
+            lines.append(f"    local a = {a.plus(f'(i - 1) * {na}')}")
         for j, f in enumerate(items.keys, 1):
-            lines.append(f"  {items.name}.{f}[i] = KEYS[k + {j}]")
+            lines.append(f"    _{f}[i] = KEYS[k + {j}]")
         for j, arg in enumerate(items.args, 1):
-            lines.append(f"  {items.name}.{arg.name}[i] = {_number(f'ARGV[a + {j}]', arg.number)}")
+            lines.append(f"    _{arg.name}[i] = {_number(f'ARGV[a + {j}]', arg.number)}")
+        lines.append("  end")
         lines.append("end")
         return lines
+
+
+def _getter(fields: tuple[str, ...]) -> Callable[[Any], tuple]:
+    """What reads ``fields`` off a mapping, as a tuple (one C call a mapping: packing is on the hot path)."""
+    if len(fields) > 1:
+        return itemgetter(*fields)
+    return lambda item: tuple(item[f] for f in fields)
 
 
 def _number(expr: str, number: bool) -> str:
