@@ -7,7 +7,9 @@ is still checked against the role's grants. Unlike a script in the script cache,
 is replicated and persisted: a replica promoted after a failover has it.
 
 The library is built in code from the script bodies in ``shared/lua/*.lua``: each body becomes the
-callback of one ``redis.register_function``. Library and function names carry a digest of the
+callback of one ``redis.register_function``, after a prologue that binds the names of its KEYS and
+ARGV (generated from its layout in ``shared/function_layouts.py``, which the packers of
+``shared/scripts.py`` pack by too). Library and function names carry a digest of the
 library's source (:data:`LIBRARY`), because libraries and functions are server-wide: two redroll
 versions with different Lua code load two libraries side by side on one server.
 
@@ -21,12 +23,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Mapping
 
 import redis
 from redis.asyncio.cluster import RedisCluster
 
 from redroll.shared.errors import RedrollError
+from redroll.shared.function_layouts import LAYOUTS, FunctionLayout
 
 SCRIPTS: dict[str, tuple[str, ...]] = {
     "submit_many": (),
@@ -57,14 +60,19 @@ def _body(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
 
 
-def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]], prelude: str = "") -> tuple[str, str]:
+def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]], prelude: str = "",
+                  layouts: Mapping[str, FunctionLayout] | None = None) -> tuple[str, str]:
     """(library name, source) for the script ``bodies``: each wrapped in a function of
-    ``KEYS`` and ``ARGV`` and registered as ``<library>_<name>`` with its ``flags``; ``prelude``
-    (helpers several bodies call: ``shared/lua/prelude.lua``) comes once, before them."""
+    ``KEYS`` and ``ARGV``, after the prologue its layout generates (``layouts[name]``: the locals
+    that name its keys and args; a body without a layout reads KEYS and ARGV itself), and
+    registered as ``<library>_<name>`` with its ``flags``; ``prelude`` (helpers several bodies
+    call: ``shared/lua/prelude.lua``) comes once, before them."""
+    layouts = layouts or {}
     blocks = []
     for name, body in bodies.items():
         flag_list = ", ".join(f"'{f}'" for f in flags.get(name, ()))
-        blocks.append((name, f"local function {name}(KEYS, ARGV)\n{body.rstrip()}\nend\n", flag_list))
+        prologue = layouts[name].prologue() if name in layouts else ""
+        blocks.append((name, f"local function {name}(KEYS, ARGV)\n{prologue}{body.rstrip()}\nend\n", flag_list))
     digest = hashlib.sha1("\0".join([prelude, *(b + "\1" + f for _, b, f in blocks)]).encode()).hexdigest()[:12]
     library = f"redroll_{digest}"
     lines = [f"#!lua name={library}",
@@ -81,7 +89,7 @@ def build_library(bodies: dict[str, str], flags: dict[str, tuple[str, ...]], pre
     return library, "\n".join(lines) + "\n"
 
 
-LIBRARY, LIBRARY_SOURCE = build_library({name: _body(name) for name in SCRIPTS}, SCRIPTS, _body("prelude"))
+LIBRARY, LIBRARY_SOURCE = build_library({name: _body(name) for name in SCRIPTS}, SCRIPTS, _body("prelude"), LAYOUTS)
 """This version's library name (``redroll_<digest>``) and its source."""
 
 

@@ -16,11 +16,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
+from redroll.shared import function_layouts as layouts
 from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes, checkpoint_refused
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import large_argument
 from redroll.shared.errors import RedrollError
 from redroll.shared.events import EventLog, finish_args, record_summary, script_args
+from redroll.shared.function_layouts import FunctionLayout
 from redroll.shared.functions import (
     FunctionsMissingError,
     ensure_library,
@@ -234,6 +236,12 @@ def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[st
     return _call(client, name, keys, args, refused)
 
 
+def _run_layout(layout: FunctionLayout, client: Any, refused: Callable[[str], Any] | None = None, *,
+                keys: Mapping[str, Any], args: Mapping[str, Any], items: Sequence[Mapping[str, Any]] = ()) -> Any:
+    """:func:`_run` of ``layout``'s function with its keys, args and items by name (:meth:`FunctionLayout.pack`)."""
+    return _run(layout.name, *layout.pack(keys, args, items), client, refused)
+
+
 async def _call(client: Any, name: str, keys: list, args: list, refused: Callable[[str], Any] | None) -> Any:
     async def attempt() -> Any:
         try:
@@ -287,13 +295,14 @@ class Scripts:
         [code, value] per item (see :meth:`submit_outcome`). A request whose reply_to is a
         producer's reply stream is noted in that producer's ownership hash (``Keys.owner``).
         """
-        keys: list[Any] = [requests_key]
-        args: list[Any] = [rid_ttl_s]
+        packed = []
         for rid_key, token, request_id, reply_to, data, *rest in items:
             owner = owner_key_for(reply_to) if reply_to else None
-            keys += [rid_key, owner or rid_key, reply_to if owner else rid_key]
-            args += [token, request_id, reply_to or "", (rest[0] if rest else None) or "", large_argument(data)]
-        return _run("submit_many", keys, args, client, submit_refused(requests_key, len(items)))
+            packed.append({"rid_key": rid_key, "own_key": owner or rid_key, "reply_key": reply_to if owner else rid_key,
+                           "token": token, "rid": request_id, "reply_to": reply_to or "",
+                           "ak": (rest[0] if rest else None) or "", "data": large_argument(data)})
+        return _run_layout(layouts.SUBMIT_MANY, client, submit_refused(requests_key, len(items)),
+                           keys={"stream": requests_key}, args={"ttl": rid_ttl_s}, items=packed)
 
     # -- finish
     async def finish(self, *, requests_key: str, reply_key: str, rid_key: str, group: str, consumer: str,
@@ -325,24 +334,27 @@ class Scripts:
         is deleted with the finish. The entries published are noted in ``consumer``'s finish marker
         (``Keys.finished``) for :data:`FINISH_MARKER_TTL_MS`.
         """
-        keys: list[Any] = [requests_key, finish_marker_key(requests_key, consumer)]
-        args: list[Any] = [group, consumer, worker, FINISH_MARKER_TTL_MS, FINISH_MARKER_CAP]
-        events: list[Any] = []
-        summaries: list[Any] = []
+        packed = []
         for entry_id, reply_key, rid_key, record, cap, *rest in items:
             partial_key = rest[0] if rest else None
             f = encode_record(record) if isinstance(record, CompletionRecord) else record
-            keys += [reply_key, rid_key, partial_key or rid_key, owner_key_for(reply_key) or rid_key]
-            args += [entry_id, f["rid"], f["status"], large_argument(f["data"]), cap, "1" if partial_key else "0"]
-            events.append(events_key(requests_key, text(f["rid"])))
             if self.events is None:
-                summaries.append("")
+                summary = ""
             elif isinstance(record, CompletionRecord):
-                summaries.append(record_summary(record))
+                summary = record_summary(record)
             else:
-                summaries.append(rest[1] if len(rest) > 1 and rest[1] is not None else "")
-        return _run("finish_many", keys + events, args + finish_args(self.events) + summaries, client,
-                    finish_refused(len(items)))
+                summary = rest[1] if len(rest) > 1 and rest[1] is not None else ""
+            packed.append({"reply_key": reply_key, "rid_key": rid_key, "partial_key": partial_key or rid_key,
+                           "own_key": owner_key_for(reply_key) or rid_key,
+                           "events_key": events_key(requests_key, text(f["rid"])), "entry": entry_id,
+                           "rid": f["rid"], "status": f["status"], "data": large_argument(f["data"]), "cap": cap,
+                           "resumable": "1" if partial_key else "0", "summary": summary})
+        ev_cap, ev_ttl = finish_args(self.events)
+        return _run_layout(layouts.FINISH_MANY, client, finish_refused(len(items)),
+                           keys={"stream": requests_key, "marker": finish_marker_key(requests_key, consumer)},
+                           args={"group": group, "consumer": consumer, "worker": worker,
+                                 "marker_ttl": FINISH_MARKER_TTL_MS, "marker_cap": FINISH_MARKER_CAP,
+                                 "ev_cap": ev_cap, "ev_ttl": ev_ttl}, items=packed)
 
     async def load_all(self) -> None:
         """Make sure the server has the function library (at start, and after a call found it
@@ -356,7 +368,8 @@ class Scripts:
         """Up to ``budget`` new entries of ``streams``, read in their order with the budget carried
         over (see claim.lua). Returns the (stream, entries) pairs that had entries, and one
         ``"<stream>: <error>"`` for each stream that refused the read."""
-        reply = await _run("claim", list(streams), [group, consumer, budget], self.redis)
+        reply = await _run_layout(layouts.CLAIM, self.redis, keys={"streams": streams},
+                                  args={"group": group, "consumer": consumer, "budget": budget})
         got: list[tuple[str, list]] = []
         refused: list[str] = []
         for i in range(0, len(reply), 2):
@@ -374,8 +387,10 @@ class Scripts:
         """Up to ``budget`` new entries: high priority, own lanes, the shared stream, then entries
         overdue in the other lanes, or beyond their first ``steal_depth`` undelivered entries (see
         claim_lanes.lua). Returns (stream, kind, entries) triples."""
-        reply = await _run("claim_lanes", [high, *own, shared, *others],
-                           [group, consumer, budget, len(own), steal_after_ms, steal_depth], self.redis)
+        reply = await _run_layout(layouts.CLAIM_LANES, self.redis,
+                                  keys={"high": high, "own": own, "shared": shared, "others": others},
+                                  args={"group": group, "consumer": consumer, "budget": budget,
+                                        "steal_ms": steal_after_ms, "depth": steal_depth})
         return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
 
     # -- checkpoints (resumable and streamed requests)
@@ -418,37 +433,23 @@ class Scripts:
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:
         """Queue or run the dead-letter script; its reply reads with :meth:`DeadLetterOutcome.from_reply`."""
-        keys = [letter.stream, dead_key]
-        reply_idx = rid_idx = owner_idx = 0
-        rec_args: list[Any] = ["", "", "", ""]
-        if letter.reply_to and letter.error_record is not None:
-            keys.append(letter.reply_to)
-            reply_idx = len(keys)
-            f = encode_record(letter.error_record)
-            rec_args = [f["rid"], f["status"], f["worker"], f["data"]]
-            owner = owner_key_for(letter.reply_to)
-            if owner is not None:
-                keys.append(owner)
-                owner_idx = len(keys)
-        if letter.rid_key:
-            keys.append(letter.rid_key)
-            rid_idx = len(keys)
-            if letter.partial_key:
-                keys.append(letter.partial_key)
-        pairs: list[Any] = []
-        for k, v in letter.fields.items():
-            pairs += [k, v]
+        replying = bool(letter.reply_to) and letter.error_record is not None
+        f = encode_record(letter.error_record) if replying else {"rid": "", "status": "", "worker": "", "data": ""}
         rid = letter.fields.get(b"rid", letter.fields.get("rid"))
-        if rid is not None and self.events is not None:
-            keys.append(events_key(letter.stream, text(rid)))
-            log_args = script_args(self.events)
-        else:
-            keys.append(dead_key)  # (a key of the same slot; a cap of 0 writes nothing there)
-            log_args = script_args(None)
-        args = [group, consumer, letter.entry_id, letter.reason, letter.source,
-                "1" if letter.delete_entry else "0", reply_idx, rid_idx, *rec_args,
-                letter.deliveries, letter.reply_refused or "", len(pairs) // 2, *pairs, *log_args, owner_idx]
-        return _run("dead_letter", keys, args, client, dead_letter_refused)
+        logged = rid is not None and self.events is not None
+        ev_cap, ev_ttl = script_args(self.events if logged else None)
+        keys = {"source": letter.stream, "dead": dead_key, "reply_key": letter.reply_to if replying else None,
+                "own_key": owner_key_for(letter.reply_to) if replying else None, "rid_key": letter.rid_key or None,
+                "partial_key": (letter.partial_key or None) if letter.rid_key else None,
+                # (without a log: a key of the same slot; a cap of 0 writes nothing there)
+                "events_key": events_key(letter.stream, text(rid)) if logged else dead_key}
+        args = {"group": group, "consumer": consumer, "entry": letter.entry_id, "reason": letter.reason,
+                "source_name": letter.source, "delete_entry": "1" if letter.delete_entry else "0",
+                "rec_rid": f["rid"], "rec_status": f["status"], "rec_worker": f["worker"], "rec_data": f["data"],
+                "deliveries": letter.deliveries, "reply_refused": letter.reply_refused or "",
+                "ev_cap": ev_cap, "ev_ttl": ev_ttl}
+        return _run_layout(layouts.DEAD_LETTER, client, dead_letter_refused, keys=keys, args=args,
+                           items=[{"name": k, "value": v} for k, v in letter.fields.items()])
 
     async def dead_letter(self, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> DeadLetterOutcome:
         reply = await self.dead_letter_in(self.redis, dead_key=dead_key, group=group, consumer=consumer,
@@ -462,8 +463,10 @@ class Scripts:
         the error the reply stream answered (nothing written). The request_id's rid key stays until
         housekeeping releases it (:meth:`release_rids`): producers may not delete rid keys."""
         f = encode_record(record)
-        return _run("cancel_queued", [stream, reply_key],
-                    [group, entry_id, f["rid"], f["status"], f["data"]], client, lambda message: message)
+        return _run_layout(layouts.CANCEL_QUEUED, client, lambda message: message,
+                           keys={"stream": stream, "reply_key": reply_key},
+                           args={"group": group, "entry": entry_id, "rid": f["rid"], "status": f["status"],
+                                 "data": f["data"]})
 
     # -- a producer's acks
     def ack_replies_in(self, client: Any, *, stream: str, group: str, entries: Sequence[tuple[str, str]]) -> Any:
@@ -471,7 +474,8 @@ class Scripts:
         stream ``stream``, and take the finished marks they leave out of its producer's ownership
         hash, in one call (see ``shared/lua/ack_replies.lua``). Returns the number acked."""
         owner = owner_key_for(stream) or stream
-        return _run("ack_replies", [stream, owner], [group, *(v for pair in entries for v in pair)], client)
+        return _run_layout(layouts.ACK_REPLIES, client, keys={"stream": stream, "own_key": owner}, args={"group": group},
+                           items=[{"entry": entry, "rid": rid} for entry, rid in entries])
 
     # -- housekeeping
     async def release_rids(self, streams: Sequence[str], rid_keys: Sequence[str], *,
@@ -481,8 +485,8 @@ class Scripts:
         ``dry_run``: that would be)."""
         if not rid_keys:
             return []
-        reply = await _run("release_rids", [*streams, *rid_keys], [len(streams), "1" if dry_run else "0"],
-                           self.redis)
+        reply = await _run_layout(layouts.RELEASE_RIDS, self.redis, keys={"streams": streams, "rid_keys": rid_keys},
+                                  args={"dry_run": "1" if dry_run else "0"})
         return [key for key, released in zip(rid_keys, reply) if int(released)]
 
     # -- leases
@@ -492,15 +496,17 @@ class Scripts:
         ``marks``: a worker's hand-back marks (``Keys.reclaim_marks``: see reclaim_scan.lua)."""
         if not entry_ids:
             return []
-        lost = await _run("renew", [stream, *([marks] if marks else [])], [group, consumer, int(idle_ms), *entry_ids],
-                          self.redis)
+        lost = await _run_layout(layouts.RENEW, self.redis, keys={"stream": stream, "marks": marks or None},
+                                 args={"group": group, "consumer": consumer, "idle_ms": int(idle_ms),
+                                       "entry_ids": entry_ids})
         return [_s(x) for x in lost]
 
     async def reclaim_scan(self, *, streams: Sequence[str], marks: str, group: str, min_idle_ms: int,
                            count: int) -> list[list | str]:
         """What a reclaim pass looks at in one partition's ``streams`` (see reclaim_scan.lua): per
         stream, ``[id, consumer, idle ms, deliveries]`` rows, or the stream's refusal (a string)."""
-        reply = await _run("reclaim_scan", [*streams, marks], [group, int(min_idle_ms), int(count)], self.redis)
+        reply = await _run_layout(layouts.RECLAIM_SCAN, self.redis, keys={"streams": streams, "marks": marks},
+                                  args={"group": group, "min_idle_ms": int(min_idle_ms), "count": int(count)})
         return [_s(x) if isinstance(x, (bytes, str)) else x for x in reply]
 
     # -- heartbeat with affinity lanes
@@ -511,10 +517,14 @@ class Scripts:
         (see lanes_beat.lua). Returns the table's epoch, the members whose beat is late, the full
         ones (asked only with ``room``), and the published member list when ``epoch`` is not the
         current one."""
-        reply = await _run("lanes_beat", [keys.workers, keys.lane_members, keys.lane_full, keys.config,
-                                          keys.lane_plan],
-                           [name, beat, int(claiming), int(room), int(late_ms), int(stale_ms),
-                            -1 if epoch is None else int(epoch), int(settle_ms)], self.redis)
+        reply = await _run_layout(layouts.LANES_BEAT, self.redis,
+                                  keys={"workers_key": keys.workers, "members_key": keys.lane_members,
+                                        "full_key": keys.lane_full, "config_key": keys.config,
+                                        "plan_key": keys.lane_plan},
+                                  args={"name": name, "beat": beat, "claiming": int(claiming), "room": int(room),
+                                        "late_ms": int(late_ms), "stale_ms": int(stale_ms),
+                                        "known_epoch": -1 if epoch is None else int(epoch),
+                                        "settle_ms": int(settle_ms)})
         current, late, full, plan = reply
         members = None if plan is None else [n for n in _s(plan).split("\n") if n]
         return int(current), [_s(x) for x in late], [_s(x) for x in full], members
@@ -523,4 +533,5 @@ class Scripts:
     async def delete_consumer_if_empty(self, stream: str, group: str, consumer: str) -> int:
         """Delete ``consumer`` of ``group`` only if it holds no pending entry (checked atomically):
         -1 when it was kept, else what XGROUP DELCONSUMER answered."""
-        return int(await _run("delete_consumer_if_empty", [stream], [group, consumer], self.redis))
+        return int(await _run_layout(layouts.DELETE_CONSUMER_IF_EMPTY, self.redis, keys={"stream": stream},
+                                     args={"group": group, "consumer": consumer}))

@@ -1,19 +1,18 @@
--- Claim up to ARGV[3] new entries for one worker of a pipeline with affinity lanes, in one atomic
+-- Claim up to `budget` new entries for one worker of a pipeline with affinity lanes, in one atomic
 -- pass: the high-priority stream first, then the lanes this worker owns, then the shared stream,
--- then entries that have waited longer than ARGV[5] ms (by server time) in the other lanes, or are
--- beyond the first ARGV[6] undelivered entries of a lane (0: no depth rule).
+-- then entries that have waited longer than `steal_ms` ms (by server time) in the other lanes, or
+-- are beyond the first `depth` undelivered entries of a lane (0: no depth rule).
 -- XREADGROUP COUNT applies per stream, so the budget is carried from one read to the next: no
 -- entry is read that the worker has no slot for (an over-read entry stays leased and cannot be
 -- taken by another worker).
--- KEYS: high, own lanes (ARGV[4] of them), shared, the other lanes (all of one hash tag)
--- ARGV[1] group  ARGV[2] consumer  ARGV[3] budget  ARGV[4] own lanes  ARGV[5] steal after (ms)
--- ARGV[6] steal depth (entries)
+-- Names (their places in KEYS and ARGV: shared/function_layouts.py, CLAIM_LANES):
+-- high: the high-priority stream; own: the lanes this worker owns; shared: the shared stream;
+-- others: the other lanes (all of one hash tag); group; consumer; budget; steal_ms: steal after
+-- (ms); depth: steal depth (entries)
 -- Returns a flat list: stream, kind ('high' | 'own' | 'shared' | 'stolen'), entries (as XREADGROUP
 -- gives them), ...
 -- Only reads and XREADGROUP (which writes the group's pending list); a stream or group that does
 -- not exist is skipped (pcall), so one lane's trouble never blocks the others.
-local group, consumer = ARGV[1], ARGV[2]
-local budget, own, steal_ms, depth = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local out = {}
 
 local function take(key, n, kind)
@@ -94,20 +93,20 @@ local function stealable(key, length, cutoff_ms, n, depth, aligned_only)
   return count
 end
 
-budget = budget - take(KEYS[1], budget, 'high')
-for i = 2, 1 + own do
-  budget = budget - take(KEYS[i], budget, 'own')
+budget = budget - take(high, budget, 'high')
+for i = 1, #own do
+  budget = budget - take(own[i], budget, 'own')
 end
-budget = budget - take(KEYS[2 + own], budget, 'shared')
-if budget > 0 and #KEYS > 2 + own then
+budget = budget - take(shared, budget, 'shared')
+if budget > 0 and #others > 0 then
   local t = redis.call('TIME')
   local cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - steal_ms
   local held_back = {}  -- lanes whose head continues their owner's key: looked at again after the others
-  for i = 3 + own, #KEYS do
+  for i = 1, #others do
     if budget <= 0 then break end
     -- An empty lane costs one XLEN and nothing more (not even a Lua function call: about a quarter of
     -- an idle fleet's scan was those calls), so an idle fleet's scans stay cheap.
-    local key = KEYS[i]
+    local key = others[i]
     local length = redis.pcall('XLEN', key)
     if type(length) == 'number' and length > 0 then
       local count, aligned = stealable(key, length, cutoff, budget, depth, true)

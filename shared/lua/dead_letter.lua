@@ -1,16 +1,16 @@
 -- Dead-letter one pending entry, owner-checked, and tell its waiter.
--- KEYS[1] source stream  KEYS[2] dead stream  KEYS[3..] optional: reply stream, rid key, and after
--- the rid key the request's checkpoint key (deleted when it names this entry); the last key: the
--- request's event log ({tag}:events:<rid>)
--- ARGV[1] group  ARGV[2] consumer  ARGV[3] entry id  ARGV[4] reason  ARGV[5] source name
--- ARGV[6] delete the entry after ack (1/0)   ARGV[7] index of the reply key in KEYS (0 = none)
--- ARGV[8] index of the rid key in KEYS (0 = none)
--- ARGV[9..12] error record: rid, status, worker, data (used when a reply key is given)
--- ARGV[13] delivery count   ARGV[14] why the waiter's reply stream cannot be used ('' = it can)
--- ARGV[15] number of original field pairs, then the pairs, then the event log's cap in bytes
--- ('0' = off) and TTL, then the index in KEYS of the ownership hash of the producer whose reply
--- stream takes the error record (0 = none): its field for this entry becomes a finished mark, as
--- finish_many.lua leaves, when the record went out and the rid key named this entry; else it goes
+-- Names (their places in KEYS and ARGV: shared/function_layouts.py, DEAD_LETTER):
+-- source: the source stream; dead: the dead stream; reply_key: the reply stream (false = none);
+-- own_key: the ownership hash of the producer whose reply stream takes the error record (false =
+-- none): its field for this entry becomes a finished mark, as finish_many.lua leaves, when the
+-- record went out and the rid key named this entry; else it goes; rid_key (false = none);
+-- partial_key: the request's checkpoint key, deleted when it names this entry (false = none);
+-- events_key: the request's event log ({tag}:events:<rid>);
+-- group; consumer; entry: its entry id; reason; source_name; delete_entry: '1' = delete the entry
+-- after the ack; rec_rid, rec_status, rec_worker, rec_data: the error record (used with a
+-- reply_key); deliveries: the delivery count; reply_refused: why the waiter's reply stream cannot
+-- be used ('' = it can); ev_cap: the event log's cap in bytes (0 = off), ev_ttl: its TTL;
+-- nfields of the entry's original fields, field.name[i] and field.value[i]
 -- Returns {code, message}: {1, ''} dead-lettered (and the error record sent, when asked);
 -- {1, error} dead-lettered, but the reply stream refused the error record: the dead letter then
 -- carries a field reply_error (a waiting producer learns of its request from it);
@@ -23,69 +23,64 @@
 -- first write, so then nothing is written at all. (A reply stream that the deleted record had
 -- created stays, empty and without a TTL: gc deletes it, like one re-created after it expired.)
 -- A call dead-letters an entry at most once.
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then
+local p = redis.call('XPENDING', source, group, entry, entry, 1)
+if #p == 0 or p[1][2] ~= consumer then
   return {0, ''}
 end
-local rid_idx = tonumber(ARGV[8])
 local held = false
-if rid_idx > 0 then
-  held = redis.pcall('GET', KEYS[rid_idx])
+if rid_key then
+  held = redis.pcall('GET', rid_key)
 end
-local reply_err = ARGV[14]
+local reply_err = reply_refused
 local sent = false
-local reply_idx = tonumber(ARGV[7])
-if reply_idx > 0 and reply_err == '' then
-  sent = redis.pcall('XADD', KEYS[reply_idx], '*', 'rid', ARGV[9], 'status', ARGV[10], 'worker', ARGV[11],
-                     'data', ARGV[12])
+if reply_key and reply_err == '' then
+  sent = redis.pcall('XADD', reply_key, '*', 'rid', rec_rid, 'status', rec_status, 'worker', rec_worker,
+                     'data', rec_data)
   if type(sent) == 'table' and sent.err then
-    reply_err = KEYS[reply_idx] .. ': ' .. sent.err
+    reply_err = reply_key .. ': ' .. sent.err
     sent = false
   end
 end
-local entry = {'reason', ARGV[4], 'source', ARGV[5], 'entry', ARGV[3], 'deliveries', ARGV[13]}
+local letter = {'reason', reason, 'source', source_name, 'entry', entry, 'deliveries', deliveries}
 if reply_err ~= '' then
-  table.insert(entry, 'reply_error')
-  table.insert(entry, reply_err)
+  table.insert(letter, 'reply_error')
+  table.insert(letter, reply_err)
 end
-local npairs = tonumber(ARGV[15])
-for i = 0, npairs - 1 do
-  local k = ARGV[16 + 2 * i]
+for i = 1, nfields do
+  local k = field.name[i]
   if k ~= 'reason' and k ~= 'source' and k ~= 'entry' and k ~= 'deliveries' and k ~= 'reply_error' then
-    table.insert(entry, k)
-    table.insert(entry, ARGV[17 + 2 * i])
+    table.insert(letter, k)
+    table.insert(letter, field.value[i])
   end
 end
-local added = redis.pcall('XADD', KEYS[2], '*', unpack(entry))
+local added = redis.pcall('XADD', dead, '*', unpack(letter))
 if type(added) == 'table' and added.err then
   if sent then
-    redis.call('XDEL', KEYS[reply_idx], sent)
+    redis.call('XDEL', reply_key, sent)
   end
   return {-1, added.err}
 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-if ARGV[6] == '1' then
-  redis.call('XDEL', KEYS[1], ARGV[3])
+redis.call('XACK', source, group, entry)
+if delete_entry == '1' then
+  redis.call('XDEL', source, entry)
 end
-local here = (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) .. ' ' .. ARGV[3]  -- (see submit_many.lua)
+local here = (string.match(source, '^{[^}]*}:(.*)$') or source) .. ' ' .. entry  -- (see submit_many.lua)
 local ours = type(held) == 'string' and string.sub(held, -string.len(here) - 1) == ' ' .. here
 if ours then
-  redis.call('DEL', KEYS[rid_idx])
+  redis.call('DEL', rid_key)
 end
-local own_idx = tonumber(ARGV[18 + 2 * npairs])
-if own_idx > 0 and redis.pcall('HGET', KEYS[own_idx], ARGV[9]) == here then
-  settle_owner_field(KEYS[own_idx], ARGV[9], sent, ours and held)  -- (shared/lua/prelude.lua)
+if own_key and redis.pcall('HGET', own_key, rec_rid) == here then
+  settle_owner_field(own_key, rec_rid, sent, ours and held)  -- (shared/lua/prelude.lua)
 end
-if rid_idx > 0 and #KEYS > rid_idx + 1 then
-  local head = redis.pcall('GETRANGE', KEYS[rid_idx + 1], 0, 43)
-  if type(head) == 'string' and string.match(head, '^(%S+)') == ARGV[3] then redis.call('DEL', KEYS[rid_idx + 1]) end
+if rid_key and partial_key then
+  local head = redis.pcall('GETRANGE', partial_key, 0, 43)
+  if type(head) == 'string' and string.match(head, '^(%S+)') == entry then redis.call('DEL', partial_key) end
 end
-local ev_cap = tonumber(ARGV[16 + 2 * npairs])
 if ev_cap > 0 then
   -- (log_event and now_ms: shared/lua/prelude.lua)
-  log_event(KEYS[#KEYS], ev_cap, ARGV[17 + 2 * npairs],
-            now_ms() .. '\tdead\tentry=' .. ARGV[3] .. '\tstream=' .. (string.match(KEYS[1], '^{[^}]*}:(.*)$') or KEYS[1]) ..
-            '\tsource=' .. ARGV[5] .. '\tdeliveries=' .. ARGV[13] ..
-            '\tby=' .. ARGV[2] .. '\treason=' .. string.gsub(ARGV[4], '[\t\n]', ' '))
+  log_event(events_key, ev_cap, ev_ttl,
+            now_ms() .. '\tdead\tentry=' .. entry .. '\tstream=' .. (string.match(source, '^{[^}]*}:(.*)$') or source) ..
+            '\tsource=' .. source_name .. '\tdeliveries=' .. deliveries ..
+            '\tby=' .. consumer .. '\treason=' .. string.gsub(reason, '[\t\n]', ' '))
 end
 return {1, reply_err}

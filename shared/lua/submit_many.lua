@@ -1,10 +1,11 @@
 -- De-duplicated submit of many requests to one stream in one call, atomically with each XADD.
--- KEYS[1] request stream, then per item i KEYS[3i - 1] its rid key, KEYS[3i] the ownership hash of
--- the producer whose reply stream reply_to is ({tag}:own:<producer>; the rid key again when reply_to
--- is none or a results stream: then nothing is written there), KEYS[3i + 1] that reply stream (the
--- rid key again likewise)
--- ARGV[1] the ownership hash's TTL in seconds, then per item 5 values: token, request_id, reply_to
--- ('' = none), affinity key ('' = none: the plain field ak), data
+-- Names (their places in KEYS and ARGV: shared/function_layouts.py, SUBMIT_MANY):
+-- stream: the request stream; ttl: the ownership hashes' TTL in seconds; n items, item i's:
+-- item.rid_key[i] its rid key, item.own_key[i] the ownership hash of the producer whose reply
+-- stream reply_to is ({tag}:own:<producer>; the rid key again when reply_to is none or a results
+-- stream: then nothing is written there), item.reply_key[i] that reply stream (the rid key again
+-- likewise), item.token[i], item.rid[i] its request_id, item.reply_to[i] ('' = none), item.ak[i]
+-- its affinity key ('' = none: the plain field ak), item.data[i]
 -- The rid key holds '<token> <stream> <entry id>' and the ownership field '<stream> <entry id>'
 -- (<stream>: the request stream's name after its hash tag, e.g. requests:high): entry ids are per
 -- stream, so an entry forged on another request stream with the same id is not the one submitted.
@@ -25,8 +26,6 @@
 -- and the SETNX (the key was read absent just before) and HSET (its key's type was checked) that
 -- follow a successful XADD cannot fail. One item never changes another's fate.
 local out = {}
-local ttl = ARGV[1]
-local stream = KEYS[1]
 local sname = string.match(stream, '^{[^}]*}:(.*)$') or stream
 local owners = {}  -- ownership hash -> its type, looked up once per call; 'written' once a field went in
 -- The entry a finished mark in ``ownkey`` names when it is this token's and its record is still on
@@ -40,10 +39,9 @@ local function finished_retry(ownkey, replykey, rid, token)
   return nil
 end
 
-for i = 1, (#KEYS - 1) / 3 do
-  local a = 1 + (i - 1) * 5
-  local token, rid, reply, ak, data = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local ridkey, ownkey, replykey = KEYS[3 * i - 1], KEYS[3 * i], KEYS[3 * i + 1]
+for i = 1, n do
+  local token, rid, reply, ak, data = item.token[i], item.rid[i], item.reply_to[i], item.ak[i], item.data[i]
+  local ridkey, ownkey, replykey = item.rid_key[i], item.own_key[i], item.reply_key[i]
   local held = redis.pcall('GET', ridkey)
   local owntype = 'none'
   if ownkey ~= ridkey then
