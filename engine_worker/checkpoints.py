@@ -69,6 +69,8 @@ class Checkpoint:
     """The text the parts carried (a streamed request's: what its readers were sent)."""
     top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
     """Per token, the k most likely (token id, logprob) pairs (``top_logprobs_num``); None when a part had none."""
+    size: int = HEADER_BYTES
+    """Its bytes (header and parts) as it was read."""
 
     @property
     def tokens(self) -> int:
@@ -84,7 +86,7 @@ def parse_checkpoint(raw: bytes) -> Checkpoint | None:
         count = int(raw[45:63])
     except ValueError:
         return None
-    cp = Checkpoint(entry_id=entry_id)
+    cp = Checkpoint(entry_id=entry_id, size=len(raw))
     pos = HEADER_BYTES
     while pos < len(raw):
         try:
@@ -290,6 +292,11 @@ class Saver:
         """A write was fenced or refused: this worker writes no more of it."""
         self.writing: asyncio.Future | None = None
         """The write of its last save, while it is under way."""
+        self.length: int | None = None
+        """The checkpoint's bytes after this saver's last save (None before its first): its next
+        append is checked against it (see checkpoint_many.lua)."""
+        self.first_length = base.size if base else HEADER_BYTES
+        """The checkpoint's bytes before its first save, as it was loaded (or a new one's header)."""
         settings = self.ctx.settings
         if request.stream:  # every K tokens or T ms, whichever comes first
             self.every_tokens, self.every_s, self.first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000, True
@@ -374,7 +381,7 @@ class Saver:
                      and len(sample.top_logprobs) >= end else None,
                      finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
         request, flight = self.request, self.flight
-        chunks = chunks_key_for(request.reply_to, request.request_id) if request.stream and request.reply_to else None
+        chunks = chunks_key_for(request.reply_to) if request.stream and request.reply_to else None
         save = CheckpointSave(requests_key=flight.stream, partial_key=self.ctx.part_of[flight.stream].partial(
                                   request.request_id), entry_id=flight.entry_id, saved=self.base + start,
                               adding=len(ids), part=encode_part(piece), chunks_key=chunks,
@@ -382,6 +389,7 @@ class Saver:
                               # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
                               refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
                               check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
+                              length=self.length,
                               # (a streamed request's chunks are its normal course, not an incident to log)
                               logged=not request.stream or self.ctx.settings.event_log == "all")
         self.writing = asyncio.get_running_loop().create_future()
@@ -401,6 +409,8 @@ class Saver:
             self.broken = True
             return False
         self.done = prepared.end
+        before = prepared.save.length if prepared.save.length is not None else self.first_length
+        self.length = before + len(prepared.save.part)
         self.last_save = time.monotonic()
         if prepared.save.refresh_ttl:
             self.ttl_set_at = self.last_save

@@ -371,7 +371,7 @@ class RequestRunner:
             if len(self._reply_keys_ok) > 10_000:
                 self._reply_keys_ok.clear()
             self._reply_keys_ok.add((part.tag, reply_to))
-        if request.stream and (reply_to is None or chunks_key_for(reply_to, request.request_id) is None):
+        if request.stream and (reply_to is None or chunks_key_for(reply_to) is None):
             raise ValidationError("stream", f"a streamed request replies to a producer's reply stream, not {reply_to!r}")
         if request.stream and not self.ctx.capabilities.partial_output:
             raise ValidationError("stream", f"the {self.ctx.engine.info.name} engine shows no partial output "

@@ -29,11 +29,11 @@ from redroll.producer.replies import BeforeAckError, ReplyReader
 from redroll.producer.request import make_request, request_stream
 from redroll.producer.rollout import RolloutGroup, group_members, next_segment, stitch_segments
 from redroll.producer.sending import SUBMIT_CHUNK, send, send_each, submit_batch, submit_until_accepted
-from redroll.producer.stream_reader import StreamChunk, stream_chunks
+from redroll.producer.stream_reader import ChunkReads, StreamChunk, stream_chunks
 from redroll.shared.codec import check_request_id, encode_request
 from redroll.shared.connection import connect, open_connections, reach, read_groups
 from redroll.shared.events import EventLog
-from redroll.shared.keys import PRODUCER_GROUP, Keys
+from redroll.shared.keys import PRODUCER_GROUP, Keys, chunks_key_for
 from redroll.shared.lanes import agree_on_lanes
 from redroll.shared.refusals import StreamRefusedError
 from redroll.shared.scripts import DuplicateRequestError, Scripts
@@ -469,8 +469,9 @@ class Producer:
         req = request or make_request(**fields)
         if not req.stream:
             req = msgspec.structs.replace(req, stream=True)
+        since = (await self.chunk_marks([req]))[0]  # (before its submit: every chunk of it comes after)
         future = await self.submit(req)  # (sets req.reply_to)
-        chunks = stream_chunks(self._stream_reads(), req, future)
+        chunks = stream_chunks(self._stream_reads(), req, future, since)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             while True:
@@ -484,6 +485,20 @@ class Producer:
                 yield chunk
         finally:
             await chunks.aclose()
+
+    async def chunk_marks(self, requests: list[GenerationRequest], reader: Redis | None = None) -> list[str]:
+        """For each of ``requests`` about to be submitted by this producer, a place in its chunk
+        stream before its first chunk (:meth:`ChunkReads.mark` of ``reader``, the client that will
+        read it: this producer's stream reads by default): where :func:`stream_chunks` starts."""
+        client = reader or self._stream_reads()
+        marks: dict[str, str] = {}
+        out = []
+        for req in requests:
+            key = str(chunks_key_for(self.settings.keys_for(req).reply(self.name)))
+            if key not in marks:
+                marks[key] = await ChunkReads.of(client, key).mark(key)
+            out.append(marks[key])
+        return out
 
     def _stream_reads(self) -> Redis:
         """The client whose connections streams' blocking reads hold (the submit pool stays free)."""

@@ -1,15 +1,17 @@
 """Reading a streamed request: its chunks while it generates, then the rest from its record.
 
-A streamed request (``stream``) has a chunk stream beside its reply stream,
-``{tag}:chunks:<producer>}<request_id>``: one entry per part its worker saved, each with the token
-offset it starts at (``shared/chunks.py``). Chunks are not records: the request still gets its one
-record on its reply stream, the promise every reader relies on. :func:`stream_chunks` reads the
-chunk stream from its start while the record is awaited, keeps only the chunk that starts where
-the reader is (a chunk it has, or one of an earlier attempt that started over, is dropped), and
-ends with one last chunk made from the record: whatever the record holds past what was yielded,
-with the finish reason and the record itself. So a reader gets every token once, in order,
-whether the request ran on one worker or continued on another after a death (the chunks go on
-from the saved offset), and a reader that comes late (a gateway's retry) gets it all the same.
+A producer's streamed requests (``stream``) share a chunk stream beside its reply stream,
+``{tag}:chunks:<producer>``: one entry per worker call, holding each chunk that call saved, named
+by its request_id and the token offset it starts at (``shared/chunks.py``). Chunks are not
+records: the request still gets its one record on its reply stream, the promise every reader
+relies on. :func:`stream_chunks` reads the chunk stream from a place before the request's first
+chunk (``since``: the stream's end when the request was submitted, or its start) while the record
+is awaited, keeps only the request's chunk that starts where the reader is (a chunk it has, or one
+of an earlier attempt that started over, is dropped), and ends with one last chunk made from the
+record: whatever the record holds past what was yielded, with the finish reason and the record
+itself. So a reader gets every token once, in order, whether the request ran on one worker or
+continued on another after a death (the chunks go on from the saved offset), and a reader that
+comes late (a gateway's retry: a keyed call has a chunk stream of its own) gets it all the same.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable
 
 import msgspec
 
-from redroll.shared.chunks import Part, chunk_of
+from redroll.shared.chunks import Part, chunks_by_request, part_of
 from redroll.shared.keys import chunks_key_for
 from redroll.shared.streams import text as as_text
 from redroll.shared.types import CompletionRecord, GenerationRequest
@@ -97,7 +99,7 @@ class StreamAssembler:
 
 def chunks_key(request: GenerationRequest) -> str:
     """Where ``request``'s chunks are (it must have its reply stream set)."""
-    key = chunks_key_for(request.reply_to or "", request.request_id)
+    key = chunks_key_for(request.reply_to or "")
     if key is None:
         raise ValueError(f"request {request.request_id!r} streams beside a producer's reply stream, "
                          f"not {request.reply_to!r}")
@@ -105,35 +107,37 @@ def chunks_key(request: GenerationRequest) -> str:
 
 
 class _Reader:
-    """One request's place in a :class:`ChunkReads`: the entries read for it, in order."""
+    """One request's place in a :class:`ChunkReads`: the chunks read for it, in order."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str, request_id: str, since: str):
         self.key = key
-        self.last_id: bytes | str = "0-0"
+        self.request_id = request_id
+        self.last_id: bytes | str = since
         """The last entry handed out (entries at or before it are dropped: two reads may bring one twice)."""
-        self.queued_to: bytes | str = "0-0"
-        """The last entry the shared read queued for it (the next shared read goes on after it)."""
+        self.queued_to: bytes | str = since
+        """The last entry the shared read looked at for it (the next shared read goes on after it)."""
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def fresh(self, entries: list) -> list:
         """The entries of ``entries`` after the last one handed out (which they then are)."""
         out = []
         last = _id_of(self.last_id)
-        for entry_id, fields in entries:
+        for entry_id, chunks in entries:
             at = _id_of(entry_id)
             if at > last:
-                out.append((entry_id, fields))
+                out.append((entry_id, chunks))
                 last, self.last_id = at, entry_id
         return out
 
 
 class ChunkReads:
-    """One blocking XREAD for all the chunk streams a client reads in one hash tag: a producer (or
-    a gateway) streaming many requests at once is woken once per batch of chunks its workers wrote
-    (a worker writes all its chunks of one tick in one call), not once per chunk, and holds one
-    connection for them instead of one each. A stream that opens while the shared read is under
-    way is named by the next one: the read under way is let go (after :data:`REJOIN_S`, so that
-    streams opening together cost one new read) and a new one, naming them all, takes its place."""
+    """One blocking XREAD for all the chunk streams a client reads in one hash tag: a producer
+    streaming many requests at once reads its one chunk stream, woken once per batch of chunks its
+    workers wrote (a worker writes all its chunks of one call as one entry), and holds one
+    connection for all of them. A gateway reads its own chunk stream and those of its keyed calls
+    (each has its own) in the same read. A stream that opens while the shared read is under way is
+    named by the next one: the read under way is let go (after :data:`REJOIN_S`, so that streams
+    opening together cost one new read) and a new one, naming them all, takes its place."""
 
     _all: "weakref.WeakKeyDictionary[Any, dict[str, ChunkReads]]" = weakref.WeakKeyDictionary()
 
@@ -146,6 +150,8 @@ class ChunkReads:
         """Set when streams opened since the read under way began: read again, naming them."""
         self.reads = 0
         """Shared reads made (each one XREAD for every stream open then)."""
+        self._reading: dict[str, Any] = {}
+        """The read under way: each stream it names, from where."""
 
     @classmethod
     def of(cls, redis: Any, key: str) -> "ChunkReads":
@@ -157,12 +163,23 @@ class ChunkReads:
             reads = by_tag[tag] = cls(redis)
         return reads
 
-    def open(self, key: str) -> _Reader:
-        reader = _Reader(key)
+    async def mark(self, key: str) -> str:
+        """A place in ``key`` before every entry written from now on: where a reader of a request
+        about to be submitted starts (the place the shared read is at, or the stream's last entry)."""
+        places = [max(r.last_id, r.queued_to, key=_id_of) for r in self.readers if r.key == key]
+        if places:
+            return as_text(min(places, key=_id_of))
+        last = await self.redis.xrevrange(key, count=1)
+        return as_text(last[0][0]) if last else "0-0"
+
+    def open(self, key: str, request_id: str, since: str = "0-0") -> _Reader:
+        reader = _Reader(key, request_id, since)
         self.readers.append(reader)
+        reading = self._reading.get(key)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
-        elif self._rejoin is None:
+        elif self._rejoin is None and (reading is None or _id_of(since) < _id_of(reading)):
+            # (the read under way does not cover it: a new one will)
             self._rejoin = asyncio.get_running_loop().call_later(REJOIN_S, self._rejoined)
         return reader
 
@@ -178,12 +195,12 @@ class ChunkReads:
         """Read while streams are open (the last read ends by itself within its block)."""
         while self.readers:
             self._joined.clear()
-            readers = list(self.readers)
             positions: dict[str, Any] = {}
-            for r in readers:  # (a stream read twice at once: from the earlier place of the two)
+            for r in self.readers:  # (a stream read for several readers: from the earliest place of them)
                 at = max(r.last_id, r.queued_to, key=_id_of)
                 if r.key not in positions or _id_of(at) < _id_of(positions[r.key]):
                     positions[r.key] = at
+            self._reading = positions
             read = asyncio.ensure_future(self.redis.xread(positions, block=READ_BLOCK_MS))
             joined = asyncio.ensure_future(self._joined.wait())
             try:
@@ -198,16 +215,30 @@ class ChunkReads:
                 read.add_done_callback(_drop)
                 continue
             if read.exception() is not None:  # (every stream reading now meets it, as each read alone did)
-                for r in readers:
+                for r in self.readers:
                     r.queue.put_nowait(read.exception())
                 return
             self.reads += 1
-            by_key = {as_text(key): entries for key, entries in read.result() or ()}
-            for r in readers:
-                entries = by_key.get(r.key)
-                if entries:
-                    r.queued_to = entries[-1][0]
-                    r.queue.put_nowait(entries)
+            for key, entries in read.result() or ():
+                self._hand_out(as_text(key), _id_of(positions[as_text(key)]), entries)
+
+    def _hand_out(self, key: str, read_from: tuple[int, int], entries: list) -> None:
+        """Each reader of ``key`` whose place the read covered (it read from there or before) gets
+        the chunks of its request in ``entries`` past its place."""
+        readers = [r for r in self.readers if r.key == key]
+        if not readers or not entries:
+            return
+        parsed = [(entry_id, _id_of(entry_id), chunks_by_request(fields)) for entry_id, fields in entries]
+        for r in readers:
+            after = _id_of(r.queued_to)
+            if read_from > after:
+                continue  # (opened since, from an earlier place: the next read starts there)
+            mine = [(entry_id, chunks[r.request_id]) for entry_id, at, chunks in parsed
+                    if at > after and r.request_id in chunks]
+            if _id_of(entries[-1][0]) > after:
+                r.queued_to = entries[-1][0]
+            if mine:
+                r.queue.put_nowait(mine)
 
 
 def _id_of(entry_id: Any) -> tuple[int, int]:
@@ -215,18 +246,19 @@ def _id_of(entry_id: Any) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def stream_chunks(redis: Any, request: GenerationRequest,
-                        record: Awaitable[CompletionRecord]) -> AsyncIterator[StreamChunk]:
+async def stream_chunks(redis: Any, request: GenerationRequest, record: Awaitable[CompletionRecord],
+                        since: str = "0-0") -> AsyncIterator[StreamChunk]:
     """The chunks of ``request`` (submitted, its ``reply_to`` set), ending with the one made from
     ``record`` (what resolves to its record: a producer's future, a keyed call's reader). ``redis``:
     the client whose connection the shared blocking XREAD holds (one read for all the streams it
-    reads: :class:`ChunkReads`)."""
+    reads: :class:`ChunkReads`). ``since``: a place in the chunk stream before the request's first
+    chunk (:meth:`ChunkReads.mark` taken before its submit; the stream's start by default)."""
     key = chunks_key(request)
     assembler = StreamAssembler(request.request_id)
     owned = not isinstance(record, asyncio.Future)
     waiting = asyncio.ensure_future(record)
     reads = ChunkReads.of(redis, key)
-    reader = reads.open(key)
+    reader = reads.open(key, request.request_id, since)
     read: asyncio.Future | None = None
     try:
         while not waiting.done():
@@ -238,14 +270,16 @@ async def stream_chunks(redis: Any, request: GenerationRequest,
             got, read = read.result(), None
             if isinstance(got, Exception):
                 raise got
-            for entry_id, fields in reader.fresh(got):
-                parsed = chunk_of(fields)
-                if parsed is None:
-                    log.warning("entry %s of %s is not a chunk", as_text(entry_id), key)
-                    continue
-                chunk = assembler.take(*parsed)
-                if chunk is not None:
-                    yield chunk
+            for entry_id, chunks in reader.fresh(got):
+                for offset, data in chunks:
+                    part = part_of(data)
+                    if part is None:
+                        log.warning("a chunk of %s in entry %s of %s is not one", request.request_id,
+                                    as_text(entry_id), key)
+                        continue
+                    chunk = assembler.take(offset, part)
+                    if chunk is not None:
+                        yield chunk
         yield assembler.last(await waiting)
     finally:
         reads.close(reader)

@@ -25,7 +25,7 @@ class CheckpointSave:
     part: bytes
     """The part, as :func:`redroll.shared.chunks.encode_part` makes it."""
     chunks_key: str | None = None
-    """A streamed request's chunk stream (the part is also its next chunk)."""
+    """A streamed request's producer's chunk stream (the part is also the request's next chunk)."""
     owner_key: str | None = None
     """With ``chunks_key``: the ownership hash that must name the entry."""
     logged: bool = True
@@ -34,6 +34,9 @@ class CheckpointSave:
     """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
     check_owner: bool = True
     """With ``chunks_key``: check that ``owner_key`` names the entry (a writer's first save of it)."""
+    length: int | None = None
+    """The bytes the checkpoint held after this writer's last save of it (its next saves): the
+    append is checked against it instead of reading the header first."""
 
 
 def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:

@@ -1,9 +1,10 @@
 """Parts of partial output: one piece of a checkpoint, and of a streamed request, its chunk.
 
 A part is 8 hex digits of length, then one MessagePack map (:class:`Part`). A checkpoint
-(``{tag}:partial:<request_id>``) is a header and its parts end to end; a streamed request's chunk
-stream (``{tag}:chunks:<producer>}<request_id>``) has one entry per part, written in the same call:
-``rid``, ``offset`` (the tokens before it), ``tokens`` (in it) and ``data`` (the part, byte for byte).
+(``{tag}:partial:<request_id>``) is a header and its parts end to end. A producer's chunk stream
+(``{tag}:chunks:<producer>``) has one entry per worker call that saved parts of its streamed
+requests: per part a field ``<request_id> <offset> <tokens>`` (the tokens before it, the tokens in
+it) whose value is the part, byte for byte, written in the same call as the checkpoint.
 """
 
 from __future__ import annotations
@@ -43,15 +44,30 @@ def encode_part(part: Part) -> bytes:
     return b"%08x" % len(body) + body
 
 
-def chunk_of(fields: dict[Any, Any]) -> tuple[int, Part] | None:
-    """A chunk stream entry's offset and part; None when the entry is not one (a foreign writer)."""
+def chunk_field(request_id: str, offset: int, tokens: int) -> str:
+    """The field that names one chunk in a chunk stream entry (what checkpoint_many.lua writes)."""
+    return f"{request_id} {offset} {tokens}"
+
+
+def chunks_by_request(fields: dict[Any, Any]) -> dict[str, list[tuple[int, bytes]]]:
+    """A chunk stream entry's chunks by request_id: each (offset, part bytes), in order. A field
+    that does not name a chunk (a foreign writer's) is passed over."""
+    out: dict[str, list[tuple[int, bytes]]] = {}
+    for name, data in fields.items():
+        head = name.decode() if isinstance(name, bytes) else str(name)
+        parts = head.rsplit(" ", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        out.setdefault(parts[0], []).append((int(parts[1]), data))
+    return out
+
+
+def part_of(data: bytes) -> Part | None:
+    """The part a chunk holds (8 hex digits of length, then its map); None when it is not one."""
     try:
-        offset = int(fields[b"offset"])
-        data = fields[b"data"]
-        size = int(data[:8], 16)
-        return offset, decode_part(data[8:8 + size])
-    except (KeyError, ValueError, TypeError, msgspec.DecodeError):
+        return decode_part(data[8:8 + int(data[:8], 16)])
+    except (ValueError, TypeError, msgspec.DecodeError):
         return None
 
 
-__all__ = ["Part", "chunk_of", "decode_part", "encode_part"]
+__all__ = ["Part", "chunk_field", "chunks_by_request", "decode_part", "encode_part", "part_of"]

@@ -90,13 +90,13 @@ def owner_key_for(reply_key: str) -> str | None:
     return f"{tag}}}:own:{producer}"
 
 
-def chunks_key_for(reply_key: str, request_id: str) -> str | None:
-    """The chunk stream (``Keys.chunks``) of a streamed request that replies to ``reply_key``
+def chunks_key_for(reply_key: str) -> str | None:
+    """The chunk stream (``Keys.chunks``) of the streamed requests that reply to ``reply_key``
     (``{tag}:reply:<producer>``), else None (a results stream: no producer reads chunks there)."""
     tag, sep, producer = reply_key.partition("}:reply:")
     if not sep or not tag.startswith("{") or not producer:
         return None
-    return f"{tag}}}:chunks:{producer}}}{request_id}"
+    return f"{tag}}}:chunks:{producer}"
 
 
 class TaggedKey:
@@ -225,12 +225,12 @@ class Keys:
         sessions, see redroll/web/gateway/sessions.py); expires with the session's window."""
         return f"{self.tag}:session:{name}"
 
-    def chunks(self, producer: str, request_id: str) -> str:
-        """Stream: the chunks of a streamed request (``stream``) of ``producer``, each one part of its
-        checkpoint (see engine_worker/settled_text.py). The producer's name and the request_id are joined
-        by ``}``, which neither may hold, so an ACL pattern ``{tag}:chunks:<producer>}*`` matches that
-        producer's chunk streams only. It expires ``stream_chunk_ttl_s`` after its last chunk."""
-        return f"{self.tag}:chunks:{producer}}}{request_id}"
+    def chunks(self, producer: str) -> str:
+        """Stream: the chunks of ``producer``'s streamed requests (``stream``), each one part of a
+        checkpoint (see engine_worker/settled_text.py): one entry per worker call, a field per chunk
+        (see shared/chunks.py). Trimmed to the last ``stream_chunk_ttl_s`` and expiring that long
+        after its last entry."""
+        return f"{self.tag}:chunks:{producer}"
 
     def events(self, request_id: str) -> str:
         """Stream: the event log of one request (submitted, deliveries, checkpoints, the finish, dead

@@ -220,6 +220,12 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id's place in its stream (``<ms>-<seq>``)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[str], Any] | None = None) -> Any:
     """Call function ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None:
     read the pipeline's replies with :func:`call_replies`).
@@ -405,15 +411,19 @@ class Scripts:
         keys: list[Any] = list(streams)
         args: list[Any] = [group, consumer, len(streams), ttl_s, max(1, int(chunks_ttl_s)),
                            *script_args(self.events)]
+        for stream in streams:  # (the range of entry ids whose leases the call reads there)
+            ids = sorted((save.entry_id for save in saves if save.requests_key == stream), key=_entry_order)
+            args += [ids[0], ids[-1]]
         for save in saves:
             request_id = save.partial_key.split(":partial:", 1)[-1]
             keys += [save.partial_key, events_key(save.requests_key, request_id), save.chunks_key or save.partial_key,
                      save.owner_key or save.partial_key]
             flags = (("c" + ("t" if save.refresh_ttl else "") + ("o" if save.check_owner or not save.saved else ""))
                      if save.chunks_key else "") + (
-                "l" if save.logged and self.events is not None else "")
+                "l" if save.logged and self.events is not None else "") + ("f" if save.length is not None else "")
             args += [index[save.requests_key], save.entry_id, save.saved, save.adding, large_argument(save.part),
-                     request_id, submitted_as(save.requests_key, save.entry_id), flags or "-"]
+                     f"{request_id} {save.saved} {save.adding}", submitted_as(save.requests_key, save.entry_id),
+                     flags or "-", "-" if save.length is None else save.length]
         return _run("checkpoint_many", keys, args, client, checkpoint_refused(len(saves)))
 
     async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,

@@ -346,18 +346,20 @@ async def test_one_call_saves_many_and_one_refusal_changes_no_other_fate(setting
     await r.xclaim(keys.requests, WORKERS_GROUP, "someone", 0, [entries["other"][1]])
     await r.set(keys.partial("stale"), header(entries["stale"][1], 5))
     await r.hset(keys.partial("typed"), "a", "b")
-    for rid in ("chunked", "exhausted"):
-        await r.hset(owner_key_for(reply), rid, f"requests {entries[rid][1]}")
+    exhausted = keys.reply("prod2")  # (another producer, whose chunk stream takes no more entries)
+    await r.hset(owner_key_for(reply), "chunked", f"requests {entries['chunked'][1]}")
+    await r.hset(owner_key_for(exhausted), "exhausted", f"requests {entries['exhausted'][1]}")
     # (a chunk stream whose ids are exhausted, beside a checkpoint of the same entry: continued, not started over)
-    await r.xadd(chunks_key_for(reply, "exhausted"), {"x": "1"}, id="18446744073709551615-18446744073709551615")
-    await r.set(keys.partial("exhausted"), header(entries["exhausted"][1], 0))
+    await r.xadd(chunks_key_for(exhausted), {"x": "1"}, id="18446744073709551615-18446744073709551615")
+    await r.set(keys.partial("exhausted"), header(entries["exhausted"][1], 0) + b"older")
     part = encode_part(Part(token_ids=[1, 2], weight_versions=["v", "v"], worker="me"))
 
     def save(rid: str, chunked: bool = False) -> CheckpointSave:
         stream, entry = entries[rid]
+        to = exhausted if rid == "exhausted" else reply
         return CheckpointSave(requests_key=stream, partial_key=keys.partial(rid), entry_id=entry, saved=0, adding=2,
-                              part=part, chunks_key=chunks_key_for(reply, rid) if chunked else None,
-                              owner_key=owner_key_for(reply) if chunked else None)
+                              part=part, chunks_key=chunks_key_for(to) if chunked else None,
+                              owner_key=owner_key_for(to) if chunked else None)
 
     saves = [save("ok"), save("other"), save("stale"), save("typed"), save("chunked", True), save("forged", True),
              save("exhausted", True)]
@@ -370,11 +372,12 @@ async def test_one_call_saves_many_and_one_refusal_changes_no_other_fate(setting
     assert outcomes[6][0] == 2  # (its chunk stream takes no more entries: nothing of it written)
     assert parse_checkpoint(await r.get(keys.partial("ok"))).token_ids == [1, 2]
     assert parse_checkpoint(await r.get(keys.partial("chunked"))).token_ids == [1, 2]
-    assert await r.xlen(chunks_key_for(reply, "chunked")) == 1
+    (_, fields), = await r.xrange(chunks_key_for(reply))  # (one entry: the chunked save's only; not the forged one's)
+    assert fields == {b"chunked 0 2": part}
     for rid in ("other", "forged"):
         assert not await r.exists(keys.partial(rid))
-    assert parse_checkpoint(await r.get(keys.partial("exhausted"))).tokens == 0
-    assert not await r.exists(chunks_key_for(reply, "forged"))
+    # (the refused XADD put the checkpoint back as it was, byte for byte)
+    assert await r.get(keys.partial("exhausted")) == header(entries["exhausted"][1], 0) + b"older"
     assert await r.get(keys.partial("stale")) == header(entries["stale"][1], 5)
     assert 0 < await r.ttl(keys.partial("ok")) <= 60
 

@@ -13,7 +13,7 @@ from redroll.engine_worker.worker import Worker
 from redroll.producer.client import Producer
 from redroll.producer.request import make_request
 from redroll.producer.stream_reader import StreamAssembler
-from redroll.shared.chunks import Part, chunk_of
+from redroll.shared.chunks import Part, chunks_by_request, part_of
 from redroll.shared.codec import ValidationError, decode_request, encode_request
 from redroll.shared.keys import Keys, chunks_key_for
 from redroll.shared.types import STREAM_SCHEMA_VERSION, RecordStatus
@@ -44,12 +44,13 @@ async def test_a_streamed_request_arrives_in_chunks_every_token_once(settings, r
         assert [x for c in chunks for x in c.logprobs] == record.output_logprobs[0]
         # K tokens, whichever first: no chunk before the last two has fewer than 4 tokens (T is far away)
         assert all(len(c.token_ids) >= 4 for c in chunks[:-2])
-        # the chunk stream: one entry per saved part, beside the producer's reply stream, expiring
-        key = s.keys.chunks(producer.name, "s-1")
+        # the producer's chunk stream: one entry per worker call, a field per saved part, expiring
+        key = s.keys.chunks(producer.name)
         entries = await r.xrange(key)
         assert entries and 0 < await r.ttl(key) <= s.stream_chunk_ttl_s
-        parts = [chunk_of(f) for _, f in entries]
+        parts = [c for _, f in entries for c in chunks_by_request(f)["s-1"]]
         assert [off for off, _ in parts] == offsets[:len(parts)]
+        assert [part_of(data).token_ids for _, data in parts] == [c.token_ids for c in chunks[:len(parts)]]
         assert not await r.exists(s.keys.partial("s-1"))  # (the finish deleted the checkpoint)
 
 
@@ -76,7 +77,8 @@ async def test_many_streams_share_one_read_and_each_reader_sees_every_token_once
                                                      sampling_params={"max_new_tokens": 60}, timeout=60)]
 
         streams = await asyncio.gather(*(one(i) for i in range(12)))
-        reads = ChunkReads.of(producer._stream_reads(), s.keys.chunks(producer.name, "m-0"))
+        reads = ChunkReads.of(producer._stream_reads(), s.keys.chunks(producer.name))
+        entries = await producer.redis.xrange(s.keys.chunks(producer.name))
     for chunks in streams:
         assert _joined(chunks)[0] == chunks[-1].record.output_token_ids[0]
         assert [c.offset for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
@@ -84,6 +86,8 @@ async def test_many_streams_share_one_read_and_each_reader_sees_every_token_once
     writer = worker._requests.checkpoints.writer
     assert written >= 12 * 5 and writer.calls * 4 <= written  # (the streams' timers beat together)
     assert 0 < reads.reads * 3 <= written
+    # one entry per worker call: a call's chunks of the twelve streams travel together
+    assert len(entries) == writer.calls and max(len(f) for _, f in entries) >= 6
 
 
 async def test_a_stream_refuses_n_above_1_and_a_missing_reply_stream_naming_the_field(settings):
@@ -102,8 +106,8 @@ async def test_a_stream_refuses_n_above_1_and_a_missing_reply_stream_naming_the_
 
 def test_the_chunk_key_is_the_producers_own():
     k = Keys("ns")
-    assert chunks_key_for(k.reply("p1"), "r1") == k.chunks("p1", "r1") == "{ns}:chunks:p1}r1"
-    assert chunks_key_for(k.results, "r1") is None
+    assert chunks_key_for(k.reply("p1")) == k.chunks("p1") == "{ns}:chunks:p1"
+    assert chunks_key_for(k.results) is None
 
 
 def test_the_assembler_drops_what_the_reader_has_and_ends_with_the_record():
@@ -259,7 +263,7 @@ async def test_streams_stay_with_their_producer_under_narrowed_acl_users(acl_ser
         c1 = connect(p1_s)
         try:
             with pytest.raises(redis.exceptions.NoPermissionError):
-                await c1.xrange(keys.chunks("p2", "victim"))
+                await c1.xrange(keys.chunks("p2"))
             # ... nor have a worker write into them: an entry of its own naming p2's reply stream and
             # p2's live request_id streams nothing there (the ownership check), and is dead-lettered
             forged = make_request(request_id="victim", prompt="forged", stream=True, sampling_params=slow)

@@ -133,7 +133,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     if role == "producer":
         own = f"{pt}:reply:{glob_escape(producer)}" if producer else replies
         owner = f"{pt}:own:{glob_escape(producer)}" if producer else owners
-        own_chunks = f"{pt}:chunks:{glob_escape(producer)}}}*" if producer else chunks
+        own_chunks = f"{pt}:chunks:{glob_escape(producer)}" if producer else chunks
         return [
             Grant((*conn, "multi", "exec", *scripts),
                   rw(requests, requests_high, lanes, rid, own, owner, dead, events),
@@ -157,8 +157,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "(request_id → stream and entry id; the worker publishes to the reply stream only what it names) "
                   "and reads a finished one's mark (a retried submit is not queued again), a cancelled one is "
                   "taken out, and the ack takes out the marks of the records it acks (ack_replies.lua)"),
-            Grant(("xread", "xrange"), rd(own_chunks),
-                  "streamed requests: read their chunks (only the chunk streams of its own requests when narrowed)"),
+            Grant(("xread", "xrange", "xrevrange"), rd(own_chunks),
+                  "streamed requests: read their chunks (XREVRANGE: where the stream ends before a submit; "
+                  "only its own chunk stream when narrowed)"),
             Grant(("xadd",), wr(dead, control),
                   "dead letters of undecodable records, abort / weight / drain commands on the control stream "
                   "(no results stream: the worker publishes a cancelled fire-and-forget request's record)"),
@@ -193,13 +194,13 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "del", "exists"), rw(rid), "release the submit de-duplication key in the finish "
                   "or a dead letter; housekeeping releases those whose entry is gone (release_rids.lua: a "
                   "request cancelled while queued) and asks whether a checkpoint's request is still there"),
-            Grant(("get", "getrange", "set", "append", "setrange", "expire", "del", "type"), rw(partial),
+            Grant(("get", "getrange", "set", "append", "setrange", "expire", "pttl", "del", "type"), rw(partial),
                   "checkpoints of requests that continue: load one to resume, append parts (checkpoint_many.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
-            Grant(("type", "xadd", "xdel", "expire", "del"), rw(chunks),
-                  "streamed requests' chunks: each added with its checkpoint part (checkpoint_many.lua; taken "
-                  "out again if that part is refused), the chunks of an earlier entry of the request_id deleted "
-                  "when its checkpoint starts over"),
+            Grant(("type", "xadd", "expire"), rw(chunks),
+                  "streamed requests' chunks: a call's chunks for one producer added as one entry with their "
+                  "checkpoint parts, trimming the stream to its TTL (checkpoint_many.lua: TYPE before the "
+                  "writes, the TTL set again)"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; the finish or dead letter turns "

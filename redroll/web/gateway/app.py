@@ -316,12 +316,14 @@ class Gateway:
         self._waiting(+1)
         try:
             keyed = None
-            if keyed_name is not None:
+            if keyed_name is not None:  # (a keyed call's chunk stream is its own: read from its start)
+                since = ["0-0"] * len(requests)
                 keyed = await pipeline.keyed.start(requests, keyed_name, body_fingerprint)
                 records: list[Any] = [keyed.record(req.request_id) for req in requests]
-            else:
+            else:  # (the gateway's chunk stream: read from where it is before the submit)
+                since = await pipeline.producer.chunk_marks(requests, wait_client)
                 records = await pipeline.producer.submit_many(requests, validated=True)  # (build_requests checked them)
-            choices = open_choices(requests, records, wait_client, self.config.request_timeout_s, keyed)
+            choices = open_choices(requests, records, wait_client, self.config.request_timeout_s, keyed, since)
         except BaseException:
             self._waiting(-1)
             raise

@@ -63,9 +63,9 @@ class ChoiceStreams:
 
 
 def open_choices(requests: list[GenerationRequest], records: list[Awaitable[CompletionRecord]],
-                 wait_client: Any, timeout: float, keyed: KeyedCall | None) -> ChoiceStreams:
-    """Each request's chunk stream, read until its record (from ``records``, within ``timeout``
-    seconds of now, else 504) lands."""
+                 wait_client: Any, timeout: float, keyed: KeyedCall | None, since: list[str]) -> ChoiceStreams:
+    """Each request's chunks, read (from its place ``since`` in its chunk stream) until its record
+    (from ``records``, within ``timeout`` seconds of now, else 504) lands."""
     deadline = time.monotonic() + timeout
 
     async def within(record: Awaitable[CompletionRecord]) -> CompletionRecord:
@@ -85,7 +85,7 @@ def open_choices(requests: list[GenerationRequest], records: list[Awaitable[Comp
         else:
             tasks.append(asyncio.ensure_future(within(record)))
             awaited.append(tasks[-1])
-    streams = [stream_chunks(wait_client, req, future) for req, future in zip(requests, awaited)]
+    streams = [stream_chunks(wait_client, req, future, at) for req, future, at in zip(requests, awaited, since)]
     return ChoiceStreams(streams, tasks, keyed)
 
 
