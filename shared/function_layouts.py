@@ -19,22 +19,6 @@ counts, one per variadic part in order (each KeyList, each optional Key as 0 or 
 then the number of items), then the args in order, then each item's args. The header is packed by
 the layout, never by hand, and read by the generated prologue (:meth:`FunctionLayout.prologue`).
 
-A shape with a variadic list *and* items, as checkpoint_many's (request streams S, then per save
-four keys; fixed args, then per save eight args, one of them the index of its stream among S),
-reads::
-
-    FunctionLayout("checkpoint_many",
-                   keys=(KeyList("streams"),),
-                   args=(Arg("group"), Arg("consumer"), Arg("part_ttl"), Arg("chunk_ttl"),
-                         Arg("ev_cap", number=True), Arg("ev_ttl")),
-                   items=Items(name="save", keys=("partial", "evkey", "chunks", "ownkey"),
-                               args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True),
-                                     Arg("add", number=True), Arg("part"), Arg("rid"), Arg("submitted"),
-                                     Arg("flags"))))
-
-(S is then ``#streams``, the saves ``n``, a save's stream ``streams[save.stream_at[i]]``.)
-checkpoint_many itself still packs by position (``Scripts.checkpoint_many_in``): it has no layout
-yet, and ``build_library`` takes a body without one as it is.
 """
 
 from __future__ import annotations
@@ -321,10 +305,17 @@ LANES_BEAT = FunctionLayout(
     "lanes_beat", keys=(Key("workers_key"), Key("members_key"), Key("full_key"), Key("config_key"), Key("plan_key")),
     args=(Arg("name"), Arg("beat"), Arg("claiming"), Arg("room"), Arg("late_ms", number=True),
           Arg("stale_ms", number=True), Arg("known_epoch"), Arg("settle_ms", number=True)))
+CHECKPOINT_MANY = FunctionLayout(
+    "checkpoint_many", keys=(KeyList("streams"),),
+    args=(Arg("group"), Arg("consumer"), Arg("part_ttl"), Arg("chunk_ttl", number=True), Arg("ev_cap", number=True),
+          Arg("ev_ttl"), ArgList("lease_from"), ArgList("lease_to")),
+    items=Items(name="save", keys=("partial", "evkey", "chunks", "ownkey"),
+                args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True), Arg("add", number=True),
+                      Arg("part"), Arg("field"), Arg("submitted"), Arg("flags"), Arg("length", number=True))))
 RECLAIM_SCAN = FunctionLayout(
     "reclaim_scan", keys=(KeyList("streams"), Key("marks")), args=(Arg("group"), Arg("min_idle_ms"), Arg("count")))
 
 LAYOUTS: dict[str, FunctionLayout] = {layout.name: layout for layout in (
     SUBMIT_MANY, FINISH_MANY, DEAD_LETTER, CANCEL_QUEUED, RENEW, CLAIM, CLAIM_LANES, DELETE_CONSUMER_IF_EMPTY,
-    RELEASE_RIDS, ACK_REPLIES, LANES_BEAT, RECLAIM_SCAN)}
-"""Every function's layout by its name (checkpoint_many has none yet: see the module's doc)."""
+    RELEASE_RIDS, ACK_REPLIES, LANES_BEAT, RECLAIM_SCAN, CHECKPOINT_MANY)}
+"""Every function's layout by its name."""

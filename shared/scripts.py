@@ -220,12 +220,6 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _entry_order(entry_id: str) -> tuple[int, int]:
-    """A stream entry id's place in its stream (``<ms>-<seq>``)."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _run(script: str, keys: list, args: list, client: Any, refused: Callable[[str], Any] | None = None) -> Any:
     """Call function ``script`` now (returns an awaitable) or, on a pipeline, queue it (returns None:
     read the pipeline's replies with :func:`call_replies`).
@@ -408,23 +402,27 @@ class Scripts:
         now saved), (0, 'fenced' | 'stale') or (2, the error that refused it: nothing written)."""
         streams = list(dict.fromkeys(save.requests_key for save in saves))
         index = {stream: i for i, stream in enumerate(streams, 1)}
-        keys: list[Any] = list(streams)
-        args: list[Any] = [group, consumer, len(streams), ttl_s, max(1, int(chunks_ttl_s)),
-                           *script_args(self.events)]
-        for stream in streams:  # (the range of entry ids whose leases the call reads there)
-            ids = sorted((save.entry_id for save in saves if save.requests_key == stream), key=_entry_order)
-            args += [ids[0], ids[-1]]
+        leases = [sorted((save.entry_id for save in saves if save.requests_key == stream),  # (ids as <ms>-<seq>)
+                         key=lambda entry: tuple(int(x) for x in entry.split("-"))) for stream in streams]
+        ev_cap, ev_ttl = script_args(self.events)
+        args = {"group": group, "consumer": consumer, "part_ttl": ttl_s, "chunk_ttl": max(1, int(chunks_ttl_s)),
+                "ev_cap": ev_cap, "ev_ttl": ev_ttl, "lease_from": [ids[0] for ids in leases],
+                "lease_to": [ids[-1] for ids in leases]}
+        items = []
         for save in saves:
             request_id = save.partial_key.split(":partial:", 1)[-1]
-            keys += [save.partial_key, events_key(save.requests_key, request_id), save.chunks_key or save.partial_key,
-                     save.owner_key or save.partial_key]
             flags = (("c" + ("t" if save.refresh_ttl else "") + ("o" if save.check_owner or not save.saved else ""))
                      if save.chunks_key else "") + (
                 "l" if save.logged and self.events is not None else "") + ("f" if save.length is not None else "")
-            args += [index[save.requests_key], save.entry_id, save.saved, save.adding, large_argument(save.part),
-                     f"{request_id} {save.saved} {save.adding}", submitted_as(save.requests_key, save.entry_id),
-                     flags or "-", "-" if save.length is None else save.length]
-        return _run("checkpoint_many", keys, args, client, checkpoint_refused(len(saves)))
+            items.append({"partial": save.partial_key, "evkey": events_key(save.requests_key, request_id),
+                          "chunks": save.chunks_key or save.partial_key, "ownkey": save.owner_key or save.partial_key,
+                          "stream_at": index[save.requests_key], "entry": save.entry_id, "saved": save.saved,
+                          "add": save.adding, "part": large_argument(save.part),
+                          "field": f"{request_id} {save.saved} {save.adding}",
+                          "submitted": submitted_as(save.requests_key, save.entry_id), "flags": flags or "-",
+                          "length": "-" if save.length is None else save.length})
+        return _run_layout(layouts.CHECKPOINT_MANY, client, checkpoint_refused(len(saves)),
+                           keys={"streams": streams}, args=args, items=items)
 
     async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,
                          saved: int, adding: int, part: bytes, ttl_s: int, chunks_key: str | None = None,

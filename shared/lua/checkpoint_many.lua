@@ -1,21 +1,24 @@
 -- Append the next part of many requests' partial output to their checkpoints, fenced, in one call:
 -- a worker's saves of one tick (the streamed chunks and the checkpoints of every request it runs
 -- in one hash tag). All or nothing per item; one item's refusal never changes another item's fate.
--- KEYS[1..S] the request streams the items' entries are in, then per item i (1-based) four keys:
--- KEYS[S+4i-3] its checkpoint ({tag}:partial:<request_id>), KEYS[S+4i-2] its event log,
--- KEYS[S+4i-1] a streamed request's chunk stream ({tag}:chunks:<producer>, one per producer: the
--- checkpoint key again when not streamed), KEYS[S+4i] the ownership hash of the producer whose
--- reply stream the request names (the checkpoint key again when not streamed).
--- ARGV[1] group  ARGV[2] consumer  ARGV[3] S  ARGV[4] the checkpoints' TTL (s)  ARGV[5] the chunk
--- streams' TTL (s)  ARGV[6] the event log's cap in bytes ('0' = off)  ARGV[7] its TTL, then per
--- request stream two values: the first and the last entry id of the items in it, then per item 9
--- values: the index of its request stream in KEYS (1..S), its entry id, the tokens its writer has
--- saved so far, the tokens in this part, the part (8 hex digits of length + one MessagePack map),
--- its chunk's field ('<request_id> <tokens saved so far> <tokens in this part>': the request_id
--- first), the entry as its submit noted it ('<stream> <entry id>'), flags ('c': streamed,
--- 'o': check the producer's ownership hash, 't': the chunk stream's TTL is set again, 'l': logged in
--- the event log, 'f': the writer's next append to a checkpoint it wrote), and with 'f' the bytes
--- that checkpoint held after the writer's last save.
+-- Keys and args by name (their places: shared/function_layouts.py, CHECKPOINT_MANY):
+--   streams  the request streams the saves' entries are in; lease_from, lease_to: per stream, the
+--            first and last entry id of its saves (the lease range read there)
+--   group, consumer  the workers' group and this worker; part_ttl the checkpoints' TTL (s);
+--            chunk_ttl the chunk streams' TTL (s); ev_cap the event log's cap in bytes (0 = off),
+--            ev_ttl its TTL
+--   per save i (1..n): save.partial[i] its checkpoint ({tag}:partial:<request_id>), save.evkey[i]
+--            its event log, save.chunks[i] a streamed request's producer's chunk stream
+--            ({tag}:chunks:<producer>; the checkpoint key again when not streamed), save.ownkey[i]
+--            the ownership hash of that producer (likewise), save.stream_at[i] its stream's place
+--            in streams, save.entry[i] its entry id, save.saved[i] the tokens its writer has saved
+--            so far, save.add[i] the tokens in this part, save.part[i] the part (8 hex digits of
+--            length + one MessagePack map), save.field[i] its chunk's field ('<request_id> <tokens
+--            saved so far> <tokens in this part>': the request_id first), save.submitted[i] the
+--            entry as its submit noted it ('<stream> <entry id>'), save.flags[i] ('c': streamed,
+--            'o': check the producer's ownership hash, 't': the chunk stream's TTL is set again,
+--            'l': logged in the event log, 'f': the writer's next append to a checkpoint it wrote),
+--            save.length[i] with 'f': the bytes that checkpoint held after the writer's last save.
 -- Returns two values per item: {1, tokens saved} | {0, 'fenced'} (this consumer no longer owns the
 -- entry) | {0, 'stale'} (the checkpoint holds another count: another writer) | {2, error}
 -- (refused: nothing of that item written).
@@ -46,21 +49,15 @@
 -- stream. The chunk entries are added after the items' writes; one that Redis refuses even so (a
 -- stream whose ids are exhausted) puts each of its items' checkpoints back as they were and
 -- refuses them, and an item's event is logged only once its chunk is in.
-local group, consumer = ARGV[1], ARGV[2]
-local S = tonumber(ARGV[3])
-local part_ttl, chunk_ttl = ARGV[4], ARGV[5]
-local ev_cap, ev_ttl = tonumber(ARGV[6]), ARGV[7]
-local B = 7 + 2 * S  -- (the items' values start after this)
-local n = (#KEYS - S) / 4
 local out = {}
 
 local owned = {}
-for s = 1, S do
+for s = 1, #streams do
   local mine = {}
   owned[s] = mine
-  local start, hi = ARGV[6 + 2 * s], ARGV[7 + 2 * s]
+  local start, hi = lease_from[s], lease_to[s]
   while true do
-    local p = redis.call('XPENDING', KEYS[s], group, start, hi, '1000', consumer)
+    local p = redis.call('XPENDING', streams[s], group, start, hi, '1000', consumer)
     for _, e in ipairs(p) do mine[e[1]] = true end
     if #p < 1000 then break end
     start = '(' .. p[#p][1]
@@ -69,14 +66,14 @@ end
 
 -- Each chunk stream's state: its type checked once ('stream' or 'none', else the refusal of its
 -- items), the fields of the one entry this call adds to it, and the items whose chunks they are.
-local streams, order = {}, {}
+local chunk_streams, order = {}, {}
 local function chunk_stream(key)
-  local st = streams[key]
+  local st = chunk_streams[key]
   if st then return st end
   local kind = redis.call('TYPE', key)['ok']
   st = {fields = {}, items = {}, ttl = kind == 'none'}
   if kind ~= 'none' and kind ~= 'stream' then st.refused = 'WRONGTYPE ' .. key .. ' holds a ' .. kind end
-  streams[key] = st
+  chunk_streams[key] = st
   return st
 end
 -- A streamed item's checkpoint as it was before its write (its length after the write, or the value
@@ -87,7 +84,7 @@ local grown, replaced = {}, {}
 -- worker's last one of this entry replaces that line, counting the saves, so long generations push
 -- no older event out. (log_event and now_ms: shared/lua/prelude.lua)
 local function log_save(s, evkey, entry, total)
-  local stream = string.match(KEYS[s], '^{[^}]*}:(.*)$') or KEYS[s]
+  local stream = string.match(streams[s], '^{[^}]*}:(.*)$') or streams[s]
   local who = '\tcheckpoint\tworker=' .. consumer .. '\tentry=' .. entry .. '\tstream=' .. stream .. '\ttokens='
   local log = redis.pcall('GET', evkey)
   local saves = 1
@@ -104,21 +101,18 @@ local function log_save(s, evkey, entry, total)
 end
 
 -- One item: its outcome's two values.
-local function save(i)
-  local a = B + (i - 1) * 9
-  local s, entry = tonumber(ARGV[a + 1]), ARGV[a + 2]
+local function save_one(i)
+  local s, entry = save.stream_at[i], save.entry[i]
   if not owned[s][entry] then return 0, 'fenced' end
-  local saved, add, part = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5]
-  local flags = ARGV[a + 8]
-  local k = S + 4 * (i - 1)
-  local partial = KEYS[k + 1]
+  local saved, add, part, flags = save.saved[i], save.add[i], save.part[i], save.flags[i]
+  local partial = save.partial[i]
   local st
   if string.find(flags, 'c', 1, true) then
-    st = chunk_stream(KEYS[k + 3])
+    st = chunk_stream(save.chunks[i])
     if st.refused then return 2, st.refused end
     if string.find(flags, 'o', 1, true)
-        and redis.pcall('HGET', KEYS[k + 4], string.match(ARGV[a + 6], '^%S+')) ~= ARGV[a + 7] then
-      return 2, 'ownership check failed: ' .. KEYS[k + 4] .. ' does not name this entry'
+        and redis.pcall('HGET', save.ownkey[i], string.match(save.field[i], '^%S+')) ~= save.submitted[i] then
+      return 2, 'ownership check failed: ' .. save.ownkey[i] .. ' does not name this entry'
     end
   end
   local header = string.format('%-44s %018d\n', entry, saved + add)
@@ -127,7 +121,7 @@ local function save(i)
     -- The writer's next save of a checkpoint it wrote: it knows the bytes that checkpoint holds, so
     -- the append itself is the check (another writer's parts, another entry's checkpoint, a deleted
     -- one: another length), undone when it fails.
-    local was = tonumber(ARGV[a + 9])
+    local was = save.length[i]
     length = redis.pcall('APPEND', partial, part)
     if type(length) == 'table' then return 2, length.err .. ' (' .. partial .. ')' end
     if length ~= was + #part then
@@ -157,36 +151,35 @@ local function save(i)
   end
   if st then
     local f = st.fields
-    if #f == 0 then order[#order + 1] = KEYS[k + 3] end
-    f[#f + 1] = ARGV[a + 6]
+    if #f == 0 then order[#order + 1] = save.chunks[i] end
+    f[#f + 1] = save.field[i]
     f[#f + 1] = part
     if string.find(flags, 't', 1, true) then st.ttl = true end
     st.items[#st.items + 1] = i
     grown[i] = length
   elseif ev_cap > 0 and string.find(flags, 'l', 1, true) then
-    log_save(s, KEYS[k + 2], entry, saved + add)
+    log_save(s, save.evkey[i], entry, saved + add)
   end
   return 1, saved + add
 end
 
 for i = 1, n do
-  out[2 * i - 1], out[2 * i] = save(i)
+  out[2 * i - 1], out[2 * i] = save_one(i)
 end
 if #order > 0 then
   local t = redis.call('TIME')
   local oldest = (tonumber(t[1]) - tonumber(chunk_ttl)) * 1000
   for _, key in ipairs(order) do
-    local st = streams[key]
+    local st = chunk_streams[key]
     local added = redis.pcall('XADD', key, 'MINID', '~', string.format('%d', oldest > 0 and oldest or 0), '*',
                               unpack(st.fields))
     for _, i in ipairs(st.items) do
-      local a, k = B + (i - 1) * 9, S + 4 * (i - 1)
       if type(added) == 'table' then
         -- (a stream whose ids are exhausted: each of its items' checkpoints goes back to what it was)
-        local partial, length, was = KEYS[k + 1], grown[i], replaced[i]
+        local partial, length, was = save.partial[i], grown[i], replaced[i]
         if length then
-          local rest = redis.call('GETRANGE', partial, 64, length - #ARGV[a + 5] - 1)
-          redis.call('SET', partial, string.format('%-44s %018d\n', ARGV[a + 2], ARGV[a + 3]) .. rest, 'KEEPTTL')
+          local rest = redis.call('GETRANGE', partial, 64, length - #save.part[i] - 1)
+          redis.call('SET', partial, string.format('%-44s %018d\n', save.entry[i], save.saved[i]) .. rest, 'KEEPTTL')
         elseif was and was[2] > 0 then
           redis.call('SET', partial, was[1], 'PX', was[2])
         elseif was then
@@ -195,8 +188,8 @@ if #order > 0 then
           redis.call('DEL', partial)
         end
         out[2 * i - 1], out[2 * i] = 2, added.err .. ' (' .. key .. ')'
-      elseif ev_cap > 0 and string.find(ARGV[a + 8], 'l', 1, true) then
-        log_save(tonumber(ARGV[a + 1]), KEYS[k + 2], ARGV[a + 2], out[2 * i])
+      elseif ev_cap > 0 and string.find(save.flags[i], 'l', 1, true) then
+        log_save(save.stream_at[i], save.evkey[i], save.entry[i], out[2 * i])
       end
     end
     if type(added) ~= 'table' and st.ttl then redis.call('EXPIRE', key, chunk_ttl) end
