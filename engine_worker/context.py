@@ -25,16 +25,27 @@ from redroll.shared.settings import Settings
 
 @dataclass
 class WorkerStats:
-    """What this worker did since it started (its heartbeat, metrics and logs read them)."""
+    """What this worker did since it started (its heartbeat, metrics and logs read them).
+
+    Attributes:
+        claimed: entries claimed new (not taken back).
+        reclaimed: entries taken back from a dead worker or a hand-back.
+        checkpoints: checkpoint parts saved (streamed chunks included).
+        resumed: requests continued from a checkpoint.
+        published: records published by the finish.
+        fenced: finishes and dead letters refused because another worker held the entry.
+        lease_losses: entries whose lease this worker lost while it ran them.
+        dead_lettered: entries this worker dead-lettered.
+        handed_back: entries handed back (a drain, a notice, a newer schema).
+        engine_errors: generations the engine failed.
+        tokens: output tokens of the records it published.
+        by_status: records published by status.
+    """
 
     claimed: int = 0
-    """Entries claimed new (not taken back)."""
     reclaimed: int = 0
-    """Entries taken back from a dead worker or a hand-back."""
     checkpoints: int = 0
-    """Checkpoint parts saved for resumable requests."""
     resumed: int = 0
-    """Requests continued from a checkpoint."""
     published: int = 0
     fenced: int = 0
     lease_losses: int = 0

@@ -25,7 +25,7 @@ finish (measured: benchmarks/event_log.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from redroll.shared.keys import events_key
@@ -126,19 +126,23 @@ def add_event(pipe: Any, key: str, log: EventLog, line: str) -> None:
 
 @dataclass(frozen=True)
 class Delivery:
-    """An entry a worker took back (XCLAIM), as the reclaim knows it."""
+    """An entry a worker took back (XCLAIM), as the reclaim knows it.
+
+    Attributes:
+        stream: the request stream it is on.
+        entry_id: its id there.
+        fields: the entry's stream fields (``rid`` names the request).
+        n: its delivery count with this delivery.
+        previous: the consumer that held it before.
+        why: why it was taken back (a death, a hand-back, a lost claim reply).
+    """
 
     stream: str
-    """The request stream it is on."""
     entry_id: str
     fields: Any
-    """The entry's stream fields (``rid`` names the request)."""
-    n: int
-    """Its delivery count with this delivery."""
-    previous: str | None = None
-    """The consumer that held it before."""
-    why: str | None = None
-    """Why it was taken back (a death, a hand-back, a lost claim reply)."""
+    n: int = field(kw_only=True)
+    previous: str | None = field(default=None, kw_only=True)
+    why: str | None = field(default=None, kw_only=True)
 
 
 def delivery_events(deliveries: Iterable[Delivery], worker: str) -> list[tuple[str, str]]:

@@ -228,8 +228,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     takes the entry after a death or a drain continues from there instead of starting over.
     Single-sample, ``input_ids`` prompts; saved only from ``checkpoint_min_new_tokens`` on."""
     stream: bool = False
-    """Send the output while it is generated (schema 3): chunks on the request's chunk stream
-    ``{tag}:chunks:<producer>}<request_id>`` every ``stream_chunk_tokens`` tokens or
+    """Send the output while it is generated (schema 3): chunks on its producer's chunk stream
+    ``{tag}:chunks:<producer>`` every ``stream_chunk_tokens`` tokens or
     ``stream_chunk_ms`` ms, each saved as a checkpoint in the same write, so a worker that takes
     the entry after a death continues after what was sent. Single-sample (n = 1), with a reply stream."""
     traceparent: Optional[TraceParent] = None

@@ -46,16 +46,29 @@ class Step(msgspec.Struct, kw_only=True):
 
 
 class Submitted(Step, kw_only=True):
-    """The request's submit, as its entry in the request stream tells it (``at``: its id's time)."""
+    """The request's submit, as its entry in the request stream tells it (``at``: its id's time).
+
+    Attributes:
+        stream: the request stream it was queued on.
+        priority: ``high`` or ``normal``.
+        lane: the affinity lane it was queued on (None: the shared or high-priority stream).
+        producer: the producer whose reply stream waits for the record (None: the record goes to
+            the results stream).
+    """
 
     stream: str
-    """The request stream it was queued on."""
     priority: str
-    """``high`` or ``normal``."""
     lane: Optional[int] = None
-    """The affinity lane it was queued on (None: the shared or high-priority stream)."""
     producer: Optional[str] = None
-    """The producer whose reply stream waits for the record (None: the record goes to the results stream)."""
+
+
+class GroupStep(msgspec.Struct, kw_only=True):
+    """A consumer group of the stream the record went to, and whether it applied the record."""
+
+    group: str
+    stream: str
+    applied: Optional[bool]
+    """True: applied; False: not (yet); None: no longer known (its de-duplication window passed)."""
 
 
 class DeliveryStep(msgspec.Struct, kw_only=True):
@@ -65,10 +78,10 @@ class DeliveryStep(msgspec.Struct, kw_only=True):
     """The worker it was delivered to."""
     entry: str
     """The request entry delivered."""
-    n: int
-    """The entry's delivery count with this delivery."""
     at: Optional[float] = None
     """When it was delivered: known for reclaims (logged); a first delivery is not logged."""
+    n: int
+    """The entry's delivery count with this delivery."""
     previous: Optional[str] = None
     """A reclaimed entry's previous owner."""
     why: Optional[str] = None
@@ -126,15 +139,6 @@ class DeadStep(Step, kw_only=True):
     deliveries: Optional[int] = None
     by: Optional[str] = None
     """The process that wrote the letter."""
-
-
-class GroupStep(msgspec.Struct, kw_only=True):
-    """A consumer group of the stream the record went to, and whether it applied the record."""
-
-    group: str
-    stream: str
-    applied: Optional[bool]
-    """True: applied; False: not (yet); None: no longer known (its de-duplication window passed)."""
 
 
 class Now(msgspec.Struct, kw_only=True):
