@@ -2,12 +2,15 @@
 
     python -m benchmarks.stream_cost [--requests 64] [--tokens 256] [--token-ms 1] [--runs 3]
                                      [--chunk-tokens 8] [--chunk-ms 50] [--checkpointed]
+                                     [--checkpoint-tokens 32] [--checkpoint-s 2]
 
 On a private redis-server, one in-process worker on the synthetic engine (``--token-ms`` per
 token, so chunks really come while a request runs) serves ``--requests`` requests of
-``--tokens`` tokens, all submitted at once, in passes per run: plain (``Producer.generate``),
+``--tokens`` tokens, all submitted at once, in passes per run: plain (``Producer.generate``; the
+worker's ``continuation`` off, so a plain request saves nothing),
 streamed (``Producer.stream``, every chunk read) and, with ``--checkpointed``, plain requests
-that the worker checkpoints (``resumable``, at the pipeline's checkpoint interval). Reported per
+that the worker checkpoints (``resumable``, every ``--checkpoint-tokens`` tokens and
+``--checkpoint-s`` seconds, whichever later: the pipeline's defaults unless given). Reported per
 run: the wall time of each pass, the chunks written, the first chunk's latency (median over the
 streamed requests, from the call to its first chunk), redis-server's command time (``INFO
 commandstats``: usec) and CPU (user + system) per request of each pass, and per token the extra
@@ -74,7 +77,10 @@ async def one_pass(producer: Producer, r, args, kind: str) -> dict[str, float]:
 
 async def one_run(url: str, args) -> dict[str, float]:
     settings = Settings(redis_url=url, namespace="sc" + uuid.uuid4().hex[:8], stream_chunk_tokens=args.chunk_tokens,
-                        stream_chunk_ms=args.chunk_ms, checkpoint_min_new_tokens=0)
+                        stream_chunk_ms=args.chunk_ms, checkpoint_min_new_tokens=0,
+                        checkpoint_tokens=args.checkpoint_tokens, checkpoint_interval_s=args.checkpoint_s,
+                        # (plain requests are not saved: continuation off, where the code has it)
+                        **({"continuation": False} if "continuation" in Settings.__dataclass_fields__ else {}))
     engine = SyntheticEngine(token_ms=args.token_ms)
     worker = Worker(settings, engine, max_inflight=args.requests, block_ms=100)
     task = asyncio.create_task(worker.run())
@@ -109,7 +115,8 @@ async def one_run(url: str, args) -> dict[str, float]:
                        f"{kind}_extra_redis_cpu_usec_per_token": extra_cpu / tokens,
                        f"{kind}_redis_usec_per_write": extra / max(1, out[kind]["saves"])})
     if args.checkpointed:
-        result.update({"checkpointed_wall_s": out["checkpointed"]["wall_s"], "checkpoints": out["checkpointed"]["saves"]})
+        result.update({"checkpointed_wall_s": out["checkpointed"]["wall_s"], "checkpoints": out["checkpointed"]["saves"],
+                       "tokens_per_checkpoint": tokens / max(1, out["checkpointed"]["saves"])})
     return result
 
 
@@ -121,7 +128,9 @@ def main() -> None:
     p.add_argument("--chunk-ms", type=float, default=50.0)
     p.add_argument("--token-ms", type=float, default=1.0)
     p.add_argument("--checkpointed", action="store_true",
-                   help="a third pass: plain requests checkpointed at the pipeline's default interval")
+                   help="a third pass: plain requests checkpointed at the interval below")
+    p.add_argument("--checkpoint-tokens", type=int, default=Settings.checkpoint_tokens)
+    p.add_argument("--checkpoint-s", type=float, default=Settings.checkpoint_interval_s)
     p.add_argument("--runs", type=int, default=3)
     print_runs(p.parse_args(), one_run)
 

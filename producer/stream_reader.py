@@ -152,6 +152,8 @@ class ChunkReads:
         """Shared reads made (each one XREAD for every stream open then)."""
         self._reading: dict[str, Any] = {}
         """The read under way: each stream it names, from where."""
+        self._marking: dict[str, asyncio.Future] = {}
+        """Reads of a stream's end under way (:meth:`mark`)."""
 
     @classmethod
     def of(cls, redis: Any, key: str) -> "ChunkReads":
@@ -169,7 +171,12 @@ class ChunkReads:
         places = [max(r.last_id, r.queued_to, key=_id_of) for r in self.readers if r.key == key]
         if places:
             return as_text(min(places, key=_id_of))
-        last = await self.redis.xrevrange(key, count=1)
+        # (streams opened together share one read of the end: any place from before a submit will do)
+        asking = self._marking.get(key)
+        if asking is None:
+            asking = self._marking[key] = asyncio.ensure_future(self.redis.xrevrange(key, count=1))
+            asking.add_done_callback(lambda _: self._marking.pop(key, None))
+        last = await asyncio.shield(asking)
         return as_text(last[0][0]) if last else "0-0"
 
     def open(self, key: str, request_id: str, since: str = "0-0") -> _Reader:

@@ -121,6 +121,39 @@ async def test_checkpoint_script_is_fenced_and_all_or_nothing(settings, r):
     assert code == 2 and "WRONGTYPE" in detail and await r.hgetall(keys.partial("hashy")) == {b"a": b"b"}
 
 
+async def test_a_writers_next_append_is_checked_by_the_checkpoints_length(settings, r):
+    """A writer's saves after its first send the bytes the checkpoint held after its last one: an
+    append that finds another length (another writer's parts, a deleted checkpoint) is undone."""
+    from redroll.shared.scripts import CheckpointSave, checkpoint_outcomes
+
+    keys = settings.keys
+    scripts = Scripts(r)
+    await ensure_group(r, keys.requests, WORKERS_GROUP)
+    entry = (await r.xadd(keys.requests, {"rid": "len", "data": b"x"})).decode()
+    await r.xreadgroup(WORKERS_GROUP, "owner", {keys.requests: ">"})
+    key = keys.partial("len")
+    part = encode_part(Part(token_ids=[1, 2], weight_versions=["v", "v"], worker="owner"))
+
+    async def save(saved: int, length: int | None):
+        reply = await scripts.checkpoint_many_in(r, group=WORKERS_GROUP, consumer="owner", ttl_s=60, saves=[
+            CheckpointSave(requests_key=keys.requests, partial_key=key, entry_id=entry, saved=saved, adding=2,
+                           part=part, length=length)])
+        return checkpoint_outcomes(reply)[0]
+
+    assert await save(0, None) == (1, 2)  # (its first: the header read)
+    first = await r.get(key)
+    assert len(first) == 64 + len(part)
+    assert await save(2, len(first)) == (1, 4)  # (its next: the length sent instead)
+    assert parse_checkpoint(await r.get(key)).token_ids == [1, 2, 1, 2]
+    held = await r.get(key)
+    await r.append(key, b"foreign")  # (bytes another writer added)
+    assert await save(4, len(held)) == (0, "stale")
+    assert await r.get(key) == held + b"foreign"  # (the append undone: the checkpoint as it was)
+    await r.delete(key)
+    assert await save(4, len(held)) == (0, "stale")
+    assert not await r.exists(key)  # (not made anew from a lone part)
+
+
 async def test_dead_letter_and_gc_delete_checkpoints(settings, r):
     keys = settings.keys
     scripts = Scripts(r)
