@@ -15,11 +15,12 @@ measures redis-server's CPU (``INFO cpu``), the tokens and requests per second t
 tokens/s per worker, and prints both: the model's prediction over the measurement.
 
 Measure (``--measure``): the constants the model takes, from a steady state of another shape
-(32 workers, 4 requests each at once, 15 ms a token, 96-token requests: other chunk sizes, other
-request lengths, a Redis about as busy): an empty server's own CPU, then the workers idle
+(64 workers, 4 requests each at once, 15 ms a token, 96-token requests: other chunk sizes, other
+request lengths, as many writes a second): an empty server's own CPU, then the workers idle
 (``idle_worker_us``: Redis CPU a second per worker), with awaited requests (``request_us``: Redis
-CPU per request over the idle fleet's, ``Producer.generate``), and streamed (``chunk_us``: what is
-left per chunk written once the requests are paid). Redis's CPU per command falls as it gets
+CPU per request over the idle fleet's, ``Producer.generate``), and streamed twice, 4 and 1
+requests a worker (as many writes, four times the chunks: ``chunk_us`` per chunk and
+``chunk_call_us`` per write, what is left once the requests are paid). Redis's CPU per command falls as it gets
 busier (it serves more clients per wake of its event loop), so constants measured at a tenth of a
 core overstate what a busy primary spends: the GPU counts they give err low.
 
@@ -167,24 +168,38 @@ def check(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, Any
 
 
 def measure(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
-    """The constants, from the same kind of steady state at ``a.measure_workers`` workers."""
+    """The constants, from the same kind of steady state at ``a.measure_workers`` workers: idle,
+    awaited, and streamed twice (``a.measure_per_worker`` and 1 request a worker: as many writes,
+    other numbers of chunks in them, so a write's cost and a chunk's come apart)."""
+    from redroll.ops.capacity import Workload, chunk_writes_per_s
+
     base = empty_share(server, 3.0)
     shape = dict(per_worker=a.measure_per_worker, token_ms=a.measure_token_ms, tokens=a.measure_tokens)
     idle = steady(server, run_dir / "idle", a, a.measure_workers, "idle", **shape)
     awaited = steady(server, run_dir / "awaited", a, a.measure_workers, "awaited", **shape)
     streamed = steady(server, run_dir / "streamed", a, a.measure_workers, "streamed", **shape)
+    single = steady(server, run_dir / "streamed-1", a, a.measure_workers, "streamed",
+                    **{**shape, "per_worker": 1})
     idle_us = max(0.0, idle["redis_share"] - base) * 1e6 / a.measure_workers
     fixed = idle["redis_share"]
     request_us = (awaited["redis_share"] - fixed) * 1e6 / awaited["requests_per_s"]
-    chunk_us = ((streamed["redis_share"] - fixed) * 1e6 - streamed["requests_per_s"] * request_us) \
-        / streamed["chunks_per_s"]
-    per_stream = streamed["tokens_per_s"] / streamed["streams"]
-    tokens_per_chunk = streamed["tokens_per_s"] / streamed["chunks_per_s"]
+    per_run = []
+    for run, per_worker in ((streamed, a.measure_per_worker), (single, 1)):
+        chunk_work = (run["redis_share"] - fixed) * 1e6 - run["requests_per_s"] * request_us
+        per_chunk = run["tokens_per_s"] / run["chunks_per_s"]
+        extra_ms = 1000 * per_chunk / (run["tokens_per_s"] / run["streams"]) - a.stream_chunk_ms
+        load = Workload(tokens_per_s=run["tokens_per_s"] / a.measure_workers, completion_tokens=a.measure_tokens,
+                        concurrency=per_worker, stream=True)
+        writes = a.measure_workers * chunk_writes_per_s(load, per_chunk, extra_ms)
+        per_run.append((chunk_work, run["chunks_per_s"], writes, per_chunk, extra_ms))
+    (u_a, k_a, w_a, per_chunk, extra_ms), (u_b, k_b, w_b, _, _) = per_run
+    chunk_us = (u_a * w_b - u_b * w_a) / (k_a * w_b - k_b * w_a)
+    call_us = (u_a - k_a * chunk_us) / w_a
     return {"empty_server_share": round(base, 5), "idle_worker_us": round(idle_us, 1),
-            "request_us": round(request_us, 1), "chunk_us": round(chunk_us, 1),
-            "tokens_per_chunk": round(tokens_per_chunk, 2),
-            "chunk_timer_extra_ms": round(1000 * tokens_per_chunk / per_stream - a.stream_chunk_ms, 1),
-            "idle": idle, "awaited": awaited, "streamed": streamed}
+            "request_us": round(request_us, 1), "chunk_us": round(chunk_us, 1), "chunk_call_us": round(call_us, 1),
+            "chunk_writes_per_s": round(w_a, 1), "tokens_per_chunk": round(per_chunk, 2),
+            "chunk_timer_extra_ms": round(extra_ms, 1),
+            "idle": idle, "awaited": awaited, "streamed": streamed, "streamed_1": single}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stream-chunk-ms", type=float, default=50.0, help=argparse.SUPPRESS)
     ap.add_argument("--measure", action="store_true", help="measure the constants instead")
-    ap.add_argument("--measure-workers", type=int, default=32, help="--measure: workers")
+    ap.add_argument("--measure-workers", type=int, default=64, help="--measure: workers")
     ap.add_argument("--measure-per-worker", type=int, default=4, help="--measure: requests each worker runs at once")
     ap.add_argument("--measure-token-ms", type=float, default=15.0, help="--measure: time per token")
     ap.add_argument("--measure-tokens", type=int, default=96, help="--measure: tokens per request")
@@ -227,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.measure:
                 runs.append(measure(server, new_run_dir(base, f"measure-{k}"), a))
                 print(f"  capacity: run {k + 1}/{a.runs}: " + ", ".join(
-                    f"{name} {runs[-1][name]:g}" for name in ("request_us", "chunk_us", "idle_worker_us",
-                                                              "chunk_timer_extra_ms")),
+                    f"{name} {runs[-1][name]:g}" for name in ("request_us", "chunk_us", "chunk_call_us",
+                                                              "idle_worker_us", "chunk_timer_extra_ms")),
                     file=sys.stderr, flush=True)
             else:
                 runs.append(check(server, new_run_dir(base, f"check-{k}"), a))

@@ -11,7 +11,8 @@ import pytest
 from redroll.cli.main import main
 from redroll.ops.capacity import CONSTANTS, Workload, constants, estimate, redis_share, tokens_per_chunk
 
-GIVEN = dict(request_us=100.0, chunk_us=50.0, checkpoint_us=40.0, idle_worker_us=20.0, chunk_timer_extra_ms=0.0)
+GIVEN = dict(request_us=100.0, chunk_us=50.0, chunk_call_us=30.0, checkpoint_us=40.0, idle_worker_us=20.0,
+             chunk_timer_extra_ms=0.0)
 
 
 def test_every_constant_says_where_it_came_from():
@@ -35,7 +36,13 @@ def test_a_stream_sends_a_chunk_every_k_tokens_by_the_8_token_rule_or_the_timer(
     assert tokens_per_chunk(Workload(tokens_per_s=100, completion_tokens=10, concurrency=64, stream=True)) == 1.0
     e = estimate(slow, share_of_core=1.0, **GIVEN)
     assert e.chunks_per_s == pytest.approx(2000 / (31.25 * 0.05))
-    assert e.per_gpu_us["stream_chunks"] == pytest.approx(e.chunks_per_s * 50.0)
+    # (the 64 streams' timers beat together: one write each 50 ms for all their chunks)
+    assert e.chunk_writes_per_s == pytest.approx(20.0)
+    assert e.per_gpu_us["stream_chunks"] == pytest.approx(e.chunks_per_s * 50.0 + 20.0 * 30.0)
+    # a fast stream's chunks are due at every look (20 ms), never more writes than chunks
+    assert estimate(fast, **GIVEN).chunk_writes_per_s == pytest.approx(50.0)
+    one = Workload(tokens_per_s=10, completion_tokens=100, concurrency=1, stream=True)
+    assert estimate(one, **GIVEN).chunk_writes_per_s == pytest.approx(10 / tokens_per_chunk(one))
 
 
 def test_checkpoints_count_only_for_requests_that_continue_and_are_not_streamed():

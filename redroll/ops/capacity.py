@@ -6,17 +6,22 @@ decoding at once and ``w`` workers::
 
     requests/s            R = T / L
     streamed chunks/s     K = T / k,  k = min(stream_chunk_tokens, max(1, (T / c) x (stream_chunk_ms + e) / 1000))
+    chunk writes/s        C = min(K, w x 1000 / max(20, min(stream_chunk_ms + e, 1000 x k / (T / c))))
     checkpoints/s         P = c / max(checkpoint_tokens / (T / c), checkpoint_interval_s)   (continued, not streamed)
-    Redis CPU (µs/s)      U = R x request_us + K x chunk_us + P x checkpoint_us + w x idle_worker_us
+    Redis CPU (µs/s)      U = R x request_us + C x chunk_call_us + K x chunk_us + P x checkpoint_us
+                              + w x idle_worker_us
     GPUs one primary carries at a share u of its core:   N = u x 1,000,000 / U
 
-A streamed request's chunks checkpoint it too (one write each), so streaming and checkpoints are
-not both counted; ``e`` is what the worker adds to the chunk timer (it looks every 20 ms and times
-the next chunk from the end of a write). On a Redis Cluster with ``S`` shards (the pipeline's partitions spread over
+A streamed request's chunks checkpoint it too, so streaming and checkpoints are not both counted;
+``e`` is what the worker adds to the chunk timer (it looks every 20 ms and times the next chunk from
+the end of a write). A worker writes all the chunks due at one look in one call (its streams' timers
+beat together), so a chunk costs ``chunk_us`` and each write ``chunk_call_us`` more, whatever the
+number of chunks in it: its lease read, the producer's chunk stream entry, the reader's wake. On a Redis Cluster with ``S`` shards (the pipeline's partitions spread over
 them), the per-request, chunk and checkpoint work divides S ways, while the heartbeats and the
 control stream (the ``{ns}`` keys: the idle part) stay on one shard::
 
-    N(S) = u x 1,000,000 / ((R x request_us + K x chunk_us + P x checkpoint_us) / S + w x idle_worker_us)
+    N(S) = u x 1,000,000 / ((R x request_us + C x chunk_call_us + K x chunk_us + P x checkpoint_us) / S
+                            + w x idle_worker_us)
 
 The constants are measured by the project's benchmarks on its own machine (:data:`CONSTANTS`
 says which figure came from which run); measure yours with the same commands and pass them as
@@ -46,23 +51,29 @@ class Constant:
 
 CONSTANTS: dict[str, Constant] = {
     "request_us": Constant(
-        192.4, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
+        185.4, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
                "each call carrying one or two): submit, claim, fenced finish and record, the producer's read "
                "and ack",
-        "python -m benchmarks.capacity_check --measure: request_us (32 synthetic workers, 4 requests each at once, "
+        "python -m benchmarks.capacity_check --measure: request_us (64 synthetic workers, 4 requests each at once, "
         "15 ms a token, 96-token requests awaited with Producer.generate: Redis CPU over the idle fleet's, per "
-        "request), median of 3 runs (191.7-215.6), 2026-12-06, this project's machine (2 cores, load under 1); "
+        "request), median of 3 runs (173.3-190.3), 2026-12-06, this project's machine (2 cores, load under 1); "
         "at the ceiling, with hundreds a call, a request costs 25-31 µs (benchmarks.bench --only ceiling)"),
     "chunk_us": Constant(
-        61.5, "µs of redis-server CPU per streamed chunk: its fenced write (it checkpoints the request too) and "
-              "its reader's read",
-        "python -m benchmarks.capacity_check --measure: chunk_us (the same fleet streaming, every chunk read: "
-        "Redis CPU over the idle fleet's, less the requests', per chunk written), median of 3 runs (60.7-62.9), "
-        "2026-12-06; a worker's saves of one tick written in one call, a producer's chunk streams read in one"),
+        5.1, "µs of redis-server CPU per streamed chunk in a write: its fenced append (it checkpoints the "
+                  "request too), its field in the producer's chunk stream entry, its share of the reader's read",
+        "python -m benchmarks.capacity_check --measure: chunk_us (the same fleet streaming 4 and 1 requests a "
+        "worker, every chunk read: Redis CPU over the idle fleet's, less the requests', the difference over "
+        "the difference in chunks written), median of 3 runs (4.1-6.1), 2026-12-06"),
+    "chunk_call_us": Constant(
+        79.1, "µs of redis-server CPU per write of chunks (one a worker's look, whatever the chunks in it): "
+                       "the function call and its lease read, the producer's chunk stream entry, the reader's wake",
+        "python -m benchmarks.capacity_check --measure: chunk_call_us (what the streamed fleet's Redis CPU "
+        "leaves of its 1-a-worker run once its chunks are paid, per write: 64 workers each writing every "
+        "stream_chunk_ms + e), median of 3 runs (77.9-84.1), 2026-12-06"),
     "chunk_timer_extra_ms": Constant(
-        10.6, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the streams' timers beat together)",
+        12.5, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the streams' timers beat together)",
         "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
-        "less stream_chunk_ms (50), median of 3 runs (10.4-10.7), 2026-12-06"),
+        "less stream_chunk_ms (50), median of 3 runs (12.3-12.7), 2026-12-06"),
     "checkpoint_us": Constant(
         57.7, "µs of redis-server CPU per checkpoint of a request that is not streamed",
         "python -m benchmarks.checkpoint_cost: 0.26 µs (0.17-0.29) of Redis CPU per checkpointed token x 222 "
@@ -117,6 +128,7 @@ class Estimate:
     requests_per_s: float
     tokens_per_chunk: float
     chunks_per_s: float
+    chunk_writes_per_s: float
     checkpoints_per_s: float
     per_gpu_us: dict[str, float]
     """Redis CPU per GPU per second, by part (µs)."""
@@ -132,7 +144,8 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         return {"workload": vars(self.workload), "constants": self.constants, "share_of_core": self.share_of_core,
                 "requests_per_s_per_gpu": self.requests_per_s, "tokens_per_chunk": self.tokens_per_chunk,
-                "chunks_per_s_per_gpu": self.chunks_per_s, "checkpoints_per_s_per_gpu": self.checkpoints_per_s,
+                "chunks_per_s_per_gpu": self.chunks_per_s, "chunk_writes_per_s_per_gpu": self.chunk_writes_per_s,
+                "checkpoints_per_s_per_gpu": self.checkpoints_per_s,
                 "redis_us_per_s_per_gpu": self.per_gpu_us, "redis_us_per_s_per_gpu_total": self.per_gpu_total_us,
                 "gpus_per_primary": self.gpus, "gpus_by_shards": {str(k): v for k, v in self.shards.items()}}
 
@@ -159,6 +172,19 @@ def tokens_per_chunk(w: Workload, extra_ms: float = 0.0) -> float:
     return min(float(w.stream_chunk_tokens), max(1.0, per_stream * (w.stream_chunk_ms + extra_ms) / 1000.0))
 
 
+def chunk_writes_per_s(w: Workload, per_chunk: float, extra_ms: float = 0.0) -> float:
+    """A worker's writes of chunks a second (per GPU): one at each look (every 20 ms) where a
+    stream's chunk is due, which is every ``stream_chunk_ms`` + ``extra_ms`` or every ``per_chunk``
+    tokens of a stream, whichever comes first; never more than the chunks."""
+    per_stream = w.tokens_per_s / w.concurrency
+    every_ms = max(LOOK_MS, min(w.stream_chunk_ms + extra_ms, 1000.0 * per_chunk / per_stream))
+    return min(w.tokens_per_s / per_chunk, w.workers_per_gpu * 1000.0 / every_ms)
+
+
+LOOK_MS = 20.0
+"""How often a worker looks at its requests' output for chunks due (its checkpoint writer's tick)."""
+
+
 def checkpoints_per_s(w: Workload) -> float:
     """Checkpoint writes per GPU per second: a request that continues saves every
     ``checkpoint_tokens`` tokens or ``checkpoint_interval_s``, whichever comes later, when it has at
@@ -181,15 +207,18 @@ def estimate(w: Workload, *, share_of_core: float = 0.8, shards: tuple[int, ...]
     requests = w.tokens_per_s / w.completion_tokens
     per_chunk = tokens_per_chunk(w, k["chunk_timer_extra_ms"]) if w.stream else 0.0
     chunks = w.tokens_per_s / per_chunk if w.stream else 0.0
+    writes = chunk_writes_per_s(w, per_chunk, k["chunk_timer_extra_ms"]) if w.stream else 0.0
     saves = checkpoints_per_s(w)
-    parts = {"requests": requests * k["request_us"], "stream_chunks": chunks * k["chunk_us"],
+    parts = {"requests": requests * k["request_us"],
+             "stream_chunks": chunks * k["chunk_us"] + writes * k["chunk_call_us"],
              "checkpoints": saves * k["checkpoint_us"], "idle_workers": w.workers_per_gpu * k["idle_worker_us"]}
     budget = share_of_core * MILLION
     variable = parts["requests"] + parts["stream_chunks"] + parts["checkpoints"]
     fixed = parts["idle_workers"]
     by_shards = {s: budget / (variable / s + fixed) for s in shards if s >= 1}
     return Estimate(workload=w, constants=k, share_of_core=share_of_core, requests_per_s=requests,
-                    tokens_per_chunk=per_chunk, chunks_per_s=chunks, checkpoints_per_s=saves, per_gpu_us=parts,
+                    tokens_per_chunk=per_chunk, chunks_per_s=chunks, chunk_writes_per_s=writes,
+                    checkpoints_per_s=saves, per_gpu_us=parts,
                     gpus=budget / (variable + fixed), shards=by_shards)
 
 
@@ -214,13 +243,17 @@ def render(e: Estimate, gpus: int | None = None) -> str:
         lines.append(f"tokens a chunk  k = min({w.stream_chunk_tokens}, max(1, {per_stream:,.1f} tokens/s x "
                      f"({w.stream_chunk_ms:g} + {k['chunk_timer_extra_ms']:g}) ms)) = {e.tokens_per_chunk:,.2f}")
         lines.append(f"chunks/s        K = T / k = {e.chunks_per_s:,.1f}")
+        every = 1000.0 * w.workers_per_gpu / e.chunk_writes_per_s if e.chunk_writes_per_s else 0.0
+        lines.append(f"chunk writes/s  C = w x 1000 / {every:,.1f} ms = {e.chunk_writes_per_s:,.1f} "
+                     "(one a worker's look with chunks due)")
     if e.checkpoints_per_s:
         lines.append(f"checkpoints/s   P = {e.checkpoints_per_s:,.2f}")
     lines += [
         "",
         "Redis CPU per GPU (µs each second):",
         f"  requests      R x {k['request_us']:g} µs = {e.per_gpu_us['requests']:,.0f}",
-        f"  chunks        K x {k['chunk_us']:g} µs = {e.per_gpu_us['stream_chunks']:,.0f}",
+        f"  chunks        K x {k['chunk_us']:g} µs + C x {k['chunk_call_us']:g} µs = "
+        f"{e.per_gpu_us['stream_chunks']:,.0f}",
         f"  checkpoints   P x {k['checkpoint_us']:g} µs = {e.per_gpu_us['checkpoints']:,.0f}",
         f"  workers       w x {k['idle_worker_us']:g} µs = {e.per_gpu_us['idle_workers']:,.0f}",
         f"  total         U = {e.per_gpu_total_us:,.0f} µs/s ({100 * e.per_gpu_total_us / MILLION:.3f}% of a core)",
