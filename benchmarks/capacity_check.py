@@ -169,8 +169,8 @@ def check(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, Any
 
 def measure(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
     """The constants, from the same kind of steady state at ``a.measure_workers`` workers: idle,
-    awaited, and streamed twice (``a.measure_per_worker`` and 1 request a worker: as many writes,
-    other numbers of chunks in them, so a write's cost and a chunk's come apart)."""
+    awaited, and streamed twice (``a.measure_per_worker`` requests a worker, then 1, or 2 when that
+    is 1: as many writes, other numbers of chunks in them, so a write's cost and a chunk's come apart)."""
     from redroll.ops.capacity import Workload, chunk_writes_per_s
 
     base = empty_share(server, 3.0)
@@ -178,13 +178,14 @@ def measure(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, A
     idle = steady(server, run_dir / "idle", a, a.measure_workers, "idle", **shape)
     awaited = steady(server, run_dir / "awaited", a, a.measure_workers, "awaited", **shape)
     streamed = steady(server, run_dir / "streamed", a, a.measure_workers, "streamed", **shape)
-    single = steady(server, run_dir / "streamed-1", a, a.measure_workers, "streamed",
-                    **{**shape, "per_worker": 1})
+    fewer = 1 if a.measure_per_worker > 1 else 2
+    single = steady(server, run_dir / "streamed-other", a, a.measure_workers, "streamed",
+                    **{**shape, "per_worker": fewer})
     idle_us = max(0.0, idle["redis_share"] - base) * 1e6 / a.measure_workers
     fixed = idle["redis_share"]
     request_us = (awaited["redis_share"] - fixed) * 1e6 / awaited["requests_per_s"]
     per_run = []
-    for run, per_worker in ((streamed, a.measure_per_worker), (single, 1)):
+    for run, per_worker in ((streamed, a.measure_per_worker), (single, fewer)):
         chunk_work = (run["redis_share"] - fixed) * 1e6 - run["requests_per_s"] * request_us
         per_chunk = run["tokens_per_s"] / run["chunks_per_s"]
         extra_ms = 1000 * per_chunk / (run["tokens_per_s"] / run["streams"]) - a.stream_chunk_ms
@@ -199,7 +200,7 @@ def measure(server: Server, run_dir: Path, a: argparse.Namespace) -> dict[str, A
             "request_us": round(request_us, 1), "chunk_us": round(chunk_us, 1), "chunk_call_us": round(call_us, 1),
             "chunk_writes_per_s": round(w_a, 1), "tokens_per_chunk": round(per_chunk, 2),
             "chunk_timer_extra_ms": round(extra_ms, 1),
-            "idle": idle, "awaited": awaited, "streamed": streamed, "streamed_1": single}
+            "idle": idle, "awaited": awaited, "streamed": streamed, "streamed_other": single}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

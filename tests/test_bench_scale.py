@@ -49,8 +49,10 @@ def test_capacity_check_measures_and_predicts(tmp_path: Path) -> None:
     measured = run_bench("capacity_check", "--measure", *small, "--measure-workers", "2", "--measure-per-worker", "1",
                          "--measure-tokens", "16", "--measure-token-ms", "5", tmp_path=tmp_path)
     [run] = measured["runs"]
-    assert {"request_us", "chunk_us", "idle_worker_us", "chunk_timer_extra_ms"} <= set(run)
+    assert {"request_us", "chunk_us", "chunk_call_us", "idle_worker_us", "chunk_timer_extra_ms"} <= set(run)
     assert run["awaited"]["requests_per_s"] > 0 and run["streamed"]["chunks_per_s"] > 0
+    # (the second streamed run has 2 requests a worker where the first has 1: another number of chunks a write)
+    assert run["streamed_other"]["streams"] == 2 * run["streamed"]["streams"]
 
 
 @pytest.mark.timeout(120)
