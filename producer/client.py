@@ -348,14 +348,14 @@ class Producer:
                                            f"producer {self.name}")
 
     async def _submit_with_retry(self, prepared: list, attempts: int = 8) -> list:
-        """Send the submit scripts; a retry after a dropped connection reuses each submit's token,
-        so a request the server already took is reported as submitted, not refused."""
+        """Send the submit scripts; a retry after a dropped connection (or a ClusterError: a cluster client
+        gave up mid-resharding) reuses each token, so a request already taken is reported, not refused."""
         delay = 0.1
         for attempt in range(attempts):
             try:
                 return await submit_batch(self.redis, self.scripts, self.settings,
                                           [(req, fields["data"], token) for req, fields, token in prepared])
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError, OSError) as exc:
                 if attempt == attempts - 1:
                     raise
                 log.warning("submit failed (%s); retrying in %.1fs with the same tokens", exc, delay)

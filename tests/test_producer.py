@@ -106,6 +106,26 @@ async def test_the_reply_reader_survives_an_unexpected_redis_error(settings, mon
     assert record.status is RecordStatus.FINISHED
 
 
+async def test_a_submit_that_a_cluster_client_gave_up_on_is_sent_again_with_its_token(settings, monkeypatch):
+    """A cluster client that gives up mid-resharding raises ClusterError ("TTL exhausted") from the
+    submit's pipeline: the producer sends it again with the same tokens, as after a dropped connection."""
+    from redroll.producer import client
+
+    real = client.submit_batch
+    calls = []
+
+    async def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise redis.exceptions.ClusterError("TTL exhausted.")
+        return await real(*args, **kwargs)
+
+    async with running_worker(settings), Producer(settings, block_ms=100) as p:
+        monkeypatch.setattr(client, "submit_batch", flaky)
+        record = await p.generate(prompt="again", sampling_params=SP, timeout=20)
+    assert record.status is RecordStatus.FINISHED and len(calls) == 2
+
+
 async def test_async_callback_and_as_completed(settings):
     seen: list[str] = []
 
