@@ -25,6 +25,7 @@ import msgspec
 
 from redroll.shared.chunks import Part, chunks_by_request, part_of
 from redroll.shared.keys import chunks_key_for
+from redroll.shared.streams import id_tuple
 from redroll.shared.streams import text as as_text
 from redroll.shared.types import CompletionRecord, GenerationRequest
 
@@ -118,6 +119,11 @@ class _Reader:
         """The last entry the shared read looked at for it (the next shared read goes on after it)."""
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
+    @property
+    def place(self) -> bytes | str:
+        """Where the next read for it starts: after what it was handed or was looked at for it."""
+        return max(self.last_id, self.queued_to, key=_id_of)
+
     def fresh(self, entries: list) -> list:
         """The entries of ``entries`` after the last one handed out (which they then are)."""
         out = []
@@ -168,7 +174,7 @@ class ChunkReads:
     async def mark(self, key: str) -> str:
         """A place in ``key`` before every entry written from now on: where a reader of a request
         about to be submitted starts (the place the shared read is at, or the stream's last entry)."""
-        places = [max(r.last_id, r.queued_to, key=_id_of) for r in self.readers if r.key == key]
+        places = [r.place for r in self.readers if r.key == key]
         if places:
             return as_text(min(places, key=_id_of))
         # (streams opened together share one read of the end: any place from before a submit will do)
@@ -204,7 +210,7 @@ class ChunkReads:
             self._joined.clear()
             positions: dict[str, Any] = {}
             for r in self.readers:  # (a stream read for several readers: from the earliest place of them)
-                at = max(r.last_id, r.queued_to, key=_id_of)
+                at = r.place
                 if r.key not in positions or _id_of(at) < _id_of(positions[r.key]):
                     positions[r.key] = at
             self._reading = positions
@@ -249,8 +255,7 @@ class ChunkReads:
 
 
 def _id_of(entry_id: Any) -> tuple[int, int]:
-    ms, _, seq = as_text(entry_id).partition("-")
-    return int(ms), int(seq or 0)
+    return id_tuple(as_text(entry_id))
 
 
 async def stream_chunks(redis: Any, request: GenerationRequest, record: Awaitable[CompletionRecord],

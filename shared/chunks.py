@@ -44,11 +44,6 @@ def encode_part(part: Part) -> bytes:
     return b"%08x" % len(body) + body
 
 
-def chunk_field(request_id: str, offset: int, tokens: int) -> str:
-    """The field that names one chunk in a chunk stream entry (what checkpoint_many.lua writes)."""
-    return f"{request_id} {offset} {tokens}"
-
-
 def chunks_by_request(fields: dict[Any, Any]) -> dict[str, list[tuple[int, bytes]]]:
     """A chunk stream entry's chunks by request_id: each (offset, part bytes), in order. A field
     that does not name a chunk (a foreign writer's) is passed over."""
@@ -70,4 +65,4 @@ def part_of(data: bytes) -> Part | None:
         return None
 
 
-__all__ = ["Part", "chunk_field", "chunks_by_request", "decode_part", "encode_part", "part_of"]
+__all__ = ["Part", "chunks_by_request", "decode_part", "encode_part", "part_of"]

@@ -33,7 +33,7 @@ from redroll.shared.functions import (
 )
 from redroll.shared.keys import Keys, events_key, finish_marker_key, owner_key_for, submitted_as
 from redroll.shared.refusals import StreamRefusedError
-from redroll.shared.streams import text
+from redroll.shared.streams import id_tuple, text
 from redroll.shared.types import CompletionRecord
 
 FINISH_MARKER_TTL_MS = 300_000
@@ -402,8 +402,8 @@ class Scripts:
         now saved), (0, 'fenced' | 'stale') or (2, the error that refused it: nothing written)."""
         streams = list(dict.fromkeys(save.requests_key for save in saves))
         index = {stream: i for i, stream in enumerate(streams, 1)}
-        leases = [sorted((save.entry_id for save in saves if save.requests_key == stream),  # (ids as <ms>-<seq>)
-                         key=lambda entry: tuple(int(x) for x in entry.split("-"))) for stream in streams]
+        leases = [sorted((save.entry_id for save in saves if save.requests_key == stream), key=id_tuple)
+                  for stream in streams]
         ev_cap, ev_ttl = script_args(self.events)
         args = {"group": group, "consumer": consumer, "part_ttl": ttl_s, "chunk_ttl": max(1, int(chunks_ttl_s)),
                 "ev_cap": ev_cap, "ev_ttl": ev_ttl, "lease_from": [ids[0] for ids in leases],
