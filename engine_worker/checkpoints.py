@@ -292,11 +292,9 @@ class Saver:
         """A write was fenced or refused: this worker writes no more of it."""
         self.writing: asyncio.Future | None = None
         """The write of its last save, while it is under way."""
-        self.length: int | None = None
-        """The checkpoint's bytes after this saver's last save (None before its first): its next
-        append is checked against it (see checkpoint_many.lua)."""
-        self.first_length = base.size if base else HEADER_BYTES
-        """The checkpoint's bytes before its first save, as it was loaded (or a new one's header)."""
+        self.length = base.size if base else HEADER_BYTES
+        """The checkpoint's bytes: as loaded (a new one's header) until this saver's first save, then
+        after its last one, which its next append is checked against (see checkpoint_many.lua)."""
         settings = self.ctx.settings
         if request.stream:  # every K tokens or T ms, whichever comes first
             self.every_tokens, self.every_s, self.first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000, True
@@ -389,7 +387,7 @@ class Saver:
                               # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
                               refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
                               check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
-                              length=self.length,
+                              length=self.length if self.done else None,  # (its first save reads the header)
                               # (a streamed request's chunks are its normal course, not an incident to log)
                               logged=not request.stream or self.ctx.settings.event_log == "all")
         self.writing = asyncio.get_running_loop().create_future()
@@ -409,8 +407,7 @@ class Saver:
             self.broken = True
             return False
         self.done = prepared.end
-        before = prepared.save.length if prepared.save.length is not None else self.first_length
-        self.length = before + len(prepared.save.part)
+        self.length += len(prepared.save.part)
         self.last_save = time.monotonic()
         if prepared.save.refresh_ttl:
             self.ttl_set_at = self.last_save
