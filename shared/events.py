@@ -108,7 +108,7 @@ def event_line(kind: str, fields: dict[str, Any], at_ms: int | None = None) -> s
 
 def parse_line(line: str) -> tuple[float | None, str, dict[str, str]]:
     """(Unix seconds or None, kind, fields) of one line of a log."""
-    parts = line.split("\t")
+    parts = line.rstrip(" ").split("\t")  # (a checkpoint's line is padded with spaces: see checkpoint_many.lua)
     try:
         ms = int(parts[0])
     except ValueError:

@@ -233,7 +233,13 @@ class FunctionLayout:
         assert items is not None
         fields = [*items.keys, *(f.name for f in items.args)]
         columns = [f"_{f}" for f in fields]
-        lines = [f"local {items.name} = {{{', '.join(f'{f} = {{}}' for f in fields)}}}",
+        # (each column is made at its full size at once, filled with placeholders that the loop
+        # replaces: a column grown one item at a time is rebuilt at each power of two, which cost
+        # checkpoint_many about a microsecond an item; unpack's limit bounds the placeholders)
+        source = "ARGV" if items.args else "KEYS"
+        lines = [f"local function _column() if {items.count} > 0 and {items.count} <= 4000 then "
+                 f"return {{unpack({source}, 1, {items.count})}} end return {{}} end",
+                 f"local {items.name} = {{{', '.join(f'{f} = _column()' for f in fields)}}}",
                  "do",
                  f"  local {', '.join(columns)} = {', '.join(f'{items.name}.{f}' for f in fields)}",
                  f"  for i = 1, {items.count} do"]
@@ -310,7 +316,7 @@ CHECKPOINT_MANY = FunctionLayout(
     args=(Arg("group"), Arg("consumer"), Arg("part_ttl"), Arg("chunk_ttl", number=True), Arg("ev_cap", number=True),
           Arg("ev_ttl"), ArgList("lease_from"), ArgList("lease_to")),
     items=Items(name="save", keys=("partial", "evkey", "chunks", "ownkey"),
-                args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True), Arg("add", number=True),
+                args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True), Arg("count"),
                       Arg("part"), Arg("field"), Arg("submitted"), Arg("flags"), Arg("length", number=True))))
 RECLAIM_SCAN = FunctionLayout(
     "reclaim_scan", keys=(KeyList("streams"), Key("marks")), args=(Arg("group"), Arg("min_idle_ms"), Arg("count")))

@@ -417,7 +417,7 @@ class Scripts:
             items.append({"partial": save.partial_key, "evkey": events_key(save.requests_key, request_id),
                           "chunks": save.chunks_key or save.partial_key, "ownkey": save.owner_key or save.partial_key,
                           "stream_at": index[save.requests_key], "entry": save.entry_id, "saved": save.saved,
-                          "add": save.adding, "part": large_argument(save.part),
+                          "count": "%018d" % (save.saved + save.adding), "part": large_argument(save.part),
                           "field": f"{request_id} {save.saved} {save.adding}",
                           "submitted": submitted_as(save.requests_key, save.entry_id), "flags": flags or "-",
                           "length": "-" if save.length is None else save.length})

@@ -154,6 +154,50 @@ async def test_a_writers_next_append_is_checked_by_the_checkpoints_length(settin
     assert not await r.exists(key)  # (not made anew from a lone part)
 
 
+async def test_a_run_of_saves_keeps_one_event_line_rewritten_in_place(settings, r):
+    """A delivery's run of checkpoints is one line of its request's event log, rewritten in place by
+    each save (the same width: its counts padded at the end), so the log's length stays put; an
+    event in between starts a new line, and the lines before the run are left as they were."""
+    from redroll.shared.events import EventLog, parse_line
+    from redroll.shared.keys import events_key
+    from redroll.shared.scripts import CheckpointSave, checkpoint_outcomes
+
+    keys = settings.keys
+    scripts = Scripts(r, EventLog())
+    await ensure_group(r, keys.requests, WORKERS_GROUP)
+    entry = (await r.xadd(keys.requests, {"rid": "ev", "data": b"x"})).decode()
+    await r.xreadgroup(WORKERS_GROUP, "owner", {keys.requests: ">"})
+    log = events_key(keys.requests, "ev")
+    await r.set(log, "1\tdelivered\tworker=earlier\n")
+    part = encode_part(Part(token_ids=[1, 2], weight_versions=["v", "v"], worker="owner"))
+    saved, length = 0, None
+
+    async def save():
+        nonlocal saved, length
+        reply = await scripts.checkpoint_many_in(r, group=WORKERS_GROUP, consumer="owner", ttl_s=60, saves=[
+            CheckpointSave(requests_key=keys.requests, partial_key=keys.partial("ev"), entry_id=entry, saved=saved,
+                           adding=2, part=part, length=length)])
+        assert checkpoint_outcomes(reply)[0] == (1, saved + 2)
+        saved, length = saved + 2, await r.strlen(keys.partial("ev"))
+        return (await r.get(log)).decode()
+
+    first = await save()
+    widths = set()
+    for _ in range(11):  # (to 12 saves: the counts grow a digit, the line does not)
+        text = await save()
+        widths.add(len(text))
+    assert widths == {len(first)}
+    lines = text.splitlines()
+    assert lines[0] == "1\tdelivered\tworker=earlier" and len(lines) == 2
+    _, kind, fields = parse_line(lines[1])
+    assert kind == "checkpoint" and fields["worker"] == "owner" and fields["entry"] == entry
+    assert fields["tokens"] == "24" and fields["saves"] == "12"  # (the padding is not part of a value)
+    await r.append(log, "2\tlease_lost\tworker=owner\n")  # (another event: the next save starts a new line)
+    lines = (await save()).splitlines()
+    assert len(lines) == 4 and parse_line(lines[1])[2]["saves"] == "12" and parse_line(lines[3])[2]["saves"] == "1"
+    assert await r.ttl(log) > 0
+
+
 async def test_dead_letter_and_gc_delete_checkpoints(settings, r):
     keys = settings.keys
     scripts = Scripts(r)

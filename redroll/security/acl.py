@@ -209,8 +209,9 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "finish markers: the entries a worker finished lately, written and read by finish_many.lua "
                   "so a retried finish whose reply was lost is told from a lost lease"),
             Grant(("xadd",), wr(results, dead), "publish records (finish_many.lua, MAXLEN ~ cap) and dead letters"),
-            Grant(("set", "append", "get", "exists", "expire"), rw(events),
-                  "requests' event logs: what a worker takes back (pipelined with the reclaim); checkpoints, "
+            Grant(("set", "append", "get", "exists", "expire", "strlen", "getrange", "setrange"), rw(events),
+                  "requests' event logs: what a worker takes back (pipelined with the reclaim); checkpoints "
+                  "(a run's line rewritten in place: STRLEN, GETRANGE, SETRANGE), "
                   "finishes (EXISTS: with event_log=incidents, only a log an incident began) and dead letters "
                   "(in their functions; past its cap a log is rewritten: GET, SET)"),
             Grant(("xadd", "ttl", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "del"), rw(replies),

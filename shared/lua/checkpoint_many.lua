@@ -12,7 +12,8 @@
 --            ({tag}:chunks:<producer>; the checkpoint key again when not streamed), save.ownkey[i]
 --            the ownership hash of that producer (likewise), save.stream_at[i] its stream's place
 --            in streams, save.entry[i] its entry id, save.saved[i] the tokens its writer has saved
---            so far, save.add[i] the tokens in this part, save.part[i] the part (8 hex digits of
+--            so far, save.count[i] the tokens saved with this part (18 digits, as the header holds
+--            it), save.part[i] the part (8 hex digits of
 --            length + one MessagePack map), save.field[i] its chunk's field ('<request_id> <tokens
 --            saved so far> <tokens in this part>': the request_id first), save.submitted[i] the
 --            entry as its submit noted it ('<stream> <entry id>'), save.flags[i] ('c': streamed,
@@ -81,46 +82,70 @@ end
 local grown, replaced = {}, {}
 
 -- The save's event ('l'). One event per delivery's run of checkpoints: a save right after this
--- worker's last one of this entry replaces that line, counting the saves, so long generations push
--- no older event out. (log_event and now_ms: shared/lua/prelude.lua)
+-- worker's last one of this entry rewrites that line in place, counting the saves, so long
+-- generations push no older event out. The line has one width whatever its counts (they are
+-- padded with spaces at its end), so the rewrite reads the log's last line only (STRLEN,
+-- GETRANGE) and writes the same bytes over it (SETRANGE): a save's event costs the same however
+-- long the log is. (log_event and now_ms: shared/lua/prelude.lua)
+local COUNTS_WIDTH = 26  -- room for the token count, '\tsaves=' and the saves count
+local now
 local function log_save(s, evkey, entry, total)
+  now = now or now_ms()
   local stream = string.match(streams[s], '^{[^}]*}:(.*)$') or streams[s]
   local who = '\tcheckpoint\tworker=' .. consumer .. '\tentry=' .. entry .. '\tstream=' .. stream .. '\ttokens='
-  local log = redis.pcall('GET', evkey)
-  local saves = 1
-  if type(log) == 'string' then
-    local at = #log - 1
-    while at > 0 and string.sub(log, at, at) ~= '\n' do at = at - 1 end
-    local last = string.sub(log, at + 1)
-    if string.find(last, who, 1, true) then
-      saves = (tonumber(string.match(last, '\tsaves=(%d+)')) or 1) + 1
-      redis.call('SET', evkey, string.sub(log, 1, at), 'KEEPTTL')  -- (that line goes: this one replaces it)
+  local width = #now + #who + COUNTS_WIDTH + 1  -- (with its newline)
+  local saves, at = 1, nil
+  local length = redis.pcall('STRLEN', evkey)
+  if type(length) == 'number' and length >= width then
+    local from = length > width and length - width - 1 or 0
+    local last = redis.call('GETRANGE', evkey, from, length - 1)
+    local line = length > width and (string.sub(last, 1, 1) == '\n' and string.sub(last, 2) or nil) or last
+    if line and string.sub(line, #now + 1, #now + #who) == who then
+      saves = (tonumber(string.match(line, '\tsaves=(%d+)')) or 1) + 1
+      at = length - width
     end
   end
-  log_event(evkey, ev_cap, ev_ttl, now_ms() .. who .. total .. '\tsaves=' .. saves)
+  local counts = total .. '\tsaves=' .. saves
+  local event = now .. who .. counts .. string.rep(' ', COUNTS_WIDTH - #counts)
+  if at and #counts <= COUNTS_WIDTH then
+    redis.call('SETRANGE', evkey, at, event .. '\n')
+    redis.call('EXPIRE', evkey, ev_ttl)
+  else
+    log_event(evkey, ev_cap, ev_ttl, event)
+  end
+end
+
+-- Each flags string's flags as a set, read once per distinct string (a call has a few).
+local flag_sets = {}
+local function flags_of(flags)
+  local set = flag_sets[flags]
+  if not set then
+    set = {}
+    for c in string.gmatch(flags, '%a') do set[c] = true end
+    flag_sets[flags] = set
+  end
+  return set
 end
 
 -- One item: its outcome's two values.
 local function save_one(i)
   local s, entry = save.stream_at[i], save.entry[i]
   if not owned[s][entry] then return 0, 'fenced' end
-  local saved, add, part, flags = save.saved[i], save.add[i], save.part[i], save.flags[i]
+  local saved, count, part, flags = save.saved[i], save.count[i], save.part[i], flags_of(save.flags[i])
   local partial = save.partial[i]
   local st
-  if string.find(flags, 'c', 1, true) then
+  if flags.c then
     st = chunk_stream(save.chunks[i])
     if st.refused then return 2, st.refused end
-    if string.find(flags, 'o', 1, true)
-        and redis.pcall('HGET', save.ownkey[i], string.match(save.field[i], '^%S+')) ~= save.submitted[i] then
+    if flags.o and redis.pcall('HGET', save.ownkey[i], string.match(save.field[i], '^%S+')) ~= save.submitted[i] then
       return 2, 'ownership check failed: ' .. save.ownkey[i] .. ' does not name this entry'
     end
   end
-  local header = string.format('%-44s %018d\n', entry, saved + add)
   local length
-  if string.find(flags, 'f', 1, true) then
+  if flags.f then
     -- The writer's next save of a checkpoint it wrote: it knows the bytes that checkpoint holds, so
     -- the append itself is the check (another writer's parts, another entry's checkpoint, a deleted
-    -- one: another length), undone when it fails.
+    -- one: another length), undone when it fails. The header's count is rewritten in place.
     local was = save.length[i]
     length = redis.pcall('APPEND', partial, part)
     if type(length) == 'table' then return 2, length.err .. ' (' .. partial .. ')' end
@@ -132,7 +157,7 @@ local function save_one(i)
       end
       return 0, 'stale'
     end
-    redis.call('SETRANGE', partial, 0, header)
+    redis.call('SETRANGE', partial, 45, count)
   else
     -- (a key of another type answers WRONGTYPE: nothing of the item is written)
     local head = redis.pcall('GETRANGE', partial, 0, 63)
@@ -141,12 +166,12 @@ local function save_one(i)
     if same then
       if tonumber(string.sub(head, 46, 63)) ~= saved then return 0, 'stale' end
       length = redis.call('APPEND', partial, part)
-      redis.call('SETRANGE', partial, 0, header)
+      redis.call('SETRANGE', partial, 45, count)
     elseif saved ~= 0 then
       return 0, 'stale'  -- (no checkpoint of this entry, and the writer thinks it saved some)
     else
       if #head > 0 and st then replaced[i] = {redis.call('GET', partial), redis.call('PTTL', partial)} end
-      redis.call('SET', partial, header .. part, 'EX', part_ttl)
+      redis.call('SET', partial, string.format('%-44s ', entry) .. count .. '\n' .. part, 'EX', part_ttl)
     end
   end
   if st then
@@ -154,13 +179,13 @@ local function save_one(i)
     if #f == 0 then order[#order + 1] = save.chunks[i] end
     f[#f + 1] = save.field[i]
     f[#f + 1] = part
-    if string.find(flags, 't', 1, true) then st.ttl = true end
+    if flags.t then st.ttl = true end
     st.items[#st.items + 1] = i
     grown[i] = length
-  elseif ev_cap > 0 and string.find(flags, 'l', 1, true) then
-    log_save(s, save.evkey[i], entry, saved + add)
+  elseif ev_cap > 0 and flags.l then
+    log_save(s, save.evkey[i], entry, tonumber(count))
   end
-  return 1, saved + add
+  return 1, tonumber(count)
 end
 
 for i = 1, n do
@@ -188,7 +213,7 @@ if #order > 0 then
           redis.call('DEL', partial)
         end
         out[2 * i - 1], out[2 * i] = 2, added.err .. ' (' .. key .. ')'
-      elseif ev_cap > 0 and string.find(save.flags[i], 'l', 1, true) then
+      elseif ev_cap > 0 and flags_of(save.flags[i]).l then
         log_save(save.stream_at[i], save.evkey[i], save.entry[i], out[2 * i])
       end
     end
