@@ -287,6 +287,8 @@ class Saver:
         with stop strings (a continuation sees every stop string whole in its own output)."""
         self.tokenizer = self.ctx.tokenizer if self.settles else None
         self.done = 0
+        self.saves = 0
+        """The saves of this delivery so far (its checkpoint event counts them)."""
         """Tokens of this worker's generation saved so far."""
         self.broken = False
         """A write was fenced or refused: this worker writes no more of it."""
@@ -389,7 +391,8 @@ class Saver:
                               check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
                               length=self.length if self.done else None,  # (its first save reads the header)
                               # (a streamed request's chunks are its normal course, not an incident to log)
-                              logged=not request.stream or self.ctx.settings.event_log == "all")
+                              logged=not request.stream or self.ctx.settings.event_log == "all",
+                              number=self.saves + 1)
         self.writing = asyncio.get_running_loop().create_future()
         return Prepared(self, save, end, cut_text)
 
@@ -407,6 +410,7 @@ class Saver:
             self.broken = True
             return False
         self.done = prepared.end
+        self.saves += 1
         self.length += len(prepared.save.part)
         self.last_save = time.monotonic()
         if prepared.save.refresh_ttl:

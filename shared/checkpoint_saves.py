@@ -30,6 +30,8 @@ class CheckpointSave:
     """With ``chunks_key``: the ownership hash that must name the entry."""
     logged: bool = True
     """The save goes into the request's event log (when the log is on)."""
+    number: int = 1
+    """Which of its writer's saves of the entry this is (the event line counts them)."""
     refresh_ttl: bool = True
     """With ``chunks_key``: set the chunk stream's TTL again (a new stream always gets it)."""
     check_owner: bool = True

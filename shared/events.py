@@ -101,6 +101,21 @@ def clean(value: Any) -> str:
     return text(value).replace("\t", " ").replace("\n", " ")
 
 
+CHECKPOINT_COUNTS_WIDTH = 26
+"""A checkpoint event's counts (``<tokens>\tsaves=<n>``) are padded with spaces to this width, so
+the line of a delivery's run of checkpoints keeps one width and each save rewrites it in place
+(checkpoint_many.lua); :func:`parse_line` drops the padding."""
+
+
+def checkpoint_event(worker: str, stream: str, entry_id: str, tokens: int, saves: int) -> str:
+    """A checkpoint's event line after its time (which the function puts before it): the worker,
+    the entry and its request stream (after the hash tag), the tokens saved and the writer's saves
+    of that entry so far."""
+    name = stream.split("}:", 1)[1] if stream.startswith("{") and "}:" in stream else stream
+    counts = f"{tokens}\tsaves={saves}".ljust(CHECKPOINT_COUNTS_WIDTH)
+    return f"\tcheckpoint\tworker={clean(worker)}\tentry={entry_id}\tstream={name}\ttokens={counts}"
+
+
 def event_line(kind: str, fields: dict[str, Any], at_ms: int | None = None) -> str:
     at = int(time.time() * 1000) if at_ms is None else at_ms
     return "\t".join([str(at), kind, *(f"{k}={clean(v)}" for k, v in fields.items() if v is not None)]) + "\n"

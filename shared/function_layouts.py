@@ -317,7 +317,8 @@ CHECKPOINT_MANY = FunctionLayout(
           Arg("ev_ttl"), ArgList("lease_from"), ArgList("lease_to")),
     items=Items(name="save", keys=("partial", "evkey", "chunks", "ownkey"),
                 args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True), Arg("count"),
-                      Arg("part"), Arg("field"), Arg("submitted"), Arg("flags"), Arg("length", number=True))))
+                      Arg("part"), Arg("field"), Arg("submitted"), Arg("flags"), Arg("length", number=True),
+                      Arg("event"))))
 RECLAIM_SCAN = FunctionLayout(
     "reclaim_scan", keys=(KeyList("streams"), Key("marks")), args=(Arg("group"), Arg("min_idle_ms"), Arg("count")))
 

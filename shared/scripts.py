@@ -21,7 +21,7 @@ from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes,
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import large_argument
 from redroll.shared.errors import RedrollError
-from redroll.shared.events import EventLog, finish_args, record_summary, script_args
+from redroll.shared.events import EventLog, checkpoint_event, finish_args, record_summary, script_args
 from redroll.shared.function_layouts import FunctionLayout
 from redroll.shared.functions import (
     FunctionsMissingError,
@@ -420,6 +420,8 @@ class Scripts:
                           "count": "%018d" % (save.saved + save.adding), "part": large_argument(save.part),
                           "field": f"{request_id} {save.saved} {save.adding}",
                           "submitted": submitted_as(save.requests_key, save.entry_id), "flags": flags or "-",
+                          "event": checkpoint_event(consumer, save.requests_key, save.entry_id,
+                                                    save.saved + save.adding, save.number) if "l" in flags else "-",
                           "length": "-" if save.length is None else save.length})
         return _run_layout(layouts.CHECKPOINT_MANY, client, checkpoint_refused(len(saves)),
                            keys={"streams": streams}, args=args, items=items)

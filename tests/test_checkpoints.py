@@ -157,7 +157,8 @@ async def test_a_writers_next_append_is_checked_by_the_checkpoints_length(settin
 async def test_a_run_of_saves_keeps_one_event_line_rewritten_in_place(settings, r):
     """A delivery's run of checkpoints is one line of its request's event log, rewritten in place by
     each save (the same width: its counts padded at the end), so the log's length stays put; an
-    event in between starts a new line, and the lines before the run are left as they were."""
+    event in between starts a new line (still counting the writer's saves), and the lines before
+    the run are left as they were."""
     from redroll.shared.events import EventLog, parse_line
     from redroll.shared.keys import events_key
     from redroll.shared.scripts import CheckpointSave, checkpoint_outcomes
@@ -176,7 +177,7 @@ async def test_a_run_of_saves_keeps_one_event_line_rewritten_in_place(settings, 
         nonlocal saved, length
         reply = await scripts.checkpoint_many_in(r, group=WORKERS_GROUP, consumer="owner", ttl_s=60, saves=[
             CheckpointSave(requests_key=keys.requests, partial_key=keys.partial("ev"), entry_id=entry, saved=saved,
-                           adding=2, part=part, length=length)])
+                           adding=2, part=part, length=length, number=saved // 2 + 1)])
         assert checkpoint_outcomes(reply)[0] == (1, saved + 2)
         saved, length = saved + 2, await r.strlen(keys.partial("ev"))
         return (await r.get(log)).decode()
@@ -194,7 +195,7 @@ async def test_a_run_of_saves_keeps_one_event_line_rewritten_in_place(settings, 
     assert fields["tokens"] == "24" and fields["saves"] == "12"  # (the padding is not part of a value)
     await r.append(log, "2\tlease_lost\tworker=owner\n")  # (another event: the next save starts a new line)
     lines = (await save()).splitlines()
-    assert len(lines) == 4 and parse_line(lines[1])[2]["saves"] == "12" and parse_line(lines[3])[2]["saves"] == "1"
+    assert len(lines) == 4 and parse_line(lines[1])[2]["saves"] == "12" and parse_line(lines[3])[2]["saves"] == "13"
     assert await r.ttl(log) > 0
 
 

@@ -19,7 +19,8 @@
 --            entry as its submit noted it ('<stream> <entry id>'), save.flags[i] ('c': streamed,
 --            'o': check the producer's ownership hash, 't': the chunk stream's TTL is set again,
 --            'l': logged in the event log, 'f': the writer's next append to a checkpoint it wrote),
---            save.length[i] with 'f': the bytes that checkpoint held after the writer's last save.
+--            save.length[i] with 'f': the bytes that checkpoint held after the writer's last save,
+--            save.event[i] with 'l': its event line after the time (see log_save below).
 -- Returns two values per item: {1, tokens saved} | {0, 'fenced'} (this consumer no longer owns the
 -- entry) | {0, 'stale'} (the checkpoint holds another count: another writer) | {2, error}
 -- (refused: nothing of that item written).
@@ -81,38 +82,27 @@ end
 -- and TTL it replaced), should its chunk not go in after all.
 local grown, replaced = {}, {}
 
--- The save's event ('l'). One event per delivery's run of checkpoints: a save right after this
--- worker's last one of this entry rewrites that line in place, counting the saves, so long
--- generations push no older event out. The line has one width whatever its counts (they are
--- padded with spaces at its end), so the rewrite reads the log's last line only (STRLEN,
--- GETRANGE) and writes the same bytes over it (SETRANGE): a save's event costs the same however
--- long the log is. (log_event and now_ms: shared/lua/prelude.lua)
-local COUNTS_WIDTH = 26  -- room for the token count, '\tsaves=' and the saves count
+-- The save's event ('l'): save.event[i], the line after its time, made by the writer
+-- (shared/events.py checkpoint_event: worker, entry, stream, tokens, its saves of the entry so far,
+-- the counts padded to one width). One line per delivery's run of checkpoints: a save whose
+-- log ends with this worker's line of this entry writes over that line in place (the same width),
+-- so long generations push no older event out and a save reads only the log's last line
+-- (STRLEN, GETRANGE), however long the log is. (log_event and now_ms: shared/lua/prelude.lua)
 local now
-local function log_save(s, evkey, entry, total)
+local function log_save(evkey, event)
   now = now or now_ms()
-  local stream = string.match(streams[s], '^{[^}]*}:(.*)$') or streams[s]
-  local who = '\tcheckpoint\tworker=' .. consumer .. '\tentry=' .. entry .. '\tstream=' .. stream .. '\ttokens='
-  local width = #now + #who + COUNTS_WIDTH + 1  -- (with its newline)
-  local saves, at = 1, nil
+  local width = #now + #event + 1  -- (with its newline)
   local length = redis.pcall('STRLEN', evkey)
   if type(length) == 'number' and length >= width then
-    local from = length > width and length - width - 1 or 0
-    local last = redis.call('GETRANGE', evkey, from, length - 1)
-    local line = length > width and (string.sub(last, 1, 1) == '\n' and string.sub(last, 2) or nil) or last
-    if line and string.sub(line, #now + 1, #now + #who) == who then
-      saves = (tonumber(string.match(line, '\tsaves=(%d+)')) or 1) + 1
-      at = length - width
+    local at, who = length - width, select(2, string.find(event, '\ttokens=', 1, true))  -- (the line up to its counts)
+    local last = redis.call('GETRANGE', evkey, at > 0 and at - 1 or 0, at + #now + who - 1)
+    if (at == 0 or string.byte(last, 1) == 10) and string.sub(last, -who) == string.sub(event, 1, who) then
+      redis.call('SETRANGE', evkey, at, now .. event .. '\n')
+      redis.call('EXPIRE', evkey, ev_ttl)
+      return
     end
   end
-  local counts = total .. '\tsaves=' .. saves
-  local event = now .. who .. counts .. string.rep(' ', COUNTS_WIDTH - #counts)
-  if at and #counts <= COUNTS_WIDTH then
-    redis.call('SETRANGE', evkey, at, event .. '\n')
-    redis.call('EXPIRE', evkey, ev_ttl)
-  else
-    log_event(evkey, ev_cap, ev_ttl, event)
-  end
+  log_event(evkey, ev_cap, ev_ttl, now .. event)
 end
 
 -- Each flags string's flags as a set, read once per distinct string (a call has a few).
@@ -183,7 +173,7 @@ local function save_one(i)
     st.items[#st.items + 1] = i
     grown[i] = length
   elseif ev_cap > 0 and flags.l then
-    log_save(s, save.evkey[i], entry, tonumber(count))
+    log_save(save.evkey[i], save.event[i])
   end
   return 1, tonumber(count)
 end
@@ -214,7 +204,7 @@ if #order > 0 then
         end
         out[2 * i - 1], out[2 * i] = 2, added.err .. ' (' .. key .. ')'
       elseif ev_cap > 0 and flags_of(save.flags[i]).l then
-        log_save(save.stream_at[i], save.evkey[i], save.entry[i], out[2 * i])
+        log_save(save.evkey[i], save.event[i])
       end
     end
     if type(added) ~= 'table' and st.ttl then redis.call('EXPIRE', key, chunk_ttl) end
