@@ -1,4 +1,4 @@
-"""Smoke runs of the scale benchmarks (backlog, capacity, outside-style three processes): each
+"""Smoke runs of the scale benchmarks (backlog, capacity, one checkpoint call, outside-style three processes): each
 runs end to end on tiny counts and reports every figure. They measure nothing here: the figures
 come from full runs on a quiet machine (docs/capacity.md)."""
 
@@ -53,6 +53,14 @@ def test_capacity_check_measures_and_predicts(tmp_path: Path) -> None:
     assert run["awaited"]["requests_per_s"] > 0 and run["streamed"]["chunks_per_s"] > 0
     # (the second streamed run has 2 requests a worker where the first has 1: another number of chunks a write)
     assert run["streamed_other"]["streams"] == 2 * run["streamed"]["streams"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", [[], ["--logged"], ["--streamed"]])
+def test_checkpoint_call_reports_a_saves_cost(tmp_path: Path, shape: list[str]) -> None:
+    doc = run_bench("checkpoint_call", "--saves", "4", "--calls", "4", *shape, tmp_path=tmp_path)
+    assert doc["part_bytes"] > 0 and doc["redis_cpu_usec_per_save"] >= 0
+    assert 0 < doc["function_usec_per_save_min"] <= doc["function_usec_per_save"]
 
 
 @pytest.mark.timeout(120)

@@ -75,11 +75,11 @@ CONSTANTS: dict[str, Constant] = {
         "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
         "less stream_chunk_ms (50), median of 3 runs (12.3-12.7), 2026-12-06"),
     "checkpoint_us": Constant(
-        57.7, "µs of redis-server CPU per checkpoint of a request that is not streamed",
-        "python -m benchmarks.checkpoint_cost: 0.26 µs (0.17-0.29) of Redis CPU per checkpointed token x 222 "
+        14.6, "µs of redis-server CPU per checkpoint of a request that is not streamed",
+        "python -m benchmarks.checkpoint_cost: 0.066 µs (0.063-0.114) of Redis CPU per checkpointed token x 222 "
         "tokens a checkpoint (128 generations of 2,000 tokens at 10 ms a token on one worker, checkpoints on "
-        "against off, median of 3 paired runs), 2026-12-06; a worker's saves of one tick are one call, so a "
-        "worker with fewer requests at once pays more a save"),
+        "against off, median of 3 paired runs, quiet machine), 2026-12-06; a worker's saves of one tick are "
+        "one call, so a worker with fewer requests at once pays more a save"),
     "idle_worker_us": Constant(
         24.0, "µs of redis-server CPU per second per worker: heartbeat, blocking reads, reclaim passes",
         "python -m benchmarks.fleet --workers 1024: idle_redis_cpu_1024w_lanes_off (1,024 idle workers in 8 "
