@@ -287,9 +287,9 @@ class Saver:
         with stop strings (a continuation sees every stop string whole in its own output)."""
         self.tokenizer = self.ctx.tokenizer if self.settles else None
         self.done = 0
+        """Tokens of this worker's generation saved so far."""
         self.saves = 0
         """The saves of this delivery so far (its checkpoint event counts them)."""
-        """Tokens of this worker's generation saved so far."""
         self.broken = False
         """A write was fenced or refused: this worker writes no more of it."""
         self.writing: asyncio.Future | None = None

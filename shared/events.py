@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from redroll.shared.keys import events_key
+from redroll.shared.keys import events_key, stream_name
 from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord
 
@@ -111,14 +111,20 @@ def checkpoint_event(worker: str, stream: str, entry_id: str, tokens: int, saves
     """A checkpoint's event line after its time (which the function puts before it): the worker,
     the entry and its request stream (after the hash tag), the tokens saved and the writer's saves
     of that entry so far."""
-    name = stream.split("}:", 1)[1] if stream.startswith("{") and "}:" in stream else stream
-    counts = f"{tokens}\tsaves={saves}".ljust(CHECKPOINT_COUNTS_WIDTH)
-    return f"\tcheckpoint\tworker={clean(worker)}\tentry={entry_id}\tstream={name}\ttokens={counts}"
+    line = "\t" + event_fields("checkpoint", {"worker": worker, "entry": entry_id, "stream": stream_name(stream),
+                                              "tokens": tokens, "saves": saves})
+    counts = len(line) - line.index("\ttokens=") - len("\ttokens=")
+    return line + " " * (CHECKPOINT_COUNTS_WIDTH - counts)
+
+
+def event_fields(kind: str, fields: dict[str, Any]) -> str:
+    """An event line's kind and fields (``<kind>\t<name>=<value>\t…``; a None value is left out)."""
+    return "\t".join([kind, *(f"{k}={clean(v)}" for k, v in fields.items() if v is not None)])
 
 
 def event_line(kind: str, fields: dict[str, Any], at_ms: int | None = None) -> str:
     at = int(time.time() * 1000) if at_ms is None else at_ms
-    return "\t".join([str(at), kind, *(f"{k}={clean(v)}" for k, v in fields.items() if v is not None)]) + "\n"
+    return f"{at}\t{event_fields(kind, fields)}\n"
 
 
 def parse_line(line: str) -> tuple[float | None, str, dict[str, str]]:
@@ -167,7 +173,7 @@ def delivery_events(deliveries: Iterable[Delivery], worker: str) -> list[tuple[s
         rid = d.fields.get(b"rid", d.fields.get("rid")) if isinstance(d.fields, dict) else None
         if rid is None:
             continue
-        line = event_line("delivered", {"worker": worker, "entry": d.entry_id, "stream": d.stream.split("}:", 1)[-1],
+        line = event_line("delivered", {"worker": worker, "entry": d.entry_id, "stream": stream_name(d.stream),
                                         "n": d.n, "from": d.previous, "why": d.why})
         out.append((events_key(d.stream, text(rid)), line))
     return out

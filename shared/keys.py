@@ -73,12 +73,17 @@ def events_key(stream: str, request_id: str) -> str:
     return f"{_tag_of(stream)}:events:{request_id}"
 
 
+def stream_name(stream: str) -> str:
+    """A request stream's name after its hash tag (``{ns}:requests:high`` is ``requests:high``): how
+    the rid key, the ownership hash and the event log name it."""
+    return stream.split("}:", 1)[1] if stream.startswith("{") and "}:" in stream else stream
+
+
 def submitted_as(stream: str, entry_id: str) -> str:
     """How the submit names an entry in its rid key (after the token) and in the ownership hash:
     the request stream's name after its hash tag, then the entry id (``requests:high 1700-0``).
     Entry ids are per stream: an entry forged on another request stream may carry the same id."""
-    name = stream.split("}:", 1)[1] if stream.startswith("{") and "}:" in stream else stream
-    return f"{name} {entry_id}"
+    return f"{stream_name(stream)} {entry_id}"
 
 
 def owner_key_for(reply_key: str) -> str | None:

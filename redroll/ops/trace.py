@@ -15,7 +15,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from redroll.shared.events import parse_line, parse_summary
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import WORKERS_GROUP, Keys, stream_name
 from redroll.shared.streams import text
 
 REASON_FINISHED = "finished"
@@ -274,7 +274,7 @@ async def _live(r: Redis, part: Keys, t: Timeline, rid_value: Any, partial_head:
     for stream, got, pending in zip(streams, found[0::2], found[1::2]):
         if isinstance(got, list) and got:
             fields = got[0][1]
-            t.submitted = _submitted(entry, stream.split("}:", 1)[-1], _s(fields.get(b"reply_to")) or None)
+            t.submitted = _submitted(entry, stream_name(stream), _s(fields.get(b"reply_to")) or None)
             if isinstance(pending, list) and pending:
                 t.now.owner, t.now.deliveries = text(pending[0]["consumer"]), int(pending[0]["times_delivered"])
 
