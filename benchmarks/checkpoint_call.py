@@ -24,7 +24,7 @@ import statistics
 
 import redis.asyncio as aioredis
 
-from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes
+from redroll.shared.checkpoint_saves import CheckpointSave, PartSave, checkpoint_outcomes
 from redroll.shared.chunks import Part, encode_part
 from redroll.shared.events import EventLog
 from redroll.shared.keys import submitted_as
@@ -55,13 +55,21 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
                                     "refresh_ttl": n % 10 == 0} if args.streamed else {}))
                  for i in range(args.saves)]
         stats, info = await r.info("commandstats"), await r.info("cpu")
-        reply = await scripts.checkpoint_many_in(r, group=GROUP, consumer=CONSUMER, saves=saves, ttl_s=600,
-                                                 chunks_ttl_s=600)
+        if args.parts and n > 0:  # (after a first consolidating call, parts only)
+            reply = await scripts.save_parts_in(r, group=GROUP, consumer=CONSUMER, parts_key="{cc}:parts:w", parts=[
+                PartSave(requests_key=STREAM, entry_id=entries[i], request_id=f"r{i}", before=saved[i],
+                         adding=args.tokens, part=part, chunks_key="{cc}:chunks:p" if args.streamed else None,
+                         refresh_ttl=n % 10 == 0) for i in range(args.saves)], keep_ms=60_000, parts_ttl_s=600,
+                chunks_ttl_s=600)
+        else:
+            reply = await scripts.checkpoint_many_in(r, group=GROUP, consumer=CONSUMER, saves=saves, ttl_s=600,
+                                                     chunks_ttl_s=600)
         stats2, info2 = await r.info("commandstats"), await r.info("cpu")
         assert all(code == 1 for code, _ in checkpoint_outcomes(reply))
         for i in range(args.saves):
             saved[i] += args.tokens
-            length[i] = (length[i] or 64) + len(part)
+            if not (args.parts and n > 0):
+                length[i] = (length[i] or 64) + len(part)
         if n >= 2:
             usec.append((stats2["cmdstat_fcall"]["usec"] - stats["cmdstat_fcall"]["usec"]) / args.saves)
             cpu.append(((info2["used_cpu_user"] + info2["used_cpu_sys"]) - (info["used_cpu_user"] + info["used_cpu_sys"]))
@@ -78,6 +86,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streamed", action="store_true")
     p.add_argument("--logged", action="store_true")
+    p.add_argument("--parts", action="store_true",
+                   help="after the first call, save_parts calls: each save a part of the parts stream only")
     p.add_argument("--json-out", help="also write the JSON here")
     args = p.parse_args()
     server = start_redis_server()

@@ -30,14 +30,31 @@ import redis
 
 from redroll.engine_worker.flights import DEATHS_SUFFIX
 from redroll.shared.batcher import Coalescer
+from redroll.shared.checkpoint_saves import CheckpointSave, PartSave
 from redroll.shared.keys import WORKERS_GROUP
-from redroll.shared.scripts import CheckpointSave, call_replies, checkpoint_outcomes, checkpoint_refused, with_library
+from redroll.shared.scripts import call_replies, checkpoint_outcomes, checkpoint_refused, with_library
+from redroll.shared.streams import id_tuple, text
 
 if TYPE_CHECKING:
     from redroll.engine_worker.context import WorkerContext
 
 log = logging.getLogger("redroll.worker")
 
+CONSOLIDATE_S = 10.0
+"""How long a part may be only in the worker's parts stream: a saver's first save of a delivery
+consolidates (appends to the checkpoint key), and then one every this many seconds while it has
+parts the key lacks (its flush before a hand-back too); every other save is a part only."""
+PARTS_KEEP_S = 60
+"""How long a live worker's parts stream keeps a part (each call trims it: MINID ~ now - this),
+far beyond :data:`CONSOLIDATE_S`; a stream its worker no longer writes expires with the checkpoints'
+TTL, so a dead worker's parts wait for the worker that continues its requests."""
+CHECKPOINT_BEAT_S = 0.1
+"""The checkpoints' beat: a checkpoint (not streamed) saved less often than every
+:data:`SLOW_SAVE_S` is made at the next beat once it is due (a tenth of a second later at most),
+so the slow savers of a worker save together, a few calls a second, not one call a tick for one or
+two saves (each call costs Redis a fence read and an entry, whatever the number of its saves)."""
+SLOW_SAVE_S = 0.4
+"""See :data:`CHECKPOINT_BEAT_S` (a checkpoint saved more often does not wait for the beat)."""
 TICK_S = 0.02
 """How often the writer looks at what its requests made (a streamed request's first chunk comes
 at most this much after it is due); ``stream_chunk_ms`` when that is shorter."""
@@ -53,7 +70,7 @@ class Saver(Protocol):
     flight: Any
     broken: bool
 
-    def due(self, now: float, beat: bool = False) -> "Prepared | None": ...
+    def due(self, now: float, beat: bool = False, checkpoint_beat: bool = True) -> "Prepared | None": ...
 
     def settle(self, prepared: "Prepared", outcome: Any) -> bool: ...
 
@@ -63,7 +80,10 @@ class Prepared:
     """A save a :class:`~.checkpoints.Saver` made ready: what to write, and what it settles."""
 
     saver: "Saver"
-    save: CheckpointSave
+    save: CheckpointSave | None
+    """A consolidating save: the checkpoint key's append (None: a part only)."""
+    part: PartSave | None
+    """The part, for the worker's parts stream (None: a consolidation of earlier parts alone)."""
     end: int
     """Tokens of this worker's generation saved once it is written."""
     text: str | None = None
@@ -81,7 +101,11 @@ class CheckpointWriter(Coalescer[Prepared]):
         self._tick_task: asyncio.Task | None = None
         self._stream_beat = 0.0
         """When the streams' shared timer beats next (``stream_chunk_ms`` apart)."""
+        self._checkpoint_beat = 0.0
+        """When the checkpoints' beat comes next (:data:`CHECKPOINT_BEAT_S` apart)."""
         self._has_savers = asyncio.Event()
+        self._parts_clock: dict[str, int] = {}
+        """Per parts stream, the server's time (ms) of this worker's last XADD there."""
         self.calls = 0
         """Round trips made (each one call per hash tag)."""
         self.saves = 0
@@ -120,10 +144,13 @@ class CheckpointWriter(Coalescer[Prepared]):
             beat = now >= self._stream_beat
             if beat:
                 self._stream_beat = now + self.ctx.settings.stream_chunk_ms / 1000.0
+            checkpoint_beat = now >= self._checkpoint_beat
+            if checkpoint_beat:
+                self._checkpoint_beat = now + CHECKPOINT_BEAT_S
             due = []
             for saver in list(self.savers):
                 try:
-                    p = saver.due(now, beat)
+                    p = saver.due(now, beat, checkpoint_beat)
                 except Exception as exc:  # (a defect in one request's save costs no other request its saves)
                     log.error("checkpoint of %s not made: %s", saver.request.request_id, exc, exc_info=exc)
                     saver.broken = True
@@ -134,47 +161,69 @@ class CheckpointWriter(Coalescer[Prepared]):
                 await self.write(due)
 
     async def _flush(self, batch: list[tuple[Prepared, asyncio.Future]]) -> None:
-        """One round trip: one checkpoint_many call per hash tag; each save settled by its saver."""
+        """One round trip: per hash tag, one checkpoint_many call for its consolidating saves, one
+        save_parts call for its streamed parts and one XADD of its other parts (with the markers of
+        the consolidations: see :func:`part_fields`) to the worker's parts stream; each save
+        settled by its saver."""
         ctx = self.ctx
-        by_tag: dict[str, list[tuple[Prepared, asyncio.Future]]] = {}
-        for item in batch:
-            by_tag.setdefault(_tag_of(item[0].save.requests_key), []).append(item)
-        groups = list(by_tag.values())
+        by_tag: dict[str, list[int]] = {}
+        for i, (p, _) in enumerate(batch):
+            by_tag.setdefault(_tag_of(p.saver.flight.stream), []).append(i)
+        calls: list[tuple[str, list[int], str | None]] = []  # (what was sent, the batch's items it has, its key)
 
         async def attempt() -> list:
+            calls.clear()
             async with ctx.redis.pipeline(transaction=False) as pipe:
-                for group in groups:
-                    ctx.scripts.checkpoint_many_in(pipe, group=WORKERS_GROUP, consumer=ctx.name,
-                                                   saves=[p.save for p, _ in group], ttl_s=ctx.settings.rid_ttl_s,
-                                                   chunks_ttl_s=ctx.settings.stream_chunk_ttl_s)
+                for mine in by_tag.values():
+                    self._queue_tag(pipe, [batch[i][0] for i in mine], mine, calls)
                 replies = await pipe.execute(raise_on_error=False)
-            return call_replies(replies, [checkpoint_refused(len(g)) for g in groups])
+            functions = [k for k, (kind, _, _) in enumerate(calls) if kind in ("checkpoint_many", "save_parts")]
+            checked = call_replies([replies[k] for k in functions],
+                                   [checkpoint_refused(len(calls[k][1])) for k in functions])
+            for k, reply in zip(functions, checked):
+                replies[k] = reply
+            return replies
 
         try:
             replies = await with_library(ctx.redis, attempt)
         except (redis.RedisError, OSError) as exc:
-            # (a lost connection: nothing is known to be written; each saver tries again at its next save)
+            # (a lost connection: nothing is known to be written; each saver tries again at its next
+            # save, but a streamed part's, which its readers may have: see Saver.settle)
             log.warning("%d checkpoint(s) not saved: %s", len(batch), exc)
             for p, fut in batch:
                 p.saver.settle(p, None)
                 if not fut.done():
                     fut.set_result(False)
             return
+        # Each save's outcome: the first of its writes that did not take (else saved)
+        outcomes: dict[int, tuple[int, int | str]] = {}
+        for (kind, items, key), reply in zip(calls, replies):
+            if kind in ("checkpoint_many", "save_parts"):
+                got = checkpoint_outcomes(reply)
+            elif kind == "xadd":
+                refused = isinstance(reply, Exception)
+                got = [(2, str(reply)) if refused else (1, 0)] * len(items)
+                if not refused and key is not None:
+                    self._parts_clock[key] = id_tuple(text(reply))[0]
+            else:
+                continue
+            for i, outcome in zip(items, got):
+                if i not in outcomes or outcomes[i][0] == 1:
+                    outcomes[i] = outcome
         self.calls += 1
         cleared = []
-        for group, reply in zip(groups, replies):
-            for (p, fut), outcome in zip(group, checkpoint_outcomes(reply)):
-                ok = p.saver.settle(p, outcome)
-                self.saves += ok
-                flight = p.saver.flight
-                if ok and getattr(flight, "suspect_cap", None) is not None:
-                    # Its checkpoint advanced here, after the death of a worker that ran it: it is no
-                    # suspect of that death any more (the next death counts from scratch), nor does it
-                    # bound the group of the suspects running beside it.
-                    flight.suspect_cap = None
-                    cleared.append(flight.key + DEATHS_SUFFIX)
-                if not fut.done():
-                    fut.set_result(ok)
+        for i, (p, fut) in enumerate(batch):
+            ok = p.saver.settle(p, outcomes.get(i))
+            self.saves += ok
+            flight = p.saver.flight
+            if ok and getattr(flight, "suspect_cap", None) is not None:
+                # Its checkpoint advanced here, after the death of a worker that ran it: it is no
+                # suspect of that death any more (the next death counts from scratch), nor does it
+                # bound the group of the suspects running beside it.
+                flight.suspect_cap = None
+                cleared.append(flight.key + DEATHS_SUFFIX)
+            if not fut.done():
+                fut.set_result(ok)
         if cleared:
             try:
                 await ctx.redis.hdel(ctx.keys.errors, *cleared)
@@ -182,9 +231,52 @@ class CheckpointWriter(Coalescer[Prepared]):
                 log.warning("death notes of %d entr(ies) not cleared: %s", len(cleared), exc)
 
 
+    def _parts_key(self, prepared: Prepared) -> str:
+        return self.ctx.part_of[prepared.saver.flight.stream].parts(self.ctx.name)
+
+    def _queue_tag(self, pipe: Any, group: list[Prepared], at: list[int], calls: list) -> None:
+        """Queue the writes of one hash tag's saves (``group``, whose places in the batch are ``at``)."""
+        ctx = self.ctx
+        saves = [k for k, p in enumerate(group) if p.save is not None]
+        streamed = [k for k, p in enumerate(group) if p.save is None and p.part is not None and p.part.chunks_key]
+        if saves:
+            ctx.scripts.checkpoint_many_in(pipe, group=WORKERS_GROUP, consumer=ctx.name,
+                                           saves=[group[k].save for k in saves], ttl_s=ctx.settings.rid_ttl_s,
+                                           chunks_ttl_s=ctx.settings.stream_chunk_ttl_s)
+            calls.append(("checkpoint_many", [at[k] for k in saves], None))
+        parts_key = self._parts_key(group[0])
+        if streamed:
+            ctx.scripts.save_parts_in(pipe, group=WORKERS_GROUP, consumer=ctx.name, parts_key=parts_key,
+                                      parts=[group[k].part for k in streamed], keep_ms=PARTS_KEEP_S * 1000,
+                                      parts_ttl_s=ctx.settings.rid_ttl_s, chunks_ttl_s=ctx.settings.stream_chunk_ttl_s)
+            calls.append(("save_parts", [at[k] for k in streamed], parts_key))
+        plain = [k for k, p in enumerate(group) if p.save is None and p.part is not None and not p.part.chunks_key]
+        fields = part_fields([group[k] for k in plain] + [group[k] for k in saves if group[k].part is not None])
+        if fields:
+            # (trimmed by the server's clock: as of this worker's last XADD there, which it answered)
+            clock = self._parts_clock.get(parts_key)
+            pipe.xadd(parts_key, fields, minid=None if clock is None else max(0, clock - PARTS_KEEP_S * 1000),
+                      approximate=True)
+            calls.append(("xadd", [at[k] for k in plain], parts_key))
+            pipe.expire(parts_key, ctx.settings.rid_ttl_s)
+            calls.append(("expire", [], parts_key))
+
+
+def part_fields(prepared: list[Prepared]) -> dict[str, bytes]:
+    """A plain XADD's fields: per part ``<entry id> <request_id> <tokens before it> <tokens in it>``
+    and the part; a consolidating save's part is a marker (its field, no bytes): where a reader of
+    the stream, going back from its end, stops (:func:`~redroll.shared.checkpoint_reads.read_later_parts`)."""
+    fields = {}
+    for p in prepared:
+        part = p.part
+        fields[f"{part.entry_id} {part.request_id} {part.before} {part.adding}"] = b"" if p.save else part.part
+    return fields
+
+
 def _tag_of(key: str) -> str:
     """The hash tag of ``key`` (``{ns}`` or ``{ns:i}``): the saves of one call share it."""
     return key[: key.index("}") + 1] if key.startswith("{") and "}" in key else key
 
 
-__all__ = ["CheckpointWriter", "MAX_BATCH", "Prepared", "TICK_S"]
+__all__ = ["CHECKPOINT_BEAT_S", "CONSOLIDATE_S", "CheckpointWriter", "MAX_BATCH", "PARTS_KEEP_S", "Prepared",
+           "SLOW_SAVE_S", "TICK_S"]

@@ -31,93 +31,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import redis
 
-from redroll.engine_worker.checkpoint_writes import CheckpointWriter, Prepared
+from redroll.engine_worker.checkpoint_writes import CONSOLIDATE_S, SLOW_SAVE_S, CheckpointWriter, Prepared
 from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
 from redroll.engine_worker.engines.text import render_chat, sample_text
 from redroll.engine_worker.settled_text import settled
-from redroll.shared.chunks import Part, decode_part, encode_part
+from redroll.shared.checkpoint_reads import HEADER_BYTES, Checkpoint, load_checkpoint, parse_checkpoint  # noqa: F401 (re-exported)
+from redroll.shared.checkpoint_saves import CheckpointSave, PartSave
+from redroll.shared.chunks import Part, encode_part
 from redroll.shared.codec import ValidationError
 from redroll.shared.continuing import continue_after, join_parts
 from redroll.shared.keys import Keys, chunks_key_for, owner_key_for
-from redroll.shared.scripts import CheckpointSave
 from redroll.shared.types import GenerationRequest
 
 log = logging.getLogger("redroll.worker")
-
-HEADER_BYTES = 64
-"""``<entry id, space-padded to 44> <18-digit token count>\\n``."""
-
-
-@dataclass
-class Checkpoint:
-    """What was saved for one entry."""
-
-    entry_id: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)
-    weight_versions: list[str] = field(default_factory=list)
-    segments: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str = ""
-    """The text the parts carried (a streamed request's: what its readers were sent)."""
-    top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
-    """Per token, the k most likely (token id, logprob) pairs (``top_logprobs_num``); None when a part had none."""
-    size: int = HEADER_BYTES
-    """Its bytes (header and parts) as it was read."""
-
-    @property
-    def tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def parse_checkpoint(raw: bytes) -> Checkpoint | None:
-    """The checkpoint in ``raw``; None when it is not one (a torn or foreign value)."""
-    if len(raw) < HEADER_BYTES or raw[HEADER_BYTES - 1:HEADER_BYTES] != b"\n":
-        return None
-    entry_id = raw[:44].decode("ascii", "replace").strip()
-    try:
-        count = int(raw[45:63])
-    except ValueError:
-        return None
-    cp = Checkpoint(entry_id=entry_id, size=len(raw))
-    pos = HEADER_BYTES
-    while pos < len(raw):
-        try:
-            size = int(raw[pos:pos + 8], 16)
-            part = decode_part(raw[pos + 8:pos + 8 + size])
-        except (ValueError, msgspec.DecodeError):
-            return None
-        pos += 8 + size
-        cp.token_ids += part.token_ids
-        if cp.logprobs is not None and part.logprobs is not None:
-            cp.logprobs += part.logprobs
-        else:
-            cp.logprobs = None
-        versions = part.versions()
-        cp.weight_versions += versions
-        last = cp.segments[-1] if cp.segments else None
-        version = versions[-1] if versions else None
-        if last is not None and last["worker"] == part.worker and last["weight_version"] == version:
-            last["tokens"] += len(part.token_ids)
-        else:
-            cp.segments.append({"worker": part.worker, "weight_version": version, "tokens": len(part.token_ids)})
-        cp.finish_reason = part.finish_reason
-        cp.text += part.text or ""
-        if cp.top_logprobs is not None and part.top_logprobs is not None:
-            cp.top_logprobs += [[(int(t), float(lp)) for t, lp in pairs] for pairs in part.top_logprobs]
-        else:
-            cp.top_logprobs = None
-    if cp.tokens != count:
-        return None
-    return cp
-
 
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 """The sampling keys that constrain the output to a grammar (the gateway's ``structured_outputs``
@@ -233,13 +165,9 @@ class Checkpoints:
         self.writer = CheckpointWriter(ctx)
 
     async def load(self, part: Keys, request: GenerationRequest, entry_id: str) -> Checkpoint | None:
-        raw = await self.ctx.redis.get(part.partial(request.request_id))
-        if raw is None:
-            return None
-        cp = parse_checkpoint(raw)
-        if cp is None or cp.entry_id != entry_id:
-            return None  # another entry's (a requeue, a resubmit) or not readable: start over
-        return cp
+        """The checkpoint of this entry, with the parts saved after its last consolidation
+        (:func:`~redroll.shared.checkpoint_reads.load_checkpoint`); None: start over."""
+        return await load_checkpoint(self.ctx.redis, part, request.request_id, entry_id)
 
     async def discard(self, part: Keys, fields: dict, entry_id: str) -> None:
         """Delete the checkpoint of the entry in ``fields`` if it names this entry (a hand-back to
@@ -295,8 +223,17 @@ class Saver:
         self.writing: asyncio.Future | None = None
         """The write of its last save, while it is under way."""
         self.length = base.size if base else HEADER_BYTES
-        """The checkpoint's bytes: as loaded (a new one's header) until this saver's first save, then
-        after its last one, which its next append is checked against (see checkpoint_many.lua)."""
+        """The checkpoint key's bytes: as loaded (a new one's header) until this saver's first
+        consolidation, then after its last one, which its next append is checked against (see
+        checkpoint_many.lua)."""
+        self.kept = base.kept if base else 0
+        """Tokens the checkpoint key holds (the rest of what was saved is in parts: :attr:`later`)."""
+        self.later: list[bytes] = list(base.later) if base else []
+        """The parts saved since the key's last consolidation (read back with the base, then this
+        saver's own), which its next consolidating save appends to the key before its own part."""
+        self.later_tokens = self.base - self.kept
+        self.consolidated_at = -float("inf")
+        """When this saver last consolidated (its first save always does)."""
         settings = self.ctx.settings
         if request.stream:  # every K tokens or T ms, whichever comes first
             self.every_tokens, self.every_s, self.first = settings.stream_chunk_tokens, settings.stream_chunk_ms / 1000, True
@@ -320,16 +257,31 @@ class Saver:
         if self.writing is not None:
             await asyncio.shield(self.writing)
 
-    def due(self, now: float, beat: bool = False) -> Prepared | None:
+    def due(self, now: float, beat: bool = False, checkpoint_beat: bool = True) -> Prepared | None:
         """The save to make now, if one is due (a write of this saver's still under way: none).
-        ``beat``: the streams' shared timer beats now (a streamed request sends what it has)."""
-        if self.broken or self.writing is not None or now < self.next_look:
+        ``beat``: the streams' shared timer beats now (a streamed request sends what it has);
+        ``checkpoint_beat``: the checkpoints' beat (:data:`~.checkpoint_writes.CHECKPOINT_BEAT_S`),
+        which a checkpoint saved less often than :data:`~.checkpoint_writes.SLOW_SAVE_S` waits for,
+        so that the saves of many such requests share a call.
+        Parts older than :data:`~.checkpoint_writes.CONSOLIDATE_S` are consolidated even when no
+        new token came (a generation the engine holds back keeps no part only in the parts stream,
+        which drops parts by age)."""
+        if self.broken or self.writing is not None:
             return None
+        overdue = bool(self.later) and now - self.consolidated_at >= CONSOLIDATE_S
+        prepared = None if now < self.next_look else self._due(now, beat, checkpoint_beat)
+        if prepared is None and overdue:
+            prepared = self._consolidation()
+        return prepared
+
+    def _due(self, now: float, beat: bool, checkpoint_beat: bool) -> Prepared | None:
         if not self.first:
             # (a checkpoint is due only once its interval passed; then the engine's partial output,
             # which may copy it, is looked at a few times a second, not every tick)
             if now - self.last_save < self.every_s:
                 self.next_look = self.last_save + self.every_s
+                return None
+            if not checkpoint_beat and now - self.last_save >= SLOW_SAVE_S:
                 return None
             self.next_look = now + min(0.25, max(self.every_s / 4, 0.0))
         snap = self.ctx.engine.partial(self.flight.handle)
@@ -348,14 +300,19 @@ class Saver:
             await asyncio.shield(self.writing)
         if self.broken:
             return False
-        prepared = self.prepare(sample)
+        # (consolidated: the next worker reads the key alone)
+        prepared = self.prepare(sample, consolidate=True)
+        if prepared is None and self.later:  # (nothing new: the parts go into the key)
+            prepared = self._consolidation()
         if prepared is not None:
             await self.checkpoints.writer.write([prepared])
         return not self.broken and self.done >= len(sample.token_ids)
 
-    def prepare(self, sample: SampleOutput) -> Prepared | None:
+    def prepare(self, sample: SampleOutput, consolidate: bool = False) -> Prepared | None:
         """What ``sample`` has past what was saved (a streamed request's: as far as it is settled),
-        ready to write; None when there is nothing."""
+        ready to write; None when there is nothing. A consolidating save (this saver's first, one
+        every :data:`~.checkpoint_writes.CONSOLIDATE_S`, ``consolidate``: a flush) also appends the
+        parts saved since the last one to the checkpoint key; any other is a part only."""
         start, end = self.done, len(sample.token_ids)
         text: str | None = None
         cut_text: str | None = None
@@ -372,37 +329,71 @@ class Saver:
         versions = list(sample.weight_versions[start:end]) if sample.weight_versions else [version] * len(ids)
         mixed = len(set(versions)) > 1
         whole = end == len(sample.token_ids)
-        piece = Part(token_ids=ids,
-                     logprobs=list(sample.logprobs[start:end]) if sample.logprobs is not None else None,
-                     weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
-                     worker=self.ctx.name, text=text,
-                     top_logprobs=[list(t) for t in sample.top_logprobs[start:end]]
-                     if self.request.top_logprobs_num and sample.top_logprobs is not None
-                     and len(sample.top_logprobs) >= end else None,
-                     finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None)
+        piece = encode_part(Part(
+            token_ids=ids, logprobs=list(sample.logprobs[start:end]) if sample.logprobs is not None else None,
+            weight_version=None if mixed else versions[0], weight_versions=versions if mixed else None,
+            worker=self.ctx.name, text=text,
+            top_logprobs=[list(t) for t in sample.top_logprobs[start:end]]
+            if self.request.top_logprobs_num and sample.top_logprobs is not None
+            and len(sample.top_logprobs) >= end else None,
+            finish_reason=sample.finish_reason if whole and sample.finish_reason in ("stop", "length") else None))
         request, flight = self.request, self.flight
         chunks = chunks_key_for(request.reply_to) if request.stream and request.reply_to else None
-        save = CheckpointSave(requests_key=flight.stream, partial_key=self.ctx.part_of[flight.stream].partial(
-                                  request.request_id), entry_id=flight.entry_id, saved=self.base + start,
-                              adding=len(ids), part=encode_part(piece), chunks_key=chunks,
-                              owner_key=owner_key_for(request.reply_to) if chunks else None,
-                              # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
-                              refresh_ttl=time.monotonic() - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10,
-                              check_owner=not self.done,  # (its first save: see checkpoint_many.lua)
-                              length=self.length if self.done else None,  # (its first save reads the header)
-                              # (a streamed request's chunks are its normal course, not an incident to log)
-                              logged=not request.stream or self.ctx.settings.event_log == "all",
-                              number=self.saves + 1)
+        now = time.monotonic()
+        # (the chunk stream's TTL, set again every tenth of it: see checkpoint_many.lua)
+        refresh_ttl = now - self.ttl_set_at >= self.ctx.settings.stream_chunk_ttl_s / 10
+        consolidate = consolidate or not self.saves or now - self.consolidated_at >= CONSOLIDATE_S
+        part = PartSave(requests_key=flight.stream, entry_id=flight.entry_id, request_id=request.request_id,
+                        before=self.base + start, adding=len(ids), part=piece,
+                        # (a consolidating save's chunk goes with its append to the key)
+                        chunks_key=None if consolidate else chunks, refresh_ttl=refresh_ttl)
+        save = None
+        if consolidate:
+            save = CheckpointSave(requests_key=flight.stream, partial_key=self._partial_key(), entry_id=flight.entry_id,
+                                  saved=self.kept, adding=len(ids), part=piece, chunks_key=chunks,
+                                  owner_key=owner_key_for(request.reply_to) if chunks else None,
+                                  refresh_ttl=refresh_ttl,
+                                  check_owner=not self.saves,  # (its first save: see checkpoint_many.lua)
+                                  length=self.length if self.saves else None,  # (its first save reads the header)
+                                  logged=self._logged(), number=self.saves + 1, prior=b"".join(self.later),
+                                  prior_tokens=self.later_tokens)
+        return self._prepared(save, part, end, cut_text)
+
+    def _consolidation(self) -> Prepared:
+        """A consolidating save of the parts alone (no new token to save)."""
+        return self._prepared(CheckpointSave(
+            requests_key=self.flight.stream, partial_key=self._partial_key(), entry_id=self.flight.entry_id,
+            saved=self.kept, adding=0, part=b"", length=self.length if self.saves else None, logged=self._logged(),
+            number=self.saves + 1,
+            prior=b"".join(self.later), prior_tokens=self.later_tokens), None, self.done, None)
+
+    def _prepared(self, save: CheckpointSave | None, part: PartSave | None, end: int, text: str | None) -> Prepared:
         self.writing = asyncio.get_running_loop().create_future()
-        return Prepared(self, save, end, cut_text)
+        return Prepared(self, save, part, end, text)
+
+    def _partial_key(self) -> str:
+        return self.ctx.part_of[self.flight.stream].partial(self.request.request_id)
+
+    def _logged(self) -> bool:
+        """Whether a consolidating save goes into the request's event log: with ``event_log=all``
+        always; with ``incidents`` a checkpoint of a request that is not streamed once its delivery
+        is an incident (taken back after a death, a hand-back or an error) or is handed back now.
+        Saving is the normal course of a request that continues (the default), as chunks are of a
+        streamed one: a first delivery's checkpoints begin no log."""
+        if self.ctx.settings.event_log == "all":
+            return True
+        return not self.request.stream and (self.flight.taken_back or self.flight.handed_back)
 
     def settle(self, prepared: Prepared, outcome: tuple[int, int | str] | None) -> bool:
         """Take the write's ``outcome`` (None: not known, the connection failed: tried again at the
-        next save); True when it was saved."""
+        next save, except a streamed request's part, which its readers may have: it saves no more);
+        True when it was saved."""
         writing, self.writing = self.writing, None
         if writing is not None and not writing.done():
             writing.set_result(None)
         if outcome is None:
+            if prepared.save is None and prepared.part is not None and prepared.part.chunks_key:
+                self.broken = True
             return False
         code, detail = outcome
         if code != 1:
@@ -411,9 +402,18 @@ class Saver:
             return False
         self.done = prepared.end
         self.saves += 1
-        self.length += len(prepared.save.part)
         self.last_save = time.monotonic()
-        if prepared.save.refresh_ttl:
+        save, part = prepared.save, prepared.part
+        if save is not None:
+            self.kept = save.count
+            self.length += len(save.prior) + len(save.part)
+            self.later, self.later_tokens = [], 0
+            self.consolidated_at = self.last_save
+        elif part is not None:
+            self.later.append(part.part)
+            self.later_tokens += part.adding
+        if (save is not None and save.chunks_key and save.refresh_ttl) or (part is not None and part.refresh_ttl
+                                                                            and part.chunks_key):
             self.ttl_set_at = self.last_save
         if self.settles and prepared.text is not None:
             self.sent_text = prepared.text

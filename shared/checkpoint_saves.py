@@ -1,6 +1,6 @@
 """A checkpoint_many call's typed messages: one save of one request's partial output, and the
 call's per-save outcomes (the function itself: ``shared/lua/checkpoint_many.lua``, called by
-:meth:`redroll.shared.scripts.Scripts.checkpoint_many_in`)."""
+:meth:`redroll.shared.checkpoint_calls.CheckpointCalls.checkpoint_many_in`)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,35 @@ class CheckpointSave:
     length: int | None = None
     """The bytes the checkpoint held after this writer's last save of it (its next saves): the
     append is checked against it instead of reading the header first."""
+    prior: bytes = b""
+    """The parts of this request saved since the checkpoint's last consolidation (each as
+    :func:`~redroll.shared.chunks.encode_part` makes it, end to end), appended before ``part``."""
+    prior_tokens: int = 0
+    """Tokens in ``prior``."""
+
+    @property
+    def count(self) -> int:
+        """Tokens the checkpoint holds once this save is appended."""
+        return self.saved + self.prior_tokens + self.adding
+
+
+@dataclass(frozen=True)
+class PartSave:
+    """One part of one request's partial output added to its worker's parts stream (see
+    :meth:`~redroll.shared.checkpoint_calls.CheckpointCalls.save_parts_in`)."""
+
+    requests_key: str
+    entry_id: str
+    request_id: str
+    before: int
+    """Tokens of the request's output before this part."""
+    adding: int
+    """Tokens in this part."""
+    part: bytes
+    chunks_key: str | None = None
+    """A streamed request's producer's chunk stream, when this part is also its next chunk."""
+    refresh_ttl: bool = False
+    """With ``chunks_key``: set the chunk stream's TTL again."""
 
 
 def checkpoint_outcomes(reply: Sequence[Any]) -> list[tuple[int, int | str]]:
@@ -57,4 +86,4 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-__all__ = ["CheckpointSave", "checkpoint_outcomes", "checkpoint_refused"]
+__all__ = ["CheckpointSave", "PartSave", "checkpoint_outcomes", "checkpoint_refused"]

@@ -318,11 +318,17 @@ CHECKPOINT_MANY = FunctionLayout(
     items=Items(name="save", keys=("partial", "evkey", "chunks", "ownkey"),
                 args=(Arg("stream_at", number=True), Arg("entry"), Arg("saved", number=True), Arg("count"),
                       Arg("part"), Arg("field"), Arg("submitted"), Arg("flags"), Arg("length", number=True),
-                      Arg("event"))))
+                      Arg("event"), Arg("prior"))))
+SAVE_PARTS = FunctionLayout(
+    "save_parts", keys=(KeyList("streams"), Key("parts"), KeyList("chunks")),
+    args=(Arg("group"), Arg("consumer"), Arg("keep_ms", number=True), Arg("parts_ttl"), Arg("chunk_ttl", number=True),
+          ArgList("lease_from"), ArgList("lease_to"), ArgList("refresh")),
+    items=Items(name="part", args=(Arg("stream_at", number=True), Arg("entry"), Arg("chunk_at", number=True),
+                                   Arg("field"), Arg("data"))))
 RECLAIM_SCAN = FunctionLayout(
     "reclaim_scan", keys=(KeyList("streams"), Key("marks")), args=(Arg("group"), Arg("min_idle_ms"), Arg("count")))
 
 LAYOUTS: dict[str, FunctionLayout] = {layout.name: layout for layout in (
     SUBMIT_MANY, FINISH_MANY, DEAD_LETTER, CANCEL_QUEUED, RENEW, CLAIM, CLAIM_LANES, DELETE_CONSUMER_IF_EMPTY,
-    RELEASE_RIDS, ACK_REPLIES, LANES_BEAT, RECLAIM_SCAN, CHECKPOINT_MANY)}
+    RELEASE_RIDS, ACK_REPLIES, LANES_BEAT, RECLAIM_SCAN, CHECKPOINT_MANY, SAVE_PARTS)}
 """Every function's layout by its name."""

@@ -37,6 +37,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "dead_letter": (),
     "cancel_queued": (),
     "checkpoint_many": (),
+    "save_parts": (),
     "renew": ("allow-oom",),
     "claim": ("allow-oom",),
     "claim_lanes": ("allow-oom",),

@@ -225,6 +225,11 @@ class Keys:
         """String: the checkpoint of a resumable request's partial output (see engine_worker/checkpoints.py)."""
         return f"{self.tag}:partial:{request_id}"
 
+    def parts(self, worker: str) -> str:
+        """Stream: one worker's checkpoint parts saved since each checkpoint's last consolidation,
+        one entry per call (see engine_worker/checkpoint_writes.py); trimmed by age, expiring."""
+        return f"{self.tag}:parts:{worker}"
+
     def session(self, name: str) -> str:
         """String: a gateway session's conversation as token ids (``redroll serve``'s token-exact
         sessions, see redroll/web/gateway/sessions.py); expires with the session's window."""

@@ -17,11 +17,12 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
 
 from redroll.shared import function_layouts as layouts
-from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes, checkpoint_refused
+from redroll.shared.checkpoint_calls import CheckpointCalls
+from redroll.shared.checkpoint_saves import CheckpointSave, checkpoint_outcomes, checkpoint_refused  # noqa: F401 (re-exported)
 from redroll.shared.codec import encode_record
 from redroll.shared.connection import large_argument
 from redroll.shared.errors import RedrollError
-from redroll.shared.events import EventLog, checkpoint_event, finish_args, record_summary, script_args
+from redroll.shared.events import EventLog, finish_args, record_summary, script_args
 from redroll.shared.function_layouts import FunctionLayout
 from redroll.shared.functions import (
     FunctionsMissingError,
@@ -31,9 +32,9 @@ from redroll.shared.functions import (
     load_library,
     whole_call_refusal,
 )
-from redroll.shared.keys import Keys, events_key, finish_marker_key, owner_key_for, submitted_as
+from redroll.shared.keys import Keys, events_key, finish_marker_key, owner_key_for
 from redroll.shared.refusals import StreamRefusedError
-from redroll.shared.streams import id_tuple, text
+from redroll.shared.streams import text
 from redroll.shared.types import CompletionRecord
 
 FINISH_MARKER_TTL_MS = 300_000
@@ -257,9 +258,12 @@ async def _call(client: Any, name: str, keys: list, args: list, refused: Callabl
     return await with_library(client, attempt)
 
 
-class Scripts:
+class Scripts(CheckpointCalls):
     """The library's functions, called on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
+
+    run_layout = staticmethod(lambda *a, **kw: _run_layout(*a, **kw))
+    """(how :class:`~.checkpoint_calls.CheckpointCalls` calls a function by its layout)"""
 
     def __init__(self, redis: Redis, events: EventLog | None = None):
         self.redis = redis
@@ -392,53 +396,6 @@ class Scripts:
                                   args={"group": group, "consumer": consumer, "budget": budget,
                                         "steal_ms": steal_after_ms, "depth": steal_depth})
         return [(_s(reply[i]), _s(reply[i + 1]), reply[i + 2]) for i in range(0, len(reply), 3)]
-
-    # -- checkpoints (resumable and streamed requests)
-    def checkpoint_many_in(self, client: Any, *, group: str, consumer: str, saves: Sequence["CheckpointSave"],
-                           ttl_s: int, chunks_ttl_s: int = 0) -> Any:
-        """Queue (on a pipeline) or run one fenced call that appends every save of ``saves`` (all of
-        one hash tag) to its checkpoint, and a streamed request's to its chunk stream (see
-        checkpoint_many.lua). Its reply reads with :func:`checkpoint_outcomes`: per save (1, tokens
-        now saved), (0, 'fenced' | 'stale') or (2, the error that refused it: nothing written)."""
-        streams = list(dict.fromkeys(save.requests_key for save in saves))
-        index = {stream: i for i, stream in enumerate(streams, 1)}
-        leases = [sorted((save.entry_id for save in saves if save.requests_key == stream), key=id_tuple)
-                  for stream in streams]
-        ev_cap, ev_ttl = script_args(self.events)
-        args = {"group": group, "consumer": consumer, "part_ttl": ttl_s, "chunk_ttl": max(1, int(chunks_ttl_s)),
-                "ev_cap": ev_cap, "ev_ttl": ev_ttl, "lease_from": [ids[0] for ids in leases],
-                "lease_to": [ids[-1] for ids in leases]}
-        items = []
-        for save in saves:
-            request_id = save.partial_key.split(":partial:", 1)[-1]
-            flags = (("c" + ("t" if save.refresh_ttl else "") + ("o" if save.check_owner or not save.saved else ""))
-                     if save.chunks_key else "") + (
-                "l" if save.logged and self.events is not None else "") + ("f" if save.length is not None else "")
-            items.append({"partial": save.partial_key, "evkey": events_key(save.requests_key, request_id),
-                          "chunks": save.chunks_key or save.partial_key, "ownkey": save.owner_key or save.partial_key,
-                          "stream_at": index[save.requests_key], "entry": save.entry_id, "saved": save.saved,
-                          "count": "%018d" % (save.saved + save.adding), "part": large_argument(save.part),
-                          "field": f"{request_id} {save.saved} {save.adding}",
-                          "submitted": submitted_as(save.requests_key, save.entry_id), "flags": flags or "-",
-                          "event": checkpoint_event(consumer, save.requests_key, save.entry_id,
-                                                    save.saved + save.adding, save.number) if "l" in flags else "-",
-                          "length": "-" if save.length is None else save.length})
-        return _run_layout(layouts.CHECKPOINT_MANY, client, checkpoint_refused(len(saves)),
-                           keys={"streams": streams}, args=args, items=items)
-
-    async def checkpoint(self, *, requests_key: str, partial_key: str, group: str, consumer: str, entry_id: str,
-                         saved: int, adding: int, part: bytes, ttl_s: int, chunks_key: str | None = None,
-                         chunks_ttl_s: int = 0, owner_key: str | None = None,
-                         logged: bool = True) -> tuple[int, int | str]:
-        """One save (see :meth:`checkpoint_many_in`): ``part`` (``adding`` tokens) appended to the
-        checkpoint that holds ``saved`` tokens, if this consumer owns the entry; with ``chunks_key``
-        (a streamed request) also added to that chunk stream, kept ``chunks_ttl_s``, if ``owner_key``
-        (the ownership hash of the producer whose reply stream it names) names the entry."""
-        save = CheckpointSave(requests_key=requests_key, partial_key=partial_key, entry_id=entry_id, saved=saved,
-                              adding=adding, part=part, chunks_key=chunks_key, owner_key=owner_key, logged=logged)
-        reply = await self.checkpoint_many_in(self.redis, group=group, consumer=consumer, saves=[save], ttl_s=ttl_s,
-                                              chunks_ttl_s=chunks_ttl_s)
-        return checkpoint_outcomes(reply)[0]
 
     # -- dead letter
     def dead_letter_in(self, client: Any, *, dead_key: str, group: str, consumer: str, letter: DeadLetter) -> Any:

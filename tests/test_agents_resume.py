@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from redroll.engine_worker.checkpoints import parse_checkpoint  # noqa: E402
+from redroll.shared.checkpoint_reads import load_checkpoint  # noqa: E402
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine  # noqa: E402
 from redroll.engine_worker.worker import Worker  # noqa: E402
 from redroll.producer import Producer  # noqa: E402
@@ -39,8 +39,7 @@ def structured(rid: str, seed: int, **kw):
 
 
 async def checkpoint_of(r, settings, rid: str):
-    raw = await r.get(settings.keys.partial(rid))
-    return parse_checkpoint(raw) if raw else None
+    return await load_checkpoint(r, settings.keys, rid)
 
 
 @pytest.mark.timeout(180)

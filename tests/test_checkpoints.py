@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.checkpoints import (
     Checkpoint,
     Part,
@@ -308,14 +309,15 @@ async def test_sigkill_mid_generation_resumes_elsewhere(settings, r, tmp_path):
             future = await p.submit(resumable("killed-1", 400))
 
             async def saved_tokens() -> int:
-                raw = await r.get(s.keys.partial("killed-1"))
-                cp = parse_checkpoint(raw) if raw else None
+                cp = await load_checkpoint(r, s.keys, "killed-1")
                 return cp.tokens if cp else 0
             await wait_until(lambda: _at_least(saved_tokens, 100), 30)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             killed_at = time.monotonic()
             before = await saved_tokens()
+            # (what it saved last went to its parts stream only: the survivor reads it from there)
+            assert parse_checkpoint(await r.get(s.keys.partial("killed-1"))).tokens < before
             survivor = Worker(s, SyntheticEngine(token_ms=10), max_inflight=4, block_ms=100, name="survivor")
             async with running(survivor):
                 record = await asyncio.wait_for(future, 30)
@@ -357,8 +359,7 @@ async def test_sigkill_of_a_transformers_worker_resumes_unseeded_sampling(settin
             future = await p.submit(request)
 
             async def saved() -> Checkpoint | None:
-                raw = await r.get(s.keys.partial("tf-1"))
-                return parse_checkpoint(raw) if raw else None
+                return await load_checkpoint(r, s.keys, "tf-1")
 
             async def enough() -> bool:
                 cp = await saved()

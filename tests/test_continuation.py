@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from redroll.engine_worker.checkpoints import Saver, parse_checkpoint, starts_over
+from redroll.shared.checkpoint_reads import load_checkpoint
+from redroll.engine_worker.checkpoints import Saver, starts_over
 from redroll.engine_worker.engines.base import EngineCapabilities, SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine, SyntheticWords
 from redroll.engine_worker.worker import Worker
@@ -103,7 +104,7 @@ async def test_a_handed_back_request_continues_or_starts_over_as_stated(settings
         await asyncio.sleep(0.4)  # (about 80 tokens each: a hands back far from the end)
         a.request_stop()
         await asyncio.wait_for(task, 10)
-        saved = {k: parse_checkpoint(await r.get(s.keys.partial(k)) or b"") for k in requests}
+        saved = {k: await load_checkpoint(r, s.keys, k) for k in requests}
         assert saved["chat"] and saved["text"] and saved["n2"] is None and saved["penalty"] is None
         assert all(0 < saved[k].tokens < TOKENS for k in ("chat", "text"))
         async with running(b):

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from redroll.engine_worker.checkpoints import parse_checkpoint
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.engines.synthetic import SyntheticEngine, SyntheticWords
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
@@ -74,7 +74,7 @@ async def test_a_worker_given_notice_hands_over_at_once_and_the_survivor_continu
                 # Within a second the idle survivor holds every long request, its partial output saved.
                 await wait_until(lambda: holding("survivor", 5), 1.0, interval=0.01)
                 handed_in = time.monotonic() - noticed
-                saved = {rid: parse_checkpoint(await r.get(keys.partial(rid)) or b"")
+                saved = {rid: await load_checkpoint(r, keys, rid)
                          for rid in ("ids", "chat", "streamed")}
                 records = {rid: await asyncio.wait_for(f, 60) for rid, f in futures.items()}
                 await asyncio.wait_for(reader, 60)

@@ -957,7 +957,7 @@ async def test_resumable_requests_stream_so_the_worker_sees_partial_output(incre
 
 
 async def test_a_worker_checkpoints_a_streaming_sglang_request(settings, r):
-    from redroll.engine_worker.checkpoints import parse_checkpoint
+    from redroll.shared.checkpoint_reads import load_checkpoint
     from redroll.engine_worker.worker import Worker
     from redroll.producer import Producer
 
@@ -971,7 +971,7 @@ async def test_a_worker_checkpoints_a_streaming_sglang_request(settings, r):
             future = await p.submit(request_id="sg-1", input_ids=[4, 5, 6], resumable=True, return_logprob=True,
                                     sampling_params={"max_new_tokens": 400})
             await wait_until(lambda: worker.stats.checkpoints >= 2, 15)
-            cp = parse_checkpoint(await r.get(s.keys.partial("sg-1")))
+            cp = await load_checkpoint(r, s.keys, "sg-1")
             record = await asyncio.wait_for(future, 15)
         finally:
             worker.request_stop()

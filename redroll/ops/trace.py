@@ -15,6 +15,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from redroll.shared.events import parse_line, parse_summary
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.keys import WORKERS_GROUP, Keys, stream_name
 from redroll.shared.streams import text
 
@@ -260,7 +261,9 @@ async def request_timeline(r: Redis, keys: Keys | Sequence[Keys], request_id: st
 async def _live(r: Redis, part: Keys, t: Timeline, rid_value: Any, partial_head: Any) -> None:
     """The entry the rid key names (queued or in flight): where it is queued, by whom, and who holds it."""
     if isinstance(partial_head, (bytes, str)) and len(partial_head) == 64:
-        t.now.checkpoint_tokens = _int(text(partial_head)[45:63])
+        # (the key's count, and the parts saved since its last consolidation: shared/checkpoint_reads.py)
+        cp = await load_checkpoint(r, part, t.request_id)
+        t.now.checkpoint_tokens = cp.tokens if cp is not None else _int(text(partial_head)[45:63])
     if not isinstance(rid_value, (bytes, str)) or " " not in text(rid_value):
         return
     entry = text(rid_value).rpartition(" ")[2]

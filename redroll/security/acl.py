@@ -109,6 +109,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
     replies = f"{pt}:reply:*"
     owners = f"{pt}:own:*"
     chunks = f"{pt}:chunks:*"
+    parts = f"{pt}:parts:*"
     reclaim_marks = f"{pt}:reclaim_marks"
     wsync = f"{t}:wsync:*"
     config = f"{t}:config"
@@ -176,7 +177,7 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
         return [
             Grant((*conn, "multi", "exec", *scripts, "scan", "time", "client|id", "client|unblock"),
                   rw(requests, requests_high, lanes, rid, partial, finished, owners, results, replies, dead, events,
-                     chunks, reclaim_marks, workers, config, lane_members, lane_full, lane_plan),
+                     chunks, parts, reclaim_marks, workers, config, lane_members, lane_full, lane_plan),
                   "connection upkeep; MULTI/EXEC (a push's progress report); the functions finish_many, dead_letter, "
                   "renew, claim and claim_lanes (TIME: server time for overdue lane entries), reclaim_scan and "
                   "lanes_beat (TIME: server time for idle entries and heartbeats), and housekeeping's "
@@ -197,10 +198,15 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
             Grant(("get", "getrange", "set", "append", "setrange", "expire", "pttl", "del", "type"), rw(partial),
                   "checkpoints of requests that continue: load one to resume, append parts (checkpoint_many.lua), "
                   "delete it with the finish or a dead letter, or when GC finds it orphaned"),
-            Grant(("type", "xadd", "expire"), rw(chunks),
+            Grant(("type", "xadd", "expire", "xdel"), rw(chunks),
                   "streamed requests' chunks: a call's chunks for one producer added as one entry with their "
-                  "checkpoint parts, trimming the stream to its TTL (checkpoint_many.lua: TYPE before the "
-                  "writes, the TTL set again)"),
+                  "checkpoint parts, trimming the stream to its TTL (checkpoint_many.lua, save_parts.lua: TYPE "
+                  "before the writes, the TTL set again; XDEL takes a call's chunk entry out again when its "
+                  "parts stream refused the parts)"),
+            Grant(("type", "xadd", "expire", "xrevrange"), rw(parts),
+                  "checkpoint parts saved between two consolidations of a checkpoint, one entry a call "
+                  "(save_parts.lua, trimmed by age, its TTL set again), read back newest first by the worker "
+                  "that continues a request"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; the finish or dead letter turns "

@@ -20,7 +20,10 @@
 --            'o': check the producer's ownership hash, 't': the chunk stream's TTL is set again,
 --            'l': logged in the event log, 'f': the writer's next append to a checkpoint it wrote),
 --            save.length[i] with 'f': the bytes that checkpoint held after the writer's last save,
---            save.event[i] with 'l': its event line after the time (see log_save below).
+--            save.event[i] with 'l': its event line after the time (see log_save below),
+--            save.prior[i] the parts of its request saved since the checkpoint's last consolidation
+--            (save_parts.lua), appended before this save's part ('' when none; 'count' counts them too;
+--            a streamed request's chunk is only save.part[i], its readers have the prior parts).
 -- Returns two values per item: {1, tokens saved} | {0, 'fenced'} (this consumer no longer owns the
 -- entry) | {0, 'stale'} (the checkpoint holds another count: another writer) | {2, error}
 -- (refused: nothing of that item written).
@@ -121,7 +124,7 @@ end
 local function save_one(i)
   local s, entry = save.stream_at[i], save.entry[i]
   if not owned[s][entry] then return 0, 'fenced' end
-  local saved, count, part, flags = save.saved[i], save.count[i], save.part[i], flags_of(save.flags[i])
+  local saved, count, part, flags = save.saved[i], save.count[i], save.prior[i] .. save.part[i], flags_of(save.flags[i])
   local partial = save.partial[i]
   local st
   if flags.c then
@@ -168,7 +171,7 @@ local function save_one(i)
     local f = st.fields
     if #f == 0 then order[#order + 1] = save.chunks[i] end
     f[#f + 1] = save.field[i]
-    f[#f + 1] = part
+    f[#f + 1] = save.part[i]
     if flags.t then st.ttl = true end
     st.items[#st.items + 1] = i
     grown[i] = length
@@ -193,7 +196,7 @@ if #order > 0 then
         -- (a stream whose ids are exhausted: each of its items' checkpoints goes back to what it was)
         local partial, length, was = save.partial[i], grown[i], replaced[i]
         if length then
-          local rest = redis.call('GETRANGE', partial, 64, length - #save.part[i] - 1)
+          local rest = redis.call('GETRANGE', partial, 64, length - #save.prior[i] - #save.part[i] - 1)
           redis.call('SET', partial, string.format('%-44s %018d\n', save.entry[i], save.saved[i]) .. rest, 'KEEPTTL')
         elseif was and was[2] > 0 then
           redis.call('SET', partial, was[1], 'PX', was[2])

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import pytest_asyncio
 
-from redroll.engine_worker.checkpoints import parse_checkpoint
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.engines.child_guard import descendants
 from redroll.engine_worker.engines.tiny_checkpoint import load_tiny_checkpoint
 from redroll.engine_worker.engines.tiny_model import teacher_forced_logprobs
@@ -171,8 +171,7 @@ async def test_a_sigkilled_worker_leaves_no_engine_and_its_resumable_request_res
     future = await producer.submit(request)
     async with connect(settings) as r:
         async def saved():
-            raw = await r.get(settings.keys.partial("resume-1"))
-            return parse_checkpoint(raw) if raw else None
+            return await load_checkpoint(r, settings.keys, "resume-1")
 
         async def enough() -> bool:
             cp = await saved()
