@@ -1,21 +1,33 @@
-"""One batched, fenced write per worker tick: every streamed chunk and checkpoint a worker saves.
+"""One round trip per worker tick: every streamed chunk and checkpoint a worker saves.
 
 Each request that saves partial output (a streamed one, a checkpointed one: see :mod:`.checkpoints`)
 has a :class:`~.checkpoints.Saver`, registered here while its generation runs. One loop, every
 :data:`TICK_S`, asks each saver whether a save is due (a streamed request: ``stream_chunk_tokens``
 new tokens, or any at the streams' shared timer, which beats every ``stream_chunk_ms``; a
-checkpointed one: ``checkpoint_tokens`` and ``checkpoint_interval_s``, whichever later) and writes
-all the due saves at once: one
-``checkpoint_many`` call per hash tag (each call's keys share one, as Redis Cluster wants), all of
-them in one pipeline, one round trip. Saves that come between ticks (a drain's or a notice's
-flush of what the engine made) are coalesced the same way: whatever is queued when the writer gets
-to it goes in one call.
+checkpointed one: ``checkpoint_tokens`` and ``checkpoint_interval_s``, whichever later, at the
+checkpoints' beat when it saves less often than :data:`SLOW_SAVE_S`) and writes all the due saves
+in one pipeline, per hash tag (each call's keys share one, as Redis Cluster wants):
 
-Why one function call per tag rather than a pipeline of one call per save: a pipeline saves the
-round trips but not the work Redis does per call (dispatching the function, reading the
-consumer's pending entries to fence it, one reply each); one call reads each request stream's
-pending entries once for all its saves, and readers blocked on the chunk streams are woken once,
-after it. The fencing and the all-or-nothing rule stay per save (see ``checkpoint_many.lua``).
+- the *consolidating* saves (a saver's first of a delivery, one every :data:`CONSOLIDATE_S`, a
+  flush before a hand-back) in one ``checkpoint_many`` call: each appends to its checkpoint the
+  parts saved since the last one and its own (a streamed one's also its chunk);
+- the streamed parts in one ``save_parts`` call: each one field of the call's entry in its
+  producer's chunk stream and one of its entry in the worker's parts stream, fenced (its readers
+  see it at once);
+- the other parts in one plain ``XADD`` to the worker's parts stream (a field each, with the
+  consolidating saves' markers), which nothing reads before it is consolidated but a worker that
+  continues the request, so it needs no fence (see :mod:`redroll.shared.checkpoint_reads`).
+
+Saves that come between ticks (a drain's or a notice's flush of what the engine made) are
+coalesced the same way: whatever is queued when the writer gets to it goes in one round trip.
+
+Why a call per tag rather than one per save: a pipeline saves the round trips but not the work
+Redis does per call (dispatching the function, reading the consumer's pending entries to fence
+it, one reply each); one call reads each request stream's pending entries once for all its
+saves, and readers blocked on the chunk streams are woken once, after it. Why parts: a save then
+costs Redis no command of its own (a field of an entry), where an append to its checkpoint costs
+two and the Lua around them. The fencing and the all-or-nothing rule stay per save (see
+``checkpoint_many.lua``, ``save_parts.lua``).
 """
 
 from __future__ import annotations

@@ -4,10 +4,14 @@ A request that continues after a hand-back or a death (:func:`starts_over` says 
 single-sample one without a grammar, ... under the worker's ``continuation`` setting; a streamed or
 ``resumable`` one always) has its partial output saved next to it, under its hash tag, in
 ``{tag}:partial:<request_id>``: every ``checkpoint_tokens`` new tokens and ``checkpoint_interval_s``
-seconds, whichever comes later (from ``checkpoint_min_new_tokens`` on), one fenced append
-(``checkpoint_many.lua``, with every other save of the worker's tick in one call: see
-:mod:`.checkpoint_writes`; only the lease owner writes, and the checkpoint names the entry it
-belongs to, so a requeue or a resubmit never resumes a stale one). A request with stop strings is
+seconds, whichever comes later (from ``checkpoint_min_new_tokens`` on). A delivery's first save,
+one every :data:`~.checkpoint_writes.CONSOLIDATE_S` after it and a flush before a hand-back
+*consolidate*: one fenced append to the checkpoint (``checkpoint_many.lua``) of the parts saved
+since the last one and the save's own; every other save is a part only, one field of the worker's
+parts stream (all the saves of the worker's tick go in one round trip: see :mod:`.checkpoint_writes`;
+reading both back: :mod:`redroll.shared.checkpoint_reads`). Only the lease owner writes the
+checkpoint, and it names the entry it belongs to, so a requeue or a resubmit never resumes a
+stale one. A request with stop strings is
 saved only as far as its text is settled (:mod:`.settled_text`), so a continuation sees every stop
 string whole. A worker given notice saves what the engine made before handing the entry back
 (:mod:`.notice`). The fenced finish, dead-lettering, a newer-schema hand-back and GC delete it.
@@ -15,7 +19,8 @@ string whole. A worker given notice saves what the engine made before handing th
 A streamed request (``stream``: any prompt, one sample) is checkpointed the same way, more often:
 every ``stream_chunk_tokens`` tokens or ``stream_chunk_ms`` ms, whichever comes first, and only
 as far as its text is settled. Each part is also the request's next chunk, added to its chunk
-stream in the same call: what a reader was sent is what was saved, so a continuation on another
+stream in the same fenced call as the part (``save_parts.lua``, or the consolidating append):
+what a reader was sent is what was saved, so a continuation on another
 worker (greedy or sampled) goes on after exactly what the reader has.
 
 A worker that takes the entry again (a reclaim after a death, a hand-back) continues from prompt
@@ -41,7 +46,12 @@ from redroll.engine_worker.context import WorkerContext
 from redroll.engine_worker.engines.base import EngineOutput, SampleOutput
 from redroll.engine_worker.engines.text import render_chat, sample_text
 from redroll.engine_worker.settled_text import settled
-from redroll.shared.checkpoint_reads import HEADER_BYTES, Checkpoint, load_checkpoint, parse_checkpoint  # noqa: F401 (re-exported)
+from redroll.shared.checkpoint_reads import (  # noqa: F401 (parse_checkpoint: re-exported)
+    HEADER_BYTES,
+    Checkpoint,
+    load_checkpoint,
+    parse_checkpoint,
+)
 from redroll.shared.checkpoint_saves import CheckpointSave, PartSave
 from redroll.shared.chunks import Part, encode_part
 from redroll.shared.codec import ValidationError

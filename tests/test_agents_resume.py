@@ -17,11 +17,11 @@ pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from redroll.shared.checkpoint_reads import load_checkpoint  # noqa: E402
 from redroll.engine_worker.engines.transformers_engine import TransformersEngine  # noqa: E402
 from redroll.engine_worker.worker import Worker  # noqa: E402
 from redroll.producer import Producer  # noqa: E402
 from redroll.producer.client import make_request  # noqa: E402
+from redroll.shared.checkpoint_reads import load_checkpoint  # noqa: E402
 from redroll.shared.types import RecordStatus  # noqa: E402
 from tests.agents_engines import NoGrammarResume, StepDelayed  # noqa: E402
 from tests.agents_support import CARD_SCHEMA, valid_card  # noqa: E402

@@ -168,3 +168,29 @@ async def _kept_beyond(r, s, tokens: int) -> bool:
     raw = await r.get(s.keys.partial("aged"))
     cp = parse_checkpoint(raw) if raw else None
     return cp is not None and cp.kept > tokens
+
+
+def test_a_checkpoint_saved_seldom_waits_for_the_beat_and_a_frequent_one_does_not():
+    from types import SimpleNamespace
+
+    from redroll.engine_worker.checkpoints import Saver
+    from redroll.engine_worker.engines.base import EngineCapabilities, SampleOutput
+    from redroll.shared.settings import Settings
+
+    settings = Settings(checkpoint_tokens=1, checkpoint_interval_s=0.0)
+    ctx = SimpleNamespace(settings=settings, engine=SimpleNamespace(
+        info=SimpleNamespace(weight_version="v"), partial=lambda handle: SampleOutput([1, 2, 3], None, None)),
+        capabilities=EngineCapabilities(partial_output=True), tokenizer=None, name="w",
+        part_of={"s": settings.keys})
+    request = make_request(request_id="b", input_ids=[1], resumable=True, sampling_params={"max_new_tokens": 99})
+    flight = SimpleNamespace(handle="h", stream="s", entry_id="1-0", taken_back=False, handed_back=False)
+
+    async def due(since_last_save: float, checkpoint_beat: bool):
+        saver = Saver(SimpleNamespace(ctx=ctx, writer=None), flight, request, None)
+        now = saver.last_save + since_last_save
+        return saver.due(now, checkpoint_beat=checkpoint_beat)
+
+    assert asyncio.run(due(1.0, checkpoint_beat=False)) is None  # (saved seldom: it waits for the beat)
+    on_beat = asyncio.run(due(1.0, checkpoint_beat=True))
+    assert on_beat is not None and on_beat.save is not None and on_beat.end == 3  # (its first: consolidating)
+    assert asyncio.run(due(0.1, checkpoint_beat=False)) is not None  # (saved often: each tick)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.checkpoints import (
     Checkpoint,
     Part,
@@ -24,6 +23,7 @@ from redroll.engine_worker.worker import Worker
 from redroll.ops.gc import collect_garbage
 from redroll.producer import Producer
 from redroll.producer.client import make_request
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.codec import ValidationError, encode_request
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.scripts import DeadLetter, Scripts

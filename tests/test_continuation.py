@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.checkpoints import Saver, starts_over
 from redroll.engine_worker.engines.base import EngineCapabilities, SampleOutput
 from redroll.engine_worker.engines.synthetic import SyntheticEngine, SyntheticWords
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.settings import Settings
 from redroll.shared.types import RecordStatus
 from tests.conftest import running, wait_until
@@ -58,13 +58,13 @@ def test_a_save_never_ends_inside_a_stop_string():
     ctx = SimpleNamespace(settings=Settings(), engine=SimpleNamespace(info=SimpleNamespace(weight_version="v")),
                           capabilities=EngineCapabilities(partial_output=True, tokenizer=True), tokenizer=WORDS,
                           name="w", part_of={"s": Settings().keys})
-    saver = Saver(SimpleNamespace(ctx=ctx, writer=None), SimpleNamespace(handle="h", stream="s", entry_id="1-0"),
+    saver = Saver(SimpleNamespace(ctx=ctx, writer=None), SimpleNamespace(handle="h", stream="s", entry_id="1-0", taken_back=False, handed_back=False),
                   request, None)
     # " the queue worker": the last two words may begin the stop string, so they wait.
     prepared = asyncio.run(_prepare(saver, SampleOutput([0, 1, 2], None, None)))
     assert prepared.end == 1 and parse_part_ids(prepared) == [0]
     # " the redis ...": settled, all of it.
-    saver = Saver(SimpleNamespace(ctx=ctx, writer=None), SimpleNamespace(handle="h", stream="s", entry_id="1-0"),
+    saver = Saver(SimpleNamespace(ctx=ctx, writer=None), SimpleNamespace(handle="h", stream="s", entry_id="1-0", taken_back=False, handed_back=False),
                   request, None)
     prepared = asyncio.run(_prepare(saver, SampleOutput([0, 14, 0], None, None)))
     assert prepared.end == 3

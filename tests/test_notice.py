@@ -11,11 +11,11 @@ import time
 import pytest
 import redis
 
-from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.engines.synthetic import SyntheticEngine, SyntheticWords
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.settings import Settings
 from redroll.shared.streams import text

@@ -957,9 +957,9 @@ async def test_resumable_requests_stream_so_the_worker_sees_partial_output(incre
 
 
 async def test_a_worker_checkpoints_a_streaming_sglang_request(settings, r):
-    from redroll.shared.checkpoint_reads import load_checkpoint
     from redroll.engine_worker.worker import Worker
     from redroll.producer import Producer
+    from redroll.shared.checkpoint_reads import load_checkpoint
 
     s = settings.with_(checkpoint_tokens=20, checkpoint_interval_s=0.1, checkpoint_min_new_tokens=50)
     factory = sgl.Engine.with_options(token_delay_s=0.005)

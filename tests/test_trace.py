@@ -13,13 +13,13 @@ import uuid
 
 import pytest
 
-from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.engines.synthetic import SyntheticEngine
 from redroll.engine_worker.worker import Worker
 from redroll.ops.trace import render_timeline, request_timeline, timeline_rows
 from redroll.producer import Producer
 from redroll.producer.client import make_request, send
 from redroll.security.acl import setuser_args
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.connection import connect
 from redroll.shared.events import EventLog
 from redroll.shared.keys import WORKERS_GROUP

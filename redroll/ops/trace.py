@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 import msgspec
 from redis.asyncio import Redis
 
-from redroll.shared.events import parse_line, parse_summary
 from redroll.shared.checkpoint_reads import load_checkpoint
+from redroll.shared.events import parse_line, parse_summary
 from redroll.shared.keys import WORKERS_GROUP, Keys, stream_name
 from redroll.shared.streams import text
 

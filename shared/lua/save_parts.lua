@@ -16,8 +16,8 @@
 --            part (the XADD trims it: MINID ~ now - keep_ms); parts_ttl its TTL (s), set each call;
 --            chunk_ttl the chunk streams' TTL (s), which trims them as checkpoint_many.lua does
 --   per part i (1..n): part.stream_at[i] its stream's place in streams, part.entry[i] its entry
---            id, part.chunk_at[i] its chunk stream's place in chunks (0: not streamed, or its chunk
---            is sent by the checkpoint_many call beside this one), part.field[i] '<request_id>
+--            id, part.chunk_at[i] its chunk stream's place in chunks (0: a part with no chunk,
+--            fenced all the same), part.field[i] '<request_id>
 --            <tokens before it> <tokens in it>', part.data[i] the part (8 hex digits of length + one
 --            MessagePack map)
 -- Returns two values per part: {1, 0} (added) | {0, 'fenced'} (this consumer no longer owns the

@@ -18,7 +18,6 @@ import uuid
 import pytest
 import pytest_asyncio
 
-from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.engine_worker.engines.child_guard import descendants
 from redroll.engine_worker.engines.tiny_checkpoint import load_tiny_checkpoint
 from redroll.engine_worker.engines.tiny_model import teacher_forced_logprobs
@@ -26,6 +25,7 @@ from redroll.engine_worker.engines.vllm_engine import VLLMEngine
 from redroll.engine_worker.worker import Worker
 from redroll.producer import Producer
 from redroll.producer.client import make_request
+from redroll.shared.checkpoint_reads import load_checkpoint
 from redroll.shared.connection import connect
 from redroll.shared.keys import WORKERS_GROUP
 from redroll.shared.settings import Settings
