@@ -73,6 +73,11 @@ def events_key(stream: str, request_id: str) -> str:
     return f"{_tag_of(stream)}:events:{request_id}"
 
 
+def parts_key_for(stream: str, worker: str) -> str:
+    """``Keys.parts(worker)`` of the partition that ``stream`` (any key of it) belongs to."""
+    return f"{_tag_of(stream)}:parts:{worker}"
+
+
 def stream_name(stream: str) -> str:
     """A request stream's name after its hash tag (``{ns}:requests:high`` is ``requests:high``): how
     the rid key, the ownership hash and the event log name it."""

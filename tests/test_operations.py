@@ -225,6 +225,8 @@ async def test_gc_removes_orphans_and_keeps_live_state(settings, r):
         await r.xgroup_createconsumer(keys.requests, WORKERS_GROUP, "empty-consumer")
         await r.xadd(keys.requests, {"rid": "held", "data": b"x"})
         await r.xreadgroup(WORKERS_GROUP, "holding-consumer", {keys.requests: ">"}, count=1)
+        for name in ("empty-consumer", "holding-consumer"):  # (their checkpoint parts streams)
+            await r.xadd(keys.parts(name), {"1-0 held 0 1": b"part"})
         report = await collect_garbage(r, keys, reply_ttl_s=60, stale_worker_s=3600, idle_consumer_s=0)
         assert report.reply_streams == [keys.reply("gone-producer")]
         assert report.heartbeats == ["w-old"]
@@ -233,6 +235,8 @@ async def test_gc_removes_orphans_and_keeps_live_state(settings, r):
         assert not await r.exists(keys.reply("gone-producer"))
         names = {c["name"] for c in await r.xinfo_consumers(keys.requests, WORKERS_GROUP)}
         assert names == {b"holding-consumer"}
+        # A dropped consumer's parts stream goes with it; the holder's stays.
+        assert not await r.exists(keys.parts("empty-consumer")) and await r.exists(keys.parts("holding-consumer"))
 
 
 def test_json_logs_name_the_request():

@@ -51,32 +51,35 @@ class Constant:
 
 CONSTANTS: dict[str, Constant] = {
     "request_us": Constant(
-        185.4, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
+        294.5, "µs of redis-server CPU per request at a GPU fleet's pace (each worker finishing a few a second, "
                "each call carrying one or two): submit, claim, fenced finish and record, the producer's read "
                "and ack",
         "python -m benchmarks.capacity_check --measure: request_us (64 synthetic workers, 4 requests each at once, "
         "15 ms a token, 96-token requests awaited with Producer.generate: Redis CPU over the idle fleet's, per "
-        "request), median of 3 runs (173.3-190.3), 2026-12-06, this project's machine (2 cores, load under 1); "
+        "request), median of 3 runs (237.2-315.8), 2026-12-06, this project's machine (2 cores, load under 1; 173-190 "
+        "earlier the same day, when the machine ran about a third faster); "
         "at the ceiling, with hundreds a call, a request costs 25-31 µs (benchmarks.bench --only ceiling)"),
     "chunk_us": Constant(
-        5.1, "µs of redis-server CPU per streamed chunk in a write: its fenced append (it checkpoints the "
-                  "request too), its field in the producer's chunk stream entry, its share of the reader's read",
+        3.3, "µs of redis-server CPU per streamed chunk in a write: its fields in the producer's chunk stream "
+                  "entry and the worker's parts stream entry (it checkpoints the request too), its share of the "
+                  "reader's read",
         "python -m benchmarks.capacity_check --measure: chunk_us (the same fleet streaming 4 and 1 requests a "
         "worker, every chunk read: Redis CPU over the idle fleet's, less the requests', the difference over "
-        "the difference in chunks written), median of 3 runs (4.1-6.1), 2026-12-06"),
+        "the difference in chunks written), median of 3 runs (3.1-9.3), 2026-12-06"),
     "chunk_call_us": Constant(
-        79.1, "µs of redis-server CPU per write of chunks (one a worker's look, whatever the chunks in it): "
-                       "the function call and its lease read, the producer's chunk stream entry, the reader's wake",
+        111.4, "µs of redis-server CPU per write of chunks (one a worker's look, whatever the chunks in it): "
+                       "the function call and its lease read, the producer's chunk stream entry, the parts stream entry, "
+                       "the reader's wake",
         "python -m benchmarks.capacity_check --measure: chunk_call_us (what the streamed fleet's Redis CPU "
         "leaves of its 1-a-worker run once its chunks are paid, per write: 64 workers each writing every "
-        "stream_chunk_ms + e), median of 3 runs (77.9-84.1), 2026-12-06"),
+        "stream_chunk_ms + e), median of 3 runs (96.4-113.1), 2026-12-06"),
     "chunk_timer_extra_ms": Constant(
-        12.5, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the streams' timers beat together)",
+        16.9, "ms the worker adds to stream_chunk_ms (it looks every 20 ms; the streams' timers beat together)",
         "python -m benchmarks.capacity_check --measure: 1000 x tokens a chunk / tokens a second of a stream, "
-        "less stream_chunk_ms (50), median of 3 runs (12.3-12.7), 2026-12-06"),
+        "less stream_chunk_ms (50), median of 3 runs (13.4-17.7), 2026-12-06"),
     "checkpoint_us": Constant(
-        14.6, "µs of redis-server CPU per checkpoint of a request that is not streamed",
-        "python -m benchmarks.checkpoint_cost: 0.066 µs (0.063-0.114) of Redis CPU per checkpointed token x 222 "
+        5.7, "µs of redis-server CPU per checkpoint of a request that is not streamed",
+        "python -m benchmarks.checkpoint_cost: 0.0255 µs (0.015-0.030) of Redis CPU per checkpointed token x 222 "
         "tokens a checkpoint (128 generations of 2,000 tokens at 10 ms a token on one worker, checkpoints on "
         "against off, median of 3 paired runs, quiet machine), 2026-12-06; a worker's saves of one tick are "
         "one call, so a worker with fewer requests at once pays more a save"),

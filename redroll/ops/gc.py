@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import redis
 from redis.asyncio import Redis
 
-from redroll.shared.keys import WORKERS_GROUP, Keys
+from redroll.shared.keys import WORKERS_GROUP, Keys, parts_key_for
 from redroll.shared.lanes import pipeline_lanes
 from redroll.shared.scripts import Scripts
 from redroll.shared.streams import id_tuple, text
@@ -30,7 +30,8 @@ class GcReport(Tally):
     heartbeats: list[str] = field(default_factory=list)
     """Heartbeats of workers that stopped beating."""
     consumers: list[str] = field(default_factory=list)
-    """Workers' group consumers with nothing pending, idle longer than ``idle_consumer_s``."""
+    """Workers' group consumers with nothing pending, idle longer than ``idle_consumer_s`` (with each,
+    its checkpoint parts stream in that partition)."""
     checkpoints: list[str] = field(default_factory=list)
     """Checkpoints whose request is gone (no submit de-duplication key names it)."""
     rid_keys: list[str] = field(default_factory=list)
@@ -141,7 +142,8 @@ async def _collect_heartbeats(r: Redis, keys: Keys, stale_worker_s: float, now: 
 
 async def _collect_consumers(r: Redis, stream: str, idle_consumer_s: float, dry_run: bool,
                              report: GcReport) -> None:
-    """Consumers of the workers group with nothing pending and idle for long."""
+    """Consumers of the workers group with nothing pending and idle for long, and their checkpoint
+    parts streams (``Keys.parts``)."""
     try:
         consumers = await r.xinfo_consumers(stream, WORKERS_GROUP)
     except redis.ResponseError:
@@ -149,8 +151,11 @@ async def _collect_consumers(r: Redis, stream: str, idle_consumer_s: float, dry_
     for c in consumers:
         if int(c["pending"]) == 0 and int(c["idle"]) / 1000.0 > idle_consumer_s:
             name = text(c["name"])
-            if not dry_run and await Scripts(r).delete_consumer_if_empty(stream, WORKERS_GROUP, name) < 0:
-                continue  # atomic re-check: a consumer that gained pending entries meanwhile is kept
+            if not dry_run:
+                if await Scripts(r).delete_consumer_if_empty(stream, WORKERS_GROUP, name) < 0:
+                    continue  # atomic re-check: a consumer that gained pending entries meanwhile is kept
+                # (its checkpoint parts too: whoever took its entries consolidated them long since)
+                await r.delete(parts_key_for(stream, name))
             if name not in report.consumers:
                 report.consumers.append(name)
 

@@ -203,10 +203,10 @@ def role_grants(role: str, namespace: str | Keys = "redroll", *, server_version:
                   "checkpoint parts, trimming the stream to its TTL (checkpoint_many.lua, save_parts.lua: TYPE "
                   "before the writes, the TTL set again; XDEL takes a call's chunk entry out again when its "
                   "parts stream refused the parts)"),
-            Grant(("type", "xadd", "expire", "xrevrange"), rw(parts),
+            Grant(("type", "xadd", "expire", "xrevrange", "del"), rw(parts),
                   "checkpoint parts saved between two consolidations of a checkpoint, one entry a call "
                   "(save_parts.lua, trimmed by age, its TTL set again), read back newest first by the worker "
-                  "that continues a request"),
+                  "that continues a request; housekeeping deletes a dropped consumer's"),
             Grant(("hget", "hset", "hdel"), rw(owners),
                   "the ownership check before publishing to a producer's reply stream (finish_many.lua, and "
                   "before an error record): the producer's hash names the entry; the finish or dead letter turns "
