@@ -119,7 +119,7 @@ class CheckpointWriter(Coalescer[Prepared]):
         self._parts_clock: dict[str, int] = {}
         """Per parts stream, the server's time (ms) of this worker's last XADD there."""
         self.calls = 0
-        """Round trips made (each one call per hash tag)."""
+        """Round trips made (each one pipeline: per hash tag, its calls and its parts' XADD)."""
         self.saves = 0
         """Saves written."""
 
@@ -241,7 +241,6 @@ class CheckpointWriter(Coalescer[Prepared]):
                 await ctx.redis.hdel(ctx.keys.errors, *cleared)
             except redis.RedisError as exc:
                 log.warning("death notes of %d entr(ies) not cleared: %s", len(cleared), exc)
-
 
     def _parts_key(self, prepared: Prepared) -> str:
         return self.ctx.part_of[prepared.saver.flight.stream].parts(self.ctx.name)

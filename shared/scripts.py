@@ -262,7 +262,7 @@ class Scripts(CheckpointCalls):
     """The library's functions, called on one client. ``…_in`` calls accept a pipeline as ``client`` to batch
     them (then the reply comes with the pipeline's); the others run now."""
 
-    run_layout = staticmethod(lambda *a, **kw: _run_layout(*a, **kw))
+    run_layout = staticmethod(_run_layout)
     """(how :class:`~.checkpoint_calls.CheckpointCalls` calls a function by its layout)"""
 
     def __init__(self, redis: Redis, events: EventLog | None = None):

@@ -56,18 +56,7 @@
 -- refuses them, and an item's event is logged only once its chunk is in.
 local out = {}
 
-local owned = {}
-for s = 1, #streams do
-  local mine = {}
-  owned[s] = mine
-  local start, hi = lease_from[s], lease_to[s]
-  while true do
-    local p = redis.call('XPENDING', streams[s], group, start, hi, '1000', consumer)
-    for _, e in ipairs(p) do mine[e[1]] = true end
-    if #p < 1000 then break end
-    start = '(' .. p[#p][1]
-  end
-end
+local owned = owned_entries(streams, lease_from, lease_to, group, consumer)
 
 -- Each chunk stream's state: its type checked once ('stream' or 'none', else the refusal of its
 -- items), the fields of the one entry this call adds to it, and the items whose chunks they are.

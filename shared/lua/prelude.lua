@@ -1,6 +1,7 @@
 -- Shared by the functions that write a request's event log (checkpoint_many, dead_letter,
 -- finish_many), end a request (dead_letter, finish_many) or fence a batch (checkpoint_many,
--- finish_many): placed once at the top of the library by redroll.shared.functions.build_library.
+-- save_parts, finish_many): placed once at the top of the library by
+-- redroll.shared.functions.build_library.
 
 -- The request's event log (a string of lines, one event each: '<ms>\t<kind>\t<k>=<v>...', see
 -- shared/events.py): append a line and set the TTL (a new log: one SET). Past the cap (bytes) the
@@ -38,6 +39,24 @@ local function entry_id_less(a, b)
   local ma, mb = string.sub(a, 1, da), string.sub(b, 1, db)
   if ma ~= mb then return ma < mb end
   return #a < #b
+end
+-- The entries this consumer still owns among a batch's, per request stream (owned[s][entry id]):
+-- one XPENDING per stream over the batch's id range (lease_from[s] to lease_to[s]) filtered by
+-- consumer, a page of 1000 at a time: at most what the consumer has in flight there.
+local function owned_entries(streams, lease_from, lease_to, group, consumer)
+  local owned = {}
+  for s = 1, #streams do
+    local mine = {}
+    owned[s] = mine
+    local start, hi = lease_from[s], lease_to[s]
+    while true do
+      local p = redis.call('XPENDING', streams[s], group, start, hi, '1000', consumer)
+      for _, e in ipairs(p) do mine[e[1]] = true end
+      if #p < 1000 then break end
+      start = '(' .. p[#p][1]
+    end
+  end
+  return owned
 end
 local function now_ms()
   local t = redis.call('TIME')

@@ -30,18 +30,7 @@
 -- part is refused.
 local out = {}
 
-local owned = {}
-for s = 1, #streams do
-  local mine = {}
-  owned[s] = mine
-  local start, hi = lease_from[s], lease_to[s]
-  while true do
-    local p = redis.call('XPENDING', streams[s], group, start, hi, '1000', consumer)
-    for _, e in ipairs(p) do mine[e[1]] = true end
-    if #p < 1000 then break end
-    start = '(' .. p[#p][1]
-  end
-end
+local owned = owned_entries(streams, lease_from, lease_to, group, consumer)
 
 -- A key's refusal ('WRONGTYPE ...', or false: a stream or no key yet) and whether it is new.
 local function refusal(key)
