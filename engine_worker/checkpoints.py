@@ -241,7 +241,6 @@ class Saver:
         self.later: list[bytes] = list(base.later) if base else []
         """The parts saved since the key's last consolidation (read back with the base, then this
         saver's own), which its next consolidating save appends to the key before its own part."""
-        self.later_tokens = self.base - self.kept
         self.consolidated_at = -float("inf")
         """When this saver last consolidated (its first save always does)."""
         settings = self.ctx.settings
@@ -359,23 +358,28 @@ class Saver:
                         chunks_key=None if consolidate else chunks, refresh_ttl=refresh_ttl)
         save = None
         if consolidate:
-            save = CheckpointSave(requests_key=flight.stream, partial_key=self._partial_key(), entry_id=flight.entry_id,
-                                  saved=self.kept, adding=len(ids), part=piece, chunks_key=chunks,
-                                  owner_key=owner_key_for(request.reply_to) if chunks else None,
-                                  refresh_ttl=refresh_ttl,
-                                  check_owner=not self.saves,  # (its first save: see checkpoint_many.lua)
-                                  length=self.length if self.saves else None,  # (its first save reads the header)
-                                  logged=self._logged(), number=self.saves + 1, prior=b"".join(self.later),
-                                  prior_tokens=self.later_tokens)
+            save = self._consolidating(len(ids), piece, chunks_key=chunks, refresh_ttl=refresh_ttl,
+                                       owner_key=owner_key_for(request.reply_to) if chunks else None,
+                                       check_owner=not self.saves)  # (its first save: see checkpoint_many.lua)
         return self._prepared(save, part, end, cut_text)
 
     def _consolidation(self) -> Prepared:
         """A consolidating save of the parts alone (no new token to save)."""
-        return self._prepared(CheckpointSave(
-            requests_key=self.flight.stream, partial_key=self._partial_key(), entry_id=self.flight.entry_id,
-            saved=self.kept, adding=0, part=b"", length=self.length if self.saves else None, logged=self._logged(),
-            number=self.saves + 1,
-            prior=b"".join(self.later), prior_tokens=self.later_tokens), None, self.done, None)
+        return self._prepared(self._consolidating(0, b""), None, self.done, None)
+
+    def _consolidating(self, adding: int, part: bytes, **chunk: Any) -> CheckpointSave:
+        """The append to the checkpoint key of the parts it lacks and ``part`` (``adding`` tokens);
+        ``chunk``: a streamed part's chunk fields."""
+        return CheckpointSave(requests_key=self.flight.stream, partial_key=self._partial_key(),
+                              entry_id=self.flight.entry_id, saved=self.kept, adding=adding, part=part,
+                              length=self.length if self.saves else None,  # (its first save reads the header)
+                              logged=self._logged(), number=self.saves + 1, prior=b"".join(self.later),
+                              prior_tokens=self.later_tokens, **chunk)
+
+    @property
+    def later_tokens(self) -> int:
+        """Tokens in :attr:`later`: what was saved (loaded and this saver's) less what the key holds."""
+        return self.base + self.done - self.kept
 
     def _prepared(self, save: CheckpointSave | None, part: PartSave | None, end: int, text: str | None) -> Prepared:
         self.writing = asyncio.get_running_loop().create_future()
@@ -417,13 +421,11 @@ class Saver:
         if save is not None:
             self.kept = save.count
             self.length += len(save.prior) + len(save.part)
-            self.later, self.later_tokens = [], 0
+            self.later = []
             self.consolidated_at = self.last_save
         elif part is not None:
             self.later.append(part.part)
-            self.later_tokens += part.adding
-        if (save is not None and save.chunks_key and save.refresh_ttl) or (part is not None and part.refresh_ttl
-                                                                            and part.chunks_key):
+        if any(w is not None and w.chunks_key and w.refresh_ttl for w in (save, part)):  # (the write with the chunk)
             self.ttl_set_at = self.last_save
         if self.settles and prepared.text is not None:
             self.sent_text = prepared.text
